@@ -1,0 +1,176 @@
+"""The run config: typed dataclass sections, read from YAML, overridden from the command line.
+
+Precedence: command line > config file > dataclass default. Overrides are `--section.key value`
+or `section.key=value`; values are parsed as YAML and checked against the field's type, so a
+typo in a key or a wrong type stops the run at start-up with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad key or value in the config file or an override."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "digits"          # digits | npz | image_folder | synthetic
+    path: str = ""                  # .npz file or image folder, for those sources
+    val_fraction: float = 0.2       # held out from the training set when the source has no split
+    image_size: int = 32            # image_folder: images are resized to image_size x image_size
+    synthetic_samples: int = 4096   # synthetic: samples, features and classes
+    synthetic_features: int = 64
+    synthetic_classes: int = 10
+
+
+@dataclass
+class ModelConfig:
+    hidden: list[int] = field(default_factory=lambda: [128, 64])  # widths of the hidden layers
+    dropout: float = 0.0
+    batch_norm: bool = False        # BatchNorm after each hidden layer (see horovod.sync_batchnorm)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 20
+    batch_size: int = 32            # per rank; the global batch is batch_size x world size
+    eval_batch_size: int = 256
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"               # sgd | adam | adamw
+    lr: float = 0.05                # for one rank; scaled by world size when scale_lr is true
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    scale_lr: bool = True           # lr x world size (Goyal et al.), since the global batch grows with it
+    warmup_epochs: float = 2.0      # linear ramp from lr to the scaled lr, then constant
+
+
+@dataclass
+class HorovodConfig:
+    fp16_compression: bool = False  # halve allreduce traffic by sending gradients as fp16
+    backward_passes_per_step: int = 1   # local gradient accumulation before one allreduce
+    adasum: bool = False            # Adasum instead of averaging (scales lr by local size, not world size)
+    sync_batchnorm: bool = False    # BatchNorm statistics over the global batch, not the local one
+    threads_per_rank: int = 0       # CPU threads per rank; 0 = cores / local ranks
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"        # written by rank 0 only; the latest is resumed on start
+    keep: int = 3                   # how many recent checkpoints to keep
+    resume: bool = True
+
+
+@dataclass
+class RunConfig:
+    seed: int = 42
+    run_dir: str = "runs/latest"    # metrics.jsonl and the resolved config, rank 0 only
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def _check_type(key: str, value, annotation):
+    """Coerce ints to floats where a float is wanted; reject anything else of the wrong type."""
+    origin = typing.get_origin(annotation)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}")
+        return [_check_type(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+    expected = annotation if isinstance(annotation, type) else object
+    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
+        raise ConfigError(f"{key} must be {expected.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]}: valid keys are {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """['--train.epochs', '5', 'optim.lr=0.1'] -> {'train': {'epochs': 5}, 'optim': {'lr': 0.1}}."""
+    tree: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if "=" in arg:
+            key, raw = arg.split("=", 1)
+            i += 1
+        elif arg.startswith("--") and i + 1 < len(args):
+            key, raw = arg, args[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"cannot read override {arg!r}: write --section.key VALUE or section.key=VALUE")
+        node = tree
+        *parents, leaf = key.removeprefix("--").split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(raw)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged.get(key) or {}, value) if isinstance(value, dict) else value
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RunConfig):
+    """Read `path` (if given), apply `overrides`, validate against `cls`."""
+    data = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    return _build(cls, _merge(data, parse_overrides(overrides or [])))
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def flatten(config) -> dict[str, object]:
+    """{'optim.lr': 0.05, ...}: the form trackers and summaries want."""
+    out: dict[str, object] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(to_dict(config), "")
+    return out
+
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides", "to_dict", "flatten", "types"]

@@ -1,0 +1,3 @@
+from hvdgen.cli import main
+
+main()

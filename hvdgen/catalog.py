@@ -1,0 +1,21 @@
+"""Which frameworks and strategies exist, and which of their combinations hvdgen can generate."""
+
+from __future__ import annotations
+
+FRAMEWORKS = ("torch", "tensorflow")
+STRATEGIES = ("data", "model-split", "pipeline")
+
+# (framework, strategy) -> one line on what the generated project does.
+AVAILABLE = {
+    ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",
+}
+
+
+def is_available(framework: str, strategy: str) -> bool:
+    return (framework, strategy) in AVAILABLE
+
+
+def rows() -> list[tuple[str, str, bool, str]]:
+    """Every framework x strategy, available or not, for `hvdgen list`."""
+    return [(f, s, is_available(f, s), AVAILABLE.get((f, s), "not yet available"))
+            for f in FRAMEWORKS for s in STRATEGIES]

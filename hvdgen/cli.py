@@ -1,0 +1,70 @@
+"""The `hvdgen` command line. Heavy imports (torch, tensorflow, mlflow) stay inside the commands."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from hvdgen import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hvdgen")
+def main() -> None:
+    """Generate Horovod distributed-training projects for PyTorch and TensorFlow."""
+
+
+@main.command("install-horovod")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=lambda: os.cpu_count() or 1, show_default="cores",
+              help="Parallel compile jobs.")
+@click.option("--force", is_flag=True, help="Rebuild even if a cached wheel matches.")
+def install_horovod_cmd(jobs: int, force: bool) -> None:
+    """Build Horovod for the installed frameworks (cached), then install it."""
+    from hvdgen.horovod_build import install_horovod
+
+    install_horovod(jobs=jobs, force=force)
+
+
+@main.command("list")
+def list_cmd() -> None:
+    """Show every framework x strategy and whether this release can generate it."""
+    from hvdgen.catalog import rows
+
+    for framework, strategy, available, what in rows():
+        mark = "available" if available else "planned  "
+        click.echo(f"{framework:<11} {strategy:<12} {mark}  {what}")
+
+
+@main.command("new")
+@click.argument("name")
+@click.option("--framework", "-f", default="torch", show_default=True, help="torch or tensorflow.")
+@click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split or pipeline.")
+@click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              show_default=True, help="Directory in which the project folder NAME is created.")
+@click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
+@click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
+def new_cmd(name: str, framework: str, strategy: str, output: Path, dry_run: bool, force: bool) -> None:
+    """Generate a training project NAME."""
+    from hvdgen.render import generate
+    from hvdgen.spec import ProjectSpec
+
+    spec = ProjectSpec(name=name, framework=framework, strategy=strategy)
+    target = output / name
+    written = generate(spec, target, force=force, dry_run=dry_run)
+    if dry_run:
+        click.echo(f"would write {len(written)} files to {target}:")
+        for rel in written:
+            click.echo(f"  {rel}")
+        return
+    click.echo(f"created {target} ({framework}, {strategy}, {len(written)} files)")
+    click.echo(f"next: cd {target} && make setup && make train")
+
+
+@main.command("doctor")
+def doctor_cmd() -> None:
+    """Check that this environment can run a generated project."""
+    from hvdgen.doctor import run_doctor
+
+    raise SystemExit(run_doctor())

@@ -1,0 +1,91 @@
+"""`hvdgen doctor`: what this environment has, and whether a generated project can run here."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+
+import click
+
+
+def parse_check_build(text: str) -> dict[str, dict[str, bool]]:
+    """Turn `horovodrun --check-build` output into {section: {item: enabled}}."""
+    sections: dict[str, dict[str, bool]] = {}
+    current = None
+    for line in text.splitlines():
+        heading = re.match(r"Available (.+):\s*$", line.strip())
+        item = re.match(r"\s*\[(X| )\]\s+(.+?)\s*$", line)
+        if heading:
+            current = sections.setdefault(heading.group(1), {})
+        elif item and current is not None:
+            current[item.group(2)] = item.group(1) == "X"
+    return sections
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _gpus() -> list[str]:
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if line.startswith("GPU")] if out.returncode == 0 else []
+
+
+def _mpi() -> str | None:
+    if not shutil.which("mpirun"):
+        return None
+    out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True)
+    return (out.stdout or out.stderr).strip().splitlines()[0] if out.returncode == 0 else "mpirun (version unknown)"
+
+
+def _enabled(section: dict[str, bool]) -> str:
+    return ", ".join(name for name, on in section.items() if on) or "none"
+
+
+def run_doctor() -> int:
+    """Print the report; return 0 when a generated project can run, 1 otherwise."""
+    problems: list[str] = []
+    torch, tf = _version("torch"), _version("tensorflow") or _version("tensorflow-cpu")
+    click.echo(f"python       {sys.version.split()[0]} ({sys.executable})")
+    click.echo(f"torch        {torch or 'not installed'}")
+    click.echo(f"tensorflow   {tf or 'not installed'}")
+    if not torch and not tf:
+        problems.append("no framework installed: pip install 'hvdgen[torch]'")
+
+    horovodrun = shutil.which("horovodrun")
+    if _version("horovod") is None or horovodrun is None:
+        click.echo("horovod      not installed")
+        problems.append("horovod is missing: run hvdgen install-horovod")
+    else:
+        out = subprocess.run([horovodrun, "--check-build"], capture_output=True, text=True)
+        build = parse_check_build(out.stdout)
+        frameworks = build.get("Frameworks", {})
+        click.echo(f"horovod      {_version('horovod')}")
+        click.echo(f"  frameworks   {_enabled(frameworks)}")
+        click.echo(f"  controllers  {_enabled(build.get('Controllers', {}))}")
+        click.echo(f"  tensor ops   {_enabled(build.get('Tensor Operations', {}))}")
+        for name, installed in (("PyTorch", torch), ("TensorFlow", tf)):
+            if installed and not frameworks.get(name):
+                problems.append(f"horovod was built without {name} support although {name} is installed: "
+                                "run hvdgen install-horovod --force")
+        if not any(build.get("Controllers", {}).values()):
+            problems.append("horovod has no controller (Gloo or MPI): run hvdgen install-horovod --force")
+
+    gpus = _gpus()
+    click.echo(f"gpus         {len(gpus)}" + "".join(f"\n  {g}" for g in gpus))
+    click.echo(f"mpi          {_mpi() or 'not found (Gloo is used; fine on one machine)'}")
+
+    for problem in problems:
+        click.echo(f"problem: {problem}", err=True)
+    if problems:
+        return 1
+    click.echo("ok: this environment can run generated projects")
+    return 0

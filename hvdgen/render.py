@@ -1,0 +1,134 @@
+"""Render the templates for a ProjectSpec into a temporary tree, check it, then move it into place.
+
+Templates live in `templates/base` (every project) and `templates/<framework>` (framework files
+that override or add to base). Files ending in `.j2` are rendered by a sandboxed Jinja with
+StrictUndefined, so a typo in a template fails loudly; others are copied as they are. User strings
+reach templates only as data.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jinja2
+import yaml
+from jinja2.sandbox import SandboxedEnvironment
+
+from hvdgen.errors import HvdgenError
+from hvdgen.paths import templates_dir
+from hvdgen.spec import SPEC_FILE, ProjectSpec
+
+TEMPLATE_SUFFIX = ".j2"
+
+
+def _layers(spec: ProjectSpec) -> list[Path]:
+    root = templates_dir()
+    return [root / "base", root / spec.framework]
+
+
+def template_files(spec: ProjectSpec) -> dict[str, Path]:
+    """Relative output path -> template file; later layers override earlier ones."""
+    files: dict[str, Path] = {}
+    for layer in _layers(spec):
+        for path in sorted(p for p in layer.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            rel = path.relative_to(layer).as_posix()
+            files[rel.removesuffix(TEMPLATE_SUFFIX)] = path
+    return files
+
+
+def _environment(spec: ProjectSpec) -> SandboxedEnvironment:
+    env = SandboxedEnvironment(loader=jinja2.FileSystemLoader([str(p) for p in _layers(spec)]),
+                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                               trim_blocks=True, lstrip_blocks=True)
+    env.filters["yaml"] = lambda value: yaml.safe_dump(value, default_flow_style=True).strip()
+    return env
+
+
+def context(spec: ProjectSpec) -> dict:
+    return {"spec": spec, "name": spec.name, "package": spec.package, "framework": spec.framework,
+            "strategy": spec.strategy, "hvdgen_version": spec.hvdgen_version}
+
+
+def render_tree(spec: ProjectSpec, dest: Path, only: str | None = None) -> list[str]:
+    """Write the project for `spec` under `dest`; `only` limits it to one top-level folder."""
+    env = _environment(spec)
+    ctx = context(spec)
+    written = []
+    for rel, source in template_files(spec).items():
+        if only and not rel.startswith(only.rstrip("/") + "/"):
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.name.endswith(TEMPLATE_SUFFIX):
+            layer = next(layer for layer in _layers(spec) if source.is_relative_to(layer))
+            text = env.get_template(source.relative_to(layer).as_posix()).render(ctx)
+            target.write_text(text)
+        else:
+            shutil.copyfile(source, target)
+        shutil.copymode(source, target)
+        written.append(rel)
+    if only is None:
+        (dest / SPEC_FILE).write_text(spec.to_yaml())
+        written.append(SPEC_FILE)
+    return sorted(written)
+
+
+def check_tree(root: Path) -> None:
+    """Parse every generated Python and YAML file, so a broken template never reaches the user."""
+    for path in root.rglob("*"):
+        if path.suffix == ".py":
+            try:
+                ast.parse(path.read_text(), filename=str(path))
+            except SyntaxError as exc:
+                raise HvdgenError(f"template produced invalid Python in {path.relative_to(root)}: {exc}") from exc
+        elif path.suffix in (".yaml", ".yml"):
+            try:
+                list(yaml.safe_load_all(path.read_text()))
+            except yaml.YAMLError as exc:
+                raise HvdgenError(f"template produced invalid YAML in {path.relative_to(root)}: {exc}") from exc
+
+
+def target_is_free(target: Path, force: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise HvdgenError(f"{target} exists and is not a directory: choose another --output or name")
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise HvdgenError(f"{target} exists and is not empty: choose another --output, or pass --force to overwrite")
+
+
+def generate(spec: ProjectSpec, target: Path, force: bool = False, dry_run: bool = False) -> list[str]:
+    """Render into a temp dir beside `target`, check it, then move it into place.
+
+    On any error the temp dir is removed and `target` is left as it was.
+    """
+    target = target.resolve()
+    target_is_free(target, force)
+    parent = target.parent
+    if not dry_run:
+        parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.hvdgen-", dir=parent if not dry_run else None))
+    try:
+        written = render_tree(spec, staging)
+        check_tree(staging)
+        if dry_run:
+            return written
+        if not target.exists():
+            staging.rename(target)  # atomic on one filesystem
+            staging = None
+        else:
+            move_files_into(staging, target, written)
+        return written
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging)
+
+
+def move_files_into(staging: Path, target: Path, files: list[str]) -> None:
+    """Overwrite `files` in an existing `target`, each by an atomic rename; other files stay."""
+    for rel in files:
+        dest = target / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / rel, dest)
