@@ -72,6 +72,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class TrackingConfig:
+    enabled: bool = True            # MLflow on rank 0; never a reason for training to fail
+    uri: str = ""                   # server URI; MLFLOW_TRACKING_URI wins; "" and no env = sqlite:///mlflow.db
+    experiment: str = ""            # "" = the project name
+
+
+@dataclass
 class RunConfig:
     seed: int = 42
     run_dir: str = "runs/latest"    # metrics.jsonl and the resolved config, rank 0 only
@@ -81,6 +88,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 def _check_type(key: str, value, annotation):
