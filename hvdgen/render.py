@@ -110,6 +110,7 @@ def generate(spec: ProjectSpec, target: Path, force: bool = False, dry_run: bool
     if not dry_run:
         parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.hvdgen-", dir=parent if not dry_run else None))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the project should not be
     try:
         written = render_tree(spec, staging)
         check_tree(staging)
@@ -124,6 +125,12 @@ def generate(spec: ProjectSpec, target: Path, force: bool = False, dry_run: bool
     finally:
         if staging is not None and staging.exists():
             shutil.rmtree(staging)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def move_files_into(staging: Path, target: Path, files: list[str]) -> None:

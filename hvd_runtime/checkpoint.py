@@ -1,0 +1,72 @@
+"""Checkpoint files: written by rank 0 only, atomically, keeping the last K; read newest-first.
+
+Framework-free: the caller passes how to write and read one file (torch.save / torch.load, or a
+Keras equivalent). A write goes to a temporary file in the same folder and is renamed into place,
+so a job killed mid-write never leaves a half-written checkpoint under a real name. If the newest
+file still fails to load (a truncated copy, a full disk), the previous one is used, with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+_NAME = re.compile(r"ckpt-(\d{9})\.(\w+)$")
+
+
+class CheckpointStore:
+    def __init__(self, directory: str | Path, keep: int = 3, is_writer: bool = True, suffix: str = "pt"):
+        if keep < 1:
+            raise ValueError(f"checkpoint.keep must be at least 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.is_writer = is_writer
+        self.suffix = suffix
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"ckpt-{step:09d}.{self.suffix}"
+
+    def paths(self) -> list[Path]:
+        """Existing checkpoints, newest (highest step) first."""
+        if not self.directory.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
+                 if (m := _NAME.match(p.name)) and m.group(2) == self.suffix]
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path | None:
+        """Write checkpoint `step` with `write(tmp_path)`, rename it into place, prune old ones.
+
+        Returns None on non-writer ranks, which never touch the disk.
+        """
+        if not self.is_writer:
+            return None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.path_for(step)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=self.directory)
+        os.close(fd)
+        try:
+            write(Path(tmp))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for old in self.paths()[self.keep:]:
+            old.unlink(missing_ok=True)
+        return final
+
+    def load_latest(self, read: Callable[[Path], Any]) -> tuple[Path, Any] | None:
+        """`read` the newest checkpoint that loads; warn about each one that does not."""
+        for path in self.paths():
+            try:
+                return path, read(path)
+            except Exception as exc:  # a corrupt file can raise almost anything from the unpickler
+                warnings.warn(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc}); "
+                              "falling back to the previous one", stacklevel=2)
+        return None

@@ -1,0 +1,146 @@
+"""Datasets as in-memory NumPy arrays, and how they are cut into per-rank shards.
+
+Framework-free: the torch and TF runtimes both batch from these arrays. Nothing here downloads:
+the default dataset (scikit-learn's digits) ships inside a package, and the other sources read
+the user's own files or make synthetic data for benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+
+
+@dataclass(frozen=True)
+class Split:
+    x: np.ndarray  # float32, (N, ...)
+    y: np.ndarray  # int64, (N,)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    train: Split
+    val: Split
+    num_classes: int
+    classes: tuple[str, ...] = ()
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.train.x.shape[1:])
+
+
+def split_train_val(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[Split, Split]:
+    """A seeded, stratification-free shuffle split; identical on every rank for the same seed."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+    order = np.random.default_rng(seed).permutation(len(y))
+    n_val = max(1, int(round(len(y) * val_fraction)))
+    val, train = order[:n_val], order[n_val:]
+    return Split(x[train], y[train]), Split(x[val], y[val])
+
+
+def _finish(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int, classes=()) -> Dataset:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.ascontiguousarray(y, dtype=np.int64)
+    train, val = split_train_val(x, y, val_fraction, seed)
+    return Dataset(train, val, num_classes=int(y.max()) + 1, classes=tuple(classes))
+
+
+def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes), scaled to [0, 1]."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    return _finish(bunch.data / 16.0, bunch.target, val_fraction, seed, [str(c) for c in range(10)])
+
+
+def load_npz(path: str | Path, val_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """Arrays from an .npz: either x and y (split here) or x_train, y_train, x_val, y_val."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path {str(path)!r} is not a file: point it at an .npz with x and y arrays")
+    with np.load(path) as arrays:
+        keys = set(arrays.files)
+        if {"x_train", "y_train", "x_val", "y_val"} <= keys:
+            train = Split(arrays["x_train"].astype(np.float32), arrays["y_train"].astype(np.int64))
+            val = Split(arrays["x_val"].astype(np.float32), arrays["y_val"].astype(np.int64))
+            num_classes = int(max(train.y.max(), val.y.max())) + 1
+            return Dataset(train, val, num_classes)
+        if {"x", "y"} <= keys:
+            return _finish(arrays["x"], arrays["y"], val_fraction, seed)
+    raise ValueError(f"{path} must hold arrays x and y, or x_train, y_train, x_val and y_val; it has {sorted(keys)}")
+
+
+def load_image_folder(path: str | Path, image_size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """ROOT/<class name>/<image>: one sub-folder per class, images resized to a square, RGB, CHW."""
+    from PIL import Image
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"data.path {str(root)!r} is not a folder: use ROOT/<class>/<image files>")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    if not classes:
+        raise ValueError(f"{root} has no class sub-folders: use ROOT/<class>/<image files>")
+    images, labels = [], []
+    for label, name in enumerate(classes):
+        for file in sorted((root / name).iterdir()):
+            if file.suffix.lower() in IMAGE_SUFFIXES:
+                with Image.open(file) as img:
+                    rgb = img.convert("RGB").resize((image_size, image_size))
+                images.append(np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / 255.0)
+                labels.append(label)
+    if not images:
+        raise ValueError(f"{root} has class folders but no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return _finish(np.stack(images), np.asarray(labels), val_fraction, seed, classes)
+
+
+def make_synthetic(samples: int, features: int, classes: int, val_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """Linearly separable-ish Gaussian blobs: learnable, so benchmarks train on something real."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0.0, 1.0, size=(classes, features))
+    y = rng.integers(0, classes, size=samples)
+    x = centers[y] + rng.normal(0.0, 1.0, size=(samples, features))
+    return _finish(x, y, val_fraction, seed)
+
+
+def load_dataset(cfg, seed: int = 0) -> Dataset:
+    """Dispatch on `cfg.source` (a DataConfig)."""
+    loaders = {
+        "digits": lambda: load_digits(cfg.val_fraction, seed),
+        "npz": lambda: load_npz(cfg.path, cfg.val_fraction, seed),
+        "image_folder": lambda: load_image_folder(cfg.path, cfg.image_size, cfg.val_fraction, seed),
+        "synthetic": lambda: make_synthetic(cfg.synthetic_samples, cfg.synthetic_features, cfg.synthetic_classes,
+                                            cfg.val_fraction, seed),
+    }
+    if cfg.source not in loaders:
+        raise ValueError(f"unknown data.source {cfg.source!r}: choose one of {', '.join(loaders)}")
+    return loaders[cfg.source]()
+
+
+def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int, shuffle: bool, pad: bool) -> np.ndarray:
+    """This rank's sample indices for one epoch.
+
+    Every rank draws the same permutation (seed + epoch) and takes every size-th index, so shards
+    are disjoint. With `pad`, the permutation wraps around until it divides evenly: every rank
+    then takes the same number of steps, which the gradient allreduce needs. Without it (for
+    evaluation), shards are uneven and every sample is seen exactly once.
+    """
+    order = np.random.default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
+    if pad:
+        total = math.ceil(n / size) * size
+        order = np.resize(order, total)  # repeats from the start to fill
+    return order[rank::size]
+
+
+def batch_count(n: int, size: int, batch_size: int, drop_last: bool = False) -> int:
+    """Training steps per epoch for a padded shard of ceil(n / size) samples."""
+    per_rank = math.ceil(n / size)
+    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)

@@ -1,0 +1,58 @@
+"""Horovod start-up for PyTorch: init, one device per rank, fair CPU threads, per-rank seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Context:
+    """Who this process is in the job, and where its tensors live."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def cpu_threads(local_size: int, requested: int = 0) -> int:
+    """Cores shared evenly by the ranks on this host: oversubscribed threads slow every rank."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_size))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
+    """hvd.init(), pin this rank to its local GPU (or share the CPU), seed with seed + rank.
+
+    Seeds differ per rank so dropout and augmentation differ; the model itself is made identical
+    by broadcasting rank 0's weights, and data order comes from a seed shared by all ranks.
+    """
+    import horovod.torch as hvd
+
+    hvd.init()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda", hvd.local_rank())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(cpu_threads(hvd.local_size(), threads_per_rank))
+    seed_everything(seed + hvd.rank())
+    return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)

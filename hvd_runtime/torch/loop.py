@@ -1,0 +1,73 @@
+"""One epoch of training and one pass of evaluation, with metrics averaged over all ranks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hvd_runtime.progress import progress
+from hvd_runtime.torch.batches import ShardedBatches
+from hvd_runtime.torch.context import Context
+from hvd_runtime.torch.state import TrainState
+
+
+def allreduce_sums(sums: dict[str, torch.Tensor], count: torch.Tensor) -> dict[str, float]:
+    """Global means: sum every rank's totals and counts in one allreduce, then divide.
+
+    Averaging per-rank means would weight a rank's last, shorter shard like a full one.
+    """
+    import horovod.torch as hvd
+
+    stacked = torch.stack([*(v.double() for v in sums.values()), count.double()]).cpu()
+    totals = hvd.allreduce(stacked, op=hvd.Sum, name="metric_sums")
+    return {name: (totals[i] / totals[-1]).item() for i, name in enumerate(sums)}
+
+
+def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, scheduler, loss_fn, ctx: Context,
+                state: TrainState, backward_passes_per_step: int = 1) -> dict[str, float]:
+    """Train one epoch (state.epoch), advancing state.step; return averaged loss and accuracy.
+
+    With backward_passes_per_step = k, gradients of k batches accumulate locally before one
+    allreduce; the epoch is trimmed to a multiple of k so no half-accumulated step is left over.
+    """
+    model.train()
+    batches.set_epoch(state.epoch)
+    k = backward_passes_per_step
+    usable = max(k, len(batches) - len(batches) % k)
+    loss_sum = torch.zeros((), device=ctx.device)
+    correct = torch.zeros((), device=ctx.device)
+    seen = torch.zeros((), device=ctx.device)
+    optimizer.zero_grad()
+    for i, (x, y) in enumerate(progress(batches, enabled=ctx.is_root, desc=f"epoch {state.epoch}", total=usable)):
+        if i >= usable:
+            break
+        out = model(x)
+        loss = loss_fn(out, y)
+        (loss / k).backward()
+        if (i + 1) % k == 0:
+            # Horovod: step() waits for the allreduced gradients, then applies them.
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        loss_sum += loss.detach() * len(y)
+        correct += (out.detach().argmax(dim=1) == y).sum()
+        seen += len(y)
+        state.step += 1
+    # Horovod: average over all ranks, not just this one.
+    return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: ShardedBatches, loss_fn, ctx: Context) -> dict[str, float]:
+    """Loss and accuracy over the whole validation set, each sample counted once on one rank."""
+    model.eval()
+    loss_sum = torch.zeros((), device=ctx.device)
+    correct = torch.zeros((), device=ctx.device)
+    seen = torch.zeros((), device=ctx.device)
+    for x, y in batches:
+        out = model(x)
+        loss_sum += loss_fn(out, y) * len(y)
+        correct += (out.argmax(dim=1) == y).sum()
+        seen += len(y)
+    # Horovod: shards are uneven, so sum totals and counts over ranks before dividing.
+    return allreduce_sums({"val_loss": loss_sum, "val_accuracy": correct}, seen)

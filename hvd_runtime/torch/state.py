@@ -1,0 +1,91 @@
+"""Training state across restarts: rank 0 writes checkpoints, every rank starts from rank 0's state.
+
+On start, rank 0 loads its newest readable checkpoint (or takes its freshly initialised model)
+and broadcasts it, so all ranks begin bit-identical whatever their own initialisation was. Each
+rank's RNG state is gathered into the checkpoint and handed back to the same rank on resume.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from hvd_runtime.checkpoint import CheckpointStore
+from hvd_runtime.torch.context import Context
+
+
+@dataclass
+class TrainState:
+    epoch: int = 0          # the next epoch to run
+    step: int = 0           # batches trained so far, over all epochs
+    run_id: str | None = None   # the tracking run this training belongs to
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def snapshot(model: nn.Module, optimizer, scheduler, state: TrainState, rng_states=None) -> dict:
+    return {"model": _to_cpu(model.state_dict()), "optimizer": _to_cpu(optimizer.state_dict()),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "state": asdict(state), "rng": rng_states}
+
+
+def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, scheduler, ctx: Context,
+                         resume: bool = True) -> TrainState:
+    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands."""
+    import horovod.torch as hvd
+
+    payload = None
+    if ctx.is_root:
+        found = store.load_latest(lambda p: torch.load(p, map_location="cpu", weights_only=False)) if resume else None
+        if found:
+            path, payload = found
+            print(f"resuming from {path}: epoch {payload['state']['epoch']}, step {payload['state']['step']}",
+                  flush=True)
+        else:
+            payload = snapshot(model, optimizer, scheduler, TrainState())
+    # Horovod: every rank starts from rank 0's weights, optimizer state and position.
+    payload = hvd.broadcast_object(payload, root_rank=0, name="initial_state")
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    if scheduler is not None and payload["scheduler"] is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+    rngs = payload.get("rng")
+    if rngs and len(rngs) == ctx.size:
+        set_rng_state(rngs[ctx.rank])
+    return TrainState(**payload["state"])
+
+
+def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, scheduler, state: TrainState):
+    """Called by every rank (the RNG states are gathered); only rank 0 writes."""
+    import horovod.torch as hvd
+
+    rngs = hvd.allgather_object(rng_state(), name="rng_states")
+    if not store.is_writer:
+        return None
+    payload = snapshot(model, optimizer, scheduler, state, rngs)
+    return store.save(state.step, lambda path: torch.save(payload, path))

@@ -1,0 +1,100 @@
+"""`hvdgen new` and `hvdgen list`: validation before writing, atomic output, the answers file."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from hvdgen import __version__, catalog
+from hvdgen.cli import main
+from hvdgen.spec import SPEC_FILE, ProjectSpec
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("../x", "not allowed"),
+    ("a/b", "not allowed"),
+    ("{{x}}", "not allowed"),
+    ("", "empty"),
+    ("1abc", "not allowed"),
+    ("class", "keyword"),
+    ("match", "keyword"),
+])
+def test_bad_names_are_refused_and_nothing_is_written(tmp_path, name, fragment):
+    result = run("new", name, "--output", str(tmp_path))
+    assert result.exit_code != 0
+    message = result.output.strip()
+    assert fragment in message
+    assert len(message.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, value, fragment", [
+    ("--framework", "jax", "unknown framework 'jax'"),
+    ("--strategy", "zero", "unknown strategy 'zero'"),
+])
+def test_unknown_framework_or_strategy_is_refused(tmp_path, option, value, fragment):
+    result = run("new", "proj", "--output", str(tmp_path), option, value)
+    assert result.exit_code != 0
+    assert fragment in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_empty_directory_needs_force(tmp_path):
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "notes.txt").write_text("mine")
+    result = run("new", "proj", "--output", str(tmp_path))
+    assert result.exit_code != 0
+    assert "--force" in result.output
+    assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["notes.txt"]
+
+    result = run("new", "proj", "--output", str(tmp_path), "--force")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "proj" / "train.py").exists()
+    assert (tmp_path / "proj" / "notes.txt").read_text() == "mine"
+
+
+def test_generated_project_records_its_answers(tmp_path):
+    result = run("new", "my-proj", "--output", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    project = tmp_path / "my-proj"
+    answers = yaml.safe_load((project / SPEC_FILE).read_text())
+    assert answers["name"] == "my-proj"
+    assert answers["framework"] == "torch" and answers["strategy"] == "data"
+    assert answers["hvdgen_version"] == __version__
+    assert ProjectSpec.from_yaml((project / SPEC_FILE).read_text()).package == "my_proj"
+    assert f"hvdgen[torch]=={__version__}" in (project / "pyproject.toml").read_text()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "my-proj"]
+    assert leftovers == []
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    result = run("new", "proj", "--output", str(tmp_path), "--dry-run")
+    assert result.exit_code == 0
+    assert "train.py" in result.output and SPEC_FILE in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_list_shows_every_combination():
+    result = run("list")
+    lines = result.output.strip().splitlines()
+    assert len(lines) == len(catalog.FRAMEWORKS) * len(catalog.STRATEGIES)
+    assert any(line.startswith("torch") and "data" in line and "available" in line for line in lines)
+
+
+def test_cli_starts_without_importing_frameworks():
+    code = ("import sys; from hvdgen.cli import main; "
+            "heavy = [m for m in ('torch', 'tensorflow', 'mlflow', 'horovod') if m in sys.modules]; "
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_version():
+    assert run("--version").output.strip().endswith(__version__)
