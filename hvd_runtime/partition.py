@@ -1,0 +1,126 @@
+"""Split a sequence of blocks into contiguous, balanced stages.
+
+A pipeline is only as fast as its slowest stage, so the split minimises the largest stage cost.
+Costs are whatever the caller measured per block: parameter counts (memory balance, free to
+compute) or seconds of forward + backward (speed balance; see `hvd_runtime.torch.stage`).
+
+    plan = partition(names, costs, stages=2)                 # balanced
+    plan = partition(names, costs, stages=2, split=["fc3"])  # stage 1 starts at block "fc3"
+    plan = partition(names, costs, stages=2, split=[3])      # ... or at block index 3
+    plan.bounds -> [(0, 3), (3, 6)]
+
+Framework-free: blocks are given as names and costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class PartitionError(ValueError):
+    """The blocks cannot be split as asked."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stage k runs blocks names[bounds[k][0]:bounds[k][1]]."""
+
+    names: tuple[str, ...]
+    costs: tuple[float, ...]
+    bounds: tuple[tuple[int, int], ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds)
+
+    def stage_names(self, stage: int) -> list[str]:
+        start, stop = self.bounds[stage]
+        return list(self.names[start:stop])
+
+    def stage_costs(self) -> list[float]:
+        return [sum(self.costs[a:b]) for a, b in self.bounds]
+
+    def imbalance(self) -> float:
+        """Slowest stage over the mean stage: 1.0 is perfect balance."""
+        costs = self.stage_costs()
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean > 0 else 1.0
+
+    def describe(self) -> str:
+        parts = []
+        for k, cost in enumerate(self.stage_costs()):
+            names = self.stage_names(k)
+            span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+            parts.append(f"stage {k}: {span} ({len(names)} blocks, cost {cost:g})")
+        return "; ".join(parts)
+
+
+def _balanced_bounds(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous split minimising the largest stage sum (dynamic programming, O(n^2 p)).
+
+    Among equally good splits the earliest cut wins, so the result is deterministic.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest max-stage-cost putting blocks [0, i) into k stages (each non-empty)
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] - 1e-12 * max(1.0, abs(value)):
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        bounds.append((j, i))
+        i = j
+    return bounds[::-1]
+
+
+def _resolve_split(split: Sequence, names: Sequence[str], stages: int) -> list[int]:
+    if len(split) != stages - 1:
+        raise PartitionError(f"split needs {stages - 1} block(s) where stages 1..{stages - 1} start, got "
+                             f"{len(split)}: {list(split)!r} (e.g. split={[names[len(names) // 2]]!r})")
+    starts = []
+    for item in split:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise PartitionError(f"split entries are block names or indices, got {item!r}")
+        if isinstance(item, str):
+            if item not in names:
+                raise PartitionError(f"split block {item!r} is not a block: blocks are {', '.join(names)}")
+            item = list(names).index(item)
+        if not 0 < item < len(names):
+            raise PartitionError(f"split index {item} is out of range: stage starts must be 1..{len(names) - 1}")
+        starts.append(item)
+    if starts != sorted(set(starts)):
+        raise PartitionError(f"split blocks must be distinct and in model order, got {list(split)!r}")
+    return starts
+
+
+def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: Sequence | None = None) -> Partition:
+    """Split blocks into `stages` contiguous non-empty stages, balanced or where `split` says."""
+    names = [str(n) for n in names]
+    if len(names) != len(costs):
+        raise PartitionError(f"got {len(names)} block names but {len(costs)} costs")
+    if len(set(names)) != len(names):
+        raise PartitionError(f"block names must be unique, got {names}")
+    if not isinstance(stages, int) or stages < 1:
+        raise PartitionError(f"stages must be a positive integer, got {stages!r} (e.g. 2)")
+    if stages > len(names):
+        raise PartitionError(f"cannot split {len(names)} blocks into {stages} stages: "
+                             f"every stage needs a block; use stages <= {len(names)}")
+    if any(c < 0 for c in costs):
+        raise PartitionError(f"block costs must be >= 0, got {list(costs)}")
+    if split is not None:
+        starts = [0, *_resolve_split(split, names, stages), len(names)]
+        bounds = list(zip(starts[:-1], starts[1:]))
+    else:
+        bounds = _balanced_bounds([float(c) for c in costs], stages)
+    return Partition(tuple(names), tuple(float(c) for c in costs), tuple(bounds))

@@ -1,0 +1,70 @@
+"""Partitioning blocks into stages: optimal balance, user overrides, one-line errors."""
+
+import itertools
+import random
+
+import pytest
+
+from hvd_runtime.partition import PartitionError, partition
+
+
+def brute_force_best(costs, stages):
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        edges = [0, *cuts, n]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(edges, edges[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_balanced_split_is_optimal_contiguous_and_complete(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    stages = rng.randint(1, n)
+    costs = [rng.choice([0, 1, 5, 10, 100, rng.random()]) for _ in range(n)]
+    plan = partition([f"b{i}" for i in range(n)], costs, stages)
+    assert plan.stages == stages
+    assert plan.bounds[0][0] == 0 and plan.bounds[-1][1] == n
+    assert all(a < b for a, b in plan.bounds)                                  # non-empty
+    assert all(b == c for (_, b), (c, _) in zip(plan.bounds, plan.bounds[1:]))  # contiguous
+    assert max(plan.stage_costs()) == pytest.approx(brute_force_best(costs, stages))
+
+
+def test_balance_by_parameter_count_of_a_typical_mlp():
+    names = ["fc1", "relu1", "fc2", "relu2", "fc3", "relu3", "head"]
+    params = [8320, 0, 8256, 0, 8256, 0, 650]
+    plan = partition(names, params, 2)
+    assert plan.bounds == ((0, 3), (3, 7))
+    assert plan.stage_names(1) == ["relu2", "fc3", "relu3", "head"]
+    assert plan.imbalance() == pytest.approx(16576 / ((16576 + 8906) / 2))
+    assert "stage 0: fc1..fc2 (3 blocks, cost 16576)" in plan.describe()
+
+
+def test_override_by_names_and_by_indices_agree():
+    names = ["a", "b", "c", "d", "e"]
+    by_name = partition(names, [1, 1, 1, 1, 1], 3, split=["b", "e"])
+    by_index = partition(names, [1, 1, 1, 1, 1], 3, split=[1, 4])
+    assert by_name.bounds == by_index.bounds == ((0, 1), (1, 4), (4, 5))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(stages=4), "cannot split 3 blocks into 4 stages: every stage needs a block; use stages <= 3"),
+    (dict(stages=0), "stages must be a positive integer, got 0"),
+    (dict(stages=2, split=["z"]), "split block 'z' is not a block: blocks are a, b, c"),
+    (dict(stages=2, split=[0]), "split index 0 is out of range: stage starts must be 1..2"),
+    (dict(stages=3, split=["c", "b"]), "split blocks must be distinct and in model order"),
+    (dict(stages=3, split=["b"]), "split needs 2 block(s) where stages 1..2 start, got 1"),
+    (dict(stages=2, split=[1.5]), "split entries are block names or indices, got 1.5"),
+])
+def test_errors_are_one_line_and_name_the_bad_value(kwargs, message):
+    with pytest.raises(PartitionError) as err:
+        partition(["a", "b", "c"], [1, 2, 3], **kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_mismatched_costs_and_duplicate_names():
+    with pytest.raises(PartitionError, match="got 2 block names but 3 costs"):
+        partition(["a", "b"], [1, 2, 3], 2)
+    with pytest.raises(PartitionError, match="block names must be unique"):
+        partition(["a", "a"], [1, 2], 2)
