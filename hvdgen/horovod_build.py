@@ -6,6 +6,13 @@ its sdist, so every user compiles it. This module does that once per (horovod, P
 TF, controllers) combination and keeps the wheel in the user's cache, so the second run of
 `hvdgen install-horovod` takes seconds and a wheel is never used against a framework it was not
 built for (that fails with a version mismatch at import).
+
+TensorFlow's pip headers include `highwayhash/arch_specific.h` and `farmhash.h` without putting
+them on its include path. TF ships its own copies under `include/external/`, so the build adds
+those folders (the exact versions TF was compiled with) and needs no system packages; with a TF
+that lacks them, Debian's libhighwayhash-dev and libfarmhash-dev serve. When neither is found the
+command stops before the long build with the one-line apt command. It never runs apt itself: a
+Python tool installing system packages as a side effect would surprise whoever owns the machine.
 """
 
 from __future__ import annotations
@@ -55,11 +62,17 @@ PATCHES = (
 # harmless on older compilers.
 CXXFLAGS_EXTRA = "-include cstdint"
 
+# Headers TF's own headers include but leave off its include path -> where TF ships a copy.
+TF_UNLISTED_HEADERS = {
+    "highwayhash/arch_specific.h": "external/highwayhash",
+    "farmhash.h": "external/farmhash_archive/src",
+}
+TF_HEADERS_FIX = "sudo apt-get install -y libhighwayhash-dev libfarmhash-dev"
+
 # What a failed build most likely needs, keyed by a pattern in its log.
 FAILURE_HINTS = (
     (r"highwayhash/arch_specific\.h|farmhash\.h",
-     "TensorFlow's headers need Debian's libhighwayhash-dev and libfarmhash-dev: "
-     "sudo apt-get install -y libhighwayhash-dev libfarmhash-dev"),
+     f"TensorFlow's headers need Debian's libhighwayhash-dev and libfarmhash-dev: {TF_HEADERS_FIX}"),
     (r"Compatibility with CMake < 3\.5 has been removed",
      "CMake >= 4 refuses Gloo's old minimum: export CMAKE_POLICY_VERSION_MINIMUM=3.5, or pip install 'cmake<4'"),
     (r"No CMAKE_CXX_COMPILER could be found|g\+\+: not found|c\+\+: not found",
@@ -144,6 +157,46 @@ def installed_wheel_url() -> str | None:
     return json.loads(text).get("url") if text else None
 
 
+def tensorflow_include_dir() -> Path | None:
+    """TF's C++ headers, found from package metadata so TF is not imported."""
+    for name in ("tensorflow", "tensorflow-cpu"):
+        try:
+            path = Path(metadata.distribution(name).locate_file("tensorflow/include"))
+        except metadata.PackageNotFoundError:
+            continue
+        if path.is_dir():
+            return path
+    return None
+
+
+def header_found(header: str, include_dirs: list[Path], compiler: str) -> bool:
+    """Ask the compiler itself, so its built-in paths, CPATH and CPLUS_INCLUDE_PATH all count."""
+    cmd = [compiler, "-E", "-x", "c++", *(f"-I{d}" for d in include_dirs), "-"]
+    probe = subprocess.run(cmd, input=f"#include <{header}>\n", capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+def tensorflow_header_dirs(tf_include: Path, compiler: str | None,
+                           headers: dict[str, str] = TF_UNLISTED_HEADERS) -> list[Path]:
+    """Folders to add to the include path so every header in `headers` resolves.
+
+    TF's shipped copy wins over a system one; a header found nowhere stops the build now, not
+    ten minutes in. Without a compiler there is nothing to ask: the build's own hint covers that.
+    """
+    extra = [tf_include / sub for header, sub in headers.items() if (tf_include / sub / header).is_file()]
+    if compiler is None:
+        return extra
+    missing = [h for h in headers if not header_found(h, [tf_include, *extra], compiler)]
+    if missing:
+        raise HvdgenError(f"TensorFlow's headers include {' and '.join(missing)}, which neither TensorFlow "
+                          f"nor the system provides; install them: {TF_HEADERS_FIX}")
+    return extra
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
 def imports_cleanly(target: BuildTarget) -> bool:
     modules = [m for m, v in (("horovod.torch", target.torch), ("horovod.tensorflow", target.tensorflow)) if v]
     code = "; ".join(f"import {m}" for m in modules)
@@ -160,8 +213,11 @@ def apply_patches(source: Path) -> None:
         path.write_text(text.replace(patch.old, patch.new))
 
 
-def build_environment(target: BuildTarget, jobs: int) -> dict[str, str]:
+def build_environment(target: BuildTarget, jobs: int, include_dirs: list[Path] = ()) -> dict[str, str]:
     env = dict(os.environ)
+    if include_dirs:
+        paths = [str(d) for d in include_dirs] + [p for p in env.get("CPLUS_INCLUDE_PATH", "").split(os.pathsep) if p]
+        env["CPLUS_INCLUDE_PATH"] = os.pathsep.join(paths)
     env.update({
         "HOROVOD_WITH_GLOO": "1",
         "HOROVOD_WITHOUT_MXNET": "1",
@@ -211,6 +267,11 @@ def build_wheel(target: BuildTarget, jobs: int) -> Path:
     dest = wheel_cache_dir(target)
     dest.parent.mkdir(parents=True, exist_ok=True)
     log_path = dest.parent / f"{target.key}.build.log"
+    include_dirs: list[Path] = []
+    if target.tensorflow:
+        tf_include = tensorflow_include_dir()
+        if tf_include is not None:
+            include_dirs = tensorflow_header_dirs(tf_include, _compiler())
     with tempfile.TemporaryDirectory(prefix="hvdgen-horovod-") as tmp:
         work = Path(tmp)
         click.echo(f"fetching horovod {HOROVOD_VERSION} sdist from PyPI")
@@ -228,7 +289,7 @@ def build_wheel(target: BuildTarget, jobs: int) -> Path:
         click.echo(f"building for {', '.join(target.frameworks)} (key {target.key}); log: {log_path}")
         started = time.monotonic()
         cmd = [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(out), "."]
-        if _run_logged(cmd, build_environment(target, jobs), log_path, cwd=source) != 0:
+        if _run_logged(cmd, build_environment(target, jobs, include_dirs), log_path, cwd=source) != 0:
             raise HvdgenError(explain_failure(log_path))
         click.echo(f"built in {time.monotonic() - started:.0f}s")
         wheel = next(out.glob("horovod-*.whl"))
