@@ -1,0 +1,28 @@
+"""Run a generated torch project's train() with each rank in its own working directory.
+
+Relative paths (checkpoints/, runs/, mlflow.db) then land in rankN/, so a test can see exactly
+what each rank wrote. At the end, rank 0 records a digest of every rank's parameters.
+usage: horovodrun ... python train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+project, ranks_dir, overrides = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
+workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
+workdir.mkdir(parents=True, exist_ok=True)
+os.chdir(workdir)
+sys.path.insert(0, str(project))
+
+import horovod.torch as hvd  # noqa: E402
+import train  # noqa: E402
+
+model, metrics = train.train(train.load_config(train.CONFIG_FILE, overrides))
+state = model.state_dict()
+digest = hashlib.sha256(b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))).hexdigest()
+digests = hvd.allgather_object(digest)
+if hvd.rank() == 0:
+    (ranks_dir / "digests.json").write_text(json.dumps(digests))

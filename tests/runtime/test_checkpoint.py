@@ -1,0 +1,51 @@
+import pickle
+
+import pytest
+
+from hvd_runtime.checkpoint import CheckpointStore
+
+
+def write(obj):
+    return lambda path: path.write_bytes(pickle.dumps(obj))
+
+
+def read(path):
+    return pickle.loads(path.read_bytes())
+
+
+def test_keeps_the_last_k_and_loads_the_newest(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2, suffix="pkl")
+    for step in (10, 20, 30):
+        store.save(step, write({"step": step}))
+    assert [p.name for p in store.paths()] == ["ckpt-000000030.pkl", "ckpt-000000020.pkl"]
+    path, payload = store.load_latest(read)
+    assert payload == {"step": 30}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_non_writer_never_touches_disk(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", is_writer=False)
+    assert store.save(1, write({})) is None
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_truncated_latest_falls_back_with_warning(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3, suffix="pkl")
+    store.save(1, write({"step": 1}))
+    newest = store.save(2, write({"step": 2, "blob": b"x" * 1000}))
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="could not be read"):
+        path, payload = store.load_latest(read)
+    assert payload == {"step": 1}
+
+
+def test_failed_write_leaves_no_file(tmp_path):
+    store = CheckpointStore(tmp_path, suffix="pkl")
+
+    def explode(path):
+        path.write_bytes(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        store.save(5, explode)
+    assert list(tmp_path.iterdir()) == []

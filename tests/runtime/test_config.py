@@ -1,0 +1,42 @@
+import pytest
+
+from hvd_runtime.config import ConfigError, RunConfig, flatten, load_config, parse_overrides
+
+
+def test_overrides_beat_file_beat_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  epochs: 7\n  batch_size: 16\noptim:\n  lr: 0.1\n")
+    cfg = load_config(path, ["--train.epochs", "3", "optim.name=adam"])
+    assert cfg.train.epochs == 3            # command line
+    assert cfg.train.batch_size == 16       # file
+    assert cfg.optim.lr == 0.1 and cfg.optim.name == "adam"
+    assert cfg.train.eval_batch_size == RunConfig().train.eval_batch_size  # default
+
+
+def test_ints_are_accepted_for_floats_and_lists_are_typed():
+    cfg = load_config(None, ["--optim.lr", "1", "--model.hidden", "[32, 16]"])
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.hidden == [32, 16]
+
+
+@pytest.mark.parametrize("override, fragment", [
+    (["--train.epoch", "3"], "unknown config key train.epoch"),
+    (["--train.epochs", "three"], "train.epochs must be int"),
+    (["--train.epochs", "true"], "train.epochs must be int"),
+    (["--model.hidden", "[1, x]"], "model.hidden[1] must be int"),
+    (["--trian.epochs", "3"], "unknown config key trian"),
+    (["--train.epochs"], "cannot read override"),
+])
+def test_bad_overrides_name_the_key(override, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, override)
+
+
+def test_parse_overrides_nests():
+    assert parse_overrides(["a.b.c=1", "--a.d", "x"]) == {"a": {"b": {"c": 1}, "d": "x"}}
+
+
+def test_flatten_uses_dotted_keys():
+    flat = flatten(RunConfig())
+    assert flat["optim.lr"] == RunConfig().optim.lr
+    assert "model.hidden" in flat

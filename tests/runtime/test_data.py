@@ -1,0 +1,72 @@
+import numpy as np
+import pytest
+
+from hvd_runtime.config import DataConfig
+from hvd_runtime.data import batch_count, load_dataset, load_image_folder, load_npz, shard_indices
+
+
+@pytest.mark.parametrize("n, size", [(10, 3), (1797, 2), (7, 4), (8, 8), (5, 8)])
+def test_training_shards_are_even_and_cover_everything(n, size):
+    shards = [shard_indices(n, r, size, epoch=1, seed=3, shuffle=True, pad=True) for r in range(size)]
+    assert len({len(s) for s in shards}) == 1                 # same number of steps on every rank
+    assert set(np.concatenate(shards)) == set(range(n))       # nothing skipped
+    assert sum(len(s) for s in shards) - n < size             # at most size-1 repeats
+
+
+@pytest.mark.parametrize("n, size", [(10, 3), (7, 4), (3, 4)])
+def test_eval_shards_see_each_sample_once(n, size):
+    shards = [shard_indices(n, r, size, epoch=0, seed=0, shuffle=False, pad=False) for r in range(size)]
+    assert sorted(np.concatenate(shards).tolist()) == list(range(n))
+
+
+def test_shuffle_changes_with_epoch_but_not_with_rank_view():
+    a = shard_indices(100, 0, 2, epoch=0, seed=1, shuffle=True, pad=True)
+    b = shard_indices(100, 0, 2, epoch=1, seed=1, shuffle=True, pad=True)
+    assert not np.array_equal(a, b)
+    other = shard_indices(100, 1, 2, epoch=0, seed=1, shuffle=True, pad=True)
+    assert not set(a) & set(other)
+
+
+def test_batch_count_matches_padded_shard():
+    assert batch_count(1437, 2, 32) == 23
+    assert batch_count(1437, 2, 32, drop_last=True) == 22
+
+
+def test_digits_loads_offline_and_is_scaled():
+    ds = load_dataset(DataConfig(), seed=0)
+    assert ds.num_classes == 10 and ds.input_shape == (64,)
+    assert len(ds.train) + len(ds.val) == 1797
+    assert 0.0 <= ds.train.x.min() and ds.train.x.max() <= 1.0
+    assert ds.train.x.dtype == np.float32 and ds.train.y.dtype == np.int64
+
+
+def test_npz_with_and_without_split(tmp_path):
+    x, y = np.random.rand(50, 3).astype(np.float32), np.arange(50) % 5
+    np.savez(tmp_path / "xy.npz", x=x, y=y)
+    ds = load_npz(tmp_path / "xy.npz", val_fraction=0.2)
+    assert (len(ds.train), len(ds.val), ds.num_classes) == (40, 10, 5)
+    np.savez(tmp_path / "split.npz", x_train=x[:30], y_train=y[:30], x_val=x[30:], y_val=y[30:])
+    ds = load_npz(tmp_path / "split.npz")
+    assert (len(ds.train), len(ds.val)) == (30, 20)
+    np.savez(tmp_path / "bad.npz", features=x)
+    with pytest.raises(ValueError, match="must hold arrays x and y"):
+        load_npz(tmp_path / "bad.npz")
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        load_npz(tmp_path / "missing.npz")
+
+
+def test_image_folder(tmp_path):
+    from PIL import Image
+
+    for cls, colour in (("cats", (255, 0, 0)), ("dogs", (0, 0, 255))):
+        (tmp_path / cls).mkdir()
+        for i in range(5):
+            Image.new("RGB", (20, 12), colour).save(tmp_path / cls / f"{i}.png")
+    ds = load_image_folder(tmp_path, image_size=8, val_fraction=0.2)
+    assert ds.classes == ("cats", "dogs") and ds.input_shape == (3, 8, 8)
+    assert len(ds.train) + len(ds.val) == 10
+
+
+def test_unknown_source_names_the_choices():
+    with pytest.raises(ValueError, match="unknown data.source 'csv'"):
+        load_dataset(DataConfig(source="csv"))
