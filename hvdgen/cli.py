@@ -68,3 +68,8 @@ def doctor_cmd() -> None:
     from hvdgen.doctor import run_doctor
 
     raise SystemExit(run_doctor())
+
+
+from hvdgen.timeline_command import timeline_cmd  # noqa: E402  (click only; heavy imports run inside)
+
+main.add_command(timeline_cmd)

@@ -1,0 +1,176 @@
+"""Pipeline timelines: what each stage did per micro-batch, and when, turned into a picture.
+
+Each rank records forward, backward, send and recv spans with a `TimelineRecorder`; the executor
+gathers every rank's records to rank 0, which writes one `timeline.json` into the run dir (rank 0
+is the only writer, as everywhere else). Idle gaps are derived when saving. Then:
+
+    tl = load_timeline(run_dir)
+    measured_bubble(tl)            # idle share of the schedule, to set beside bubble_fraction(p, m)
+    plot_timeline(tl, "timeline.png")
+
+Times are wall-clock seconds (`time.time()`), comparable across the ranks of one host and, with
+synchronised clocks, roughly across hosts. Framework-free; matplotlib is imported only to draw.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FILE = "timeline.json"
+KINDS = ("forward", "backward", "send", "recv", "idle")
+COMPUTE = ("forward", "backward")
+COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "send": "#8C8C8C", "recv": "#C7C7C7", "idle": "#FFFFFF"}
+
+
+@dataclass
+class TimelineRecorder:
+    """Spans of one rank, tagged with the step they belong to. Disabled, it records nothing."""
+
+    rank: int
+    stage: int
+    replica: int = 0
+    enabled: bool = True
+    step: int = 0
+    events: list = field(default_factory=list)
+
+    def add(self, kind: str, micro_batch: int, start: float, end: float) -> None:
+        if self.enabled:
+            self.events.append({"step": self.step, "kind": kind, "mb": micro_batch, "start": start, "end": end})
+
+    @contextmanager
+    def span(self, kind: str, micro_batch: int):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.add(kind, micro_batch, start, time.time())
+
+    def record(self) -> dict:
+        return {"rank": self.rank, "stage": self.stage, "replica": self.replica, "events": list(self.events)}
+
+
+@dataclass
+class Timeline:
+    """Every rank's events plus what the run was: stages, replicas, micro_batches, schedule."""
+
+    meta: dict
+    ranks: list[dict]
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({e["step"] for r in self.ranks for e in r["events"]})
+
+    def step_events(self, step: int) -> list[tuple[dict, list[dict]]]:
+        return [(r, [e for e in r["events"] if e["step"] == step]) for r in self.ranks]
+
+
+def with_idle(ranks: list[dict]) -> list[dict]:
+    """Add `idle` events for the gaps on each rank within each step's span (across all ranks).
+
+    A gap is charged to the micro-batch of the event that ends it: what the stage was waiting for.
+    """
+    out = []
+    steps = sorted({e["step"] for r in ranks for e in r["events"] if e["kind"] != "idle"})
+    spans = {}
+    for s in steps:
+        evs = [e for r in ranks for e in r["events"] if e["step"] == s and e["kind"] != "idle"]
+        spans[s] = (min(e["start"] for e in evs), max(e["end"] for e in evs))
+    for r in ranks:
+        events = []
+        for s in steps:
+            own = sorted((e for e in r["events"] if e["step"] == s and e["kind"] != "idle"), key=lambda e: e["start"])
+            t = spans[s][0]
+            for e in own:
+                if e["start"] > t:
+                    events.append({"step": s, "kind": "idle", "mb": e["mb"], "start": t, "end": e["start"]})
+                events.append(e)
+                t = max(t, e["end"])
+            if spans[s][1] > t:
+                events.append({"step": s, "kind": "idle", "mb": -1, "start": t, "end": spans[s][1]})
+        out.append({**r, "events": events})
+    return out
+
+
+def save_timeline(run_dir: str | Path, ranks: list[dict], meta: dict) -> Path:
+    """Write every rank's records as one JSON file (call on one rank only)."""
+    path = Path(run_dir) / FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"version": 1, "meta": meta, "ranks": with_idle(ranks)}))
+    tmp.replace(path)
+    return path
+
+
+def load_timeline(run_dir: str | Path) -> Timeline:
+    """Read `timeline.json` from a run dir (or a path to the file itself)."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no timeline at {path}: train with timeline recording on "
+                                f"(PipelineEngine(..., timeline=True)) and save_timeline(run_dir)")
+    data = json.loads(path.read_text())
+    if data.get("version") != 1 or "ranks" not in data:
+        raise ValueError(f"{path} is not a timeline file (version 1 with 'ranks')")
+    return Timeline(meta=data.get("meta", {}), ranks=data["ranks"])
+
+
+def step_bubble(tl: Timeline, step: int) -> float:
+    """1 - compute time / (ranks x span of the step): the share of stage-time spent not computing."""
+    spans = [(e["start"], e["end"]) for _, evs in tl.step_events(step) for e in evs if e["kind"] != "idle"]
+    if not spans:
+        raise ValueError(f"no events in step {step}: steps are {tl.steps}")
+    span = max(b for _, b in spans) - min(a for a, _ in spans)
+    busy = sum(e["end"] - e["start"] for _, evs in tl.step_events(step) for e in evs if e["kind"] in COMPUTE)
+    return 1.0 - busy / (len(tl.ranks) * span) if span > 0 else 0.0
+
+
+def measured_bubble(tl: Timeline, skip_first: bool = True) -> float:
+    """Mean bubble over the recorded steps; the first is skipped (warm-up) when there are others."""
+    steps = tl.steps
+    if skip_first and len(steps) > 1:
+        steps = steps[1:]
+    return sum(step_bubble(tl, s) for s in steps) / len(steps)
+
+
+def plot_timeline(tl: Timeline, path: str | Path, step: int | None = None) -> Path:
+    """Draw one step as the familiar pipeline picture: a row per stage, a box per micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    step = tl.steps[-1] if step is None else step
+    rows = sorted(tl.step_events(step), key=lambda re: (re[0]["replica"], re[0]["stage"]))
+    t0 = min(e["start"] for _, evs in rows for e in evs)
+    t1 = max(e["end"] for _, evs in rows for e in evs)
+    scale = 1e3   # milliseconds
+    fig, ax = plt.subplots(figsize=(10, 0.7 * len(rows) + 1.4))
+    for y, (rank, evs) in enumerate(rows):
+        for e in evs:
+            x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+            height = 0.8 if e["kind"] in COMPUTE else 0.3
+            ax.barh(y, w, left=x, height=height, color=COLOURS[e["kind"]], edgecolor="black", linewidth=0.4)
+            if e["kind"] in COMPUTE and w > (t1 - t0) * scale / 80:
+                ax.text(x + w / 2, y, str(e["mb"]), ha="center", va="center", fontsize=8, color="white")
+    labels = [f"stage {r['stage']}" + (f" / replica {r['replica']}" if tl.meta.get("replicas", 1) > 1 else "")
+              for r, _ in rows]
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since step start")
+    m = tl.meta
+    ax.set_title(f"{m.get('schedule', '?')}: {m.get('stages', '?')} stages, {m.get('micro_batches', '?')} "
+                 f"micro-batches, step {step}, bubble {step_bubble(tl, step):.2f}")
+    ax.legend(handles=[Patch(facecolor=COLOURS[k], edgecolor="black", label=k) for k in KINDS[:4]],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, frameon=False)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

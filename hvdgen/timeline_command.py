@@ -1,0 +1,40 @@
+"""`hvdgen timeline RUN_DIR`: the measured pipeline bubble beside the theory, and the picture.
+
+Imports nothing heavy until it runs: matplotlib loads only to draw.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hvdgen.errors import HvdgenError
+
+
+@click.command("timeline")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--step", type=int, default=None, help="Step to draw (default: the last recorded).")
+@click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PNG to write (default: RUN_DIR/timeline.png).")
+def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
+    """Draw a pipeline run's timeline and print its measured bubble against (p-1)/(m+p-1)."""
+    from hvd_runtime.schedule import bubble_fraction
+    from hvd_runtime.timeline import load_timeline, measured_bubble, plot_timeline, step_bubble
+
+    try:
+        tl = load_timeline(run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise HvdgenError(str(e)) from None
+    if step is not None and step not in tl.steps:
+        raise HvdgenError(f"--step {step} was not recorded: recorded steps are {tl.steps[0]}..{tl.steps[-1]}")
+    meta = tl.meta
+    p, m = int(meta.get("stages", 1)), int(meta.get("micro_batches", 1))
+    click.echo(f"{meta.get('schedule', '?')}: {p} stages x {meta.get('replicas', 1)} replicas, "
+               f"{m} micro-batches, {len(tl.steps)} steps recorded")
+    shown = step_bubble(tl, step) if step is not None else measured_bubble(tl)
+    which = f"step {step}" if step is not None else "mean over steps after the first"
+    click.echo(f"measured bubble {shown:.3f} ({which})")
+    click.echo(f"theory   bubble {bubble_fraction(p, m):.3f} = (p-1)/(m+p-1)")
+    png = plot_timeline(tl, out or run_dir / "timeline.png", step)
+    click.echo(f"wrote {png}")

@@ -1,0 +1,107 @@
+"""Timelines: saved by one writer, idle derived, bubble measured, drawn, and shown by the CLI."""
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from hvd_runtime.schedule import Op, build_schedule, bubble_fraction, simulate
+from hvd_runtime.timeline import (TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline,
+                                  step_bubble)
+from hvdgen.cli import main
+
+KIND = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_ACT: "send", Op.SEND_GRAD: "send",
+        Op.RECV_ACT: "recv", Op.RECV_GRAD: "recv"}
+
+
+def simulated_records(name, p, m, steps=2, tb=2.0):
+    """Per-rank records of an ideal run: each step starts where the previous ended, times in ms."""
+    recs = [TimelineRecorder(rank=s, stage=s) for s in range(p)]
+    t0 = 1000.0
+    for step in range(steps):
+        slots = simulate(build_schedule(name, p, m), 1.0, tb)
+        for s, row in enumerate(slots):
+            recs[s].step = step
+            for sl in row:
+                recs[s].add(KIND[sl.action.op], sl.action.micro_batch, t0 + sl.start / 1e3, t0 + sl.end / 1e3)
+        t0 += max(sl.end for row in slots for sl in row) / 1e3 + 0.001
+    return [r.record() for r in recs]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_measured_bubble_of_an_ideal_run_matches_theory(tmp_path, name, m):
+    meta = {"schedule": name, "stages": 2, "replicas": 1, "micro_batches": m}
+    save_timeline(tmp_path, simulated_records(name, 2, m), meta)
+    tl = load_timeline(tmp_path)
+    assert tl.meta == meta and tl.steps == [0, 1]
+    assert measured_bubble(tl) == pytest.approx(bubble_fraction(2, m), rel=1e-6)
+
+
+def test_idle_fills_every_gap_so_each_row_covers_the_step(tmp_path):
+    save_timeline(tmp_path, simulated_records("gpipe", 3, 4, steps=1), {"stages": 3, "micro_batches": 4})
+    tl = load_timeline(tmp_path)
+    span = step_span = None
+    for rank, events in tl.step_events(0):
+        total = sum(e["end"] - e["start"] for e in events)
+        step_span = max(e["end"] for e in events) - min(e["start"] for e in events)
+        span = span or step_span
+        assert step_span == pytest.approx(span)
+        assert total == pytest.approx(span)       # no overlap, no hole
+        idle = [e for e in events if e["kind"] == "idle"]
+        assert idle or rank["stage"] == 0
+    # the last stage waits (p-1) forwards before micro-batch 0 arrives
+    last = [e for r, evs in tl.step_events(0) if r["stage"] == 2 for e in evs]
+    assert last[0]["kind"] == "idle" and last[0]["mb"] == 0
+    assert last[0]["end"] - last[0]["start"] == pytest.approx(2e-3, rel=0.05)
+
+
+def test_recorder_spans_and_disabled_recorder(tmp_path):
+    rec = TimelineRecorder(rank=0, stage=0)
+    with rec.span("forward", 3):
+        time.sleep(0.002)
+    (e,) = rec.events
+    assert e["kind"] == "forward" and e["mb"] == 3 and e["end"] - e["start"] >= 0.002
+    off = TimelineRecorder(rank=0, stage=0, enabled=False)
+    with off.span("forward", 0):
+        pass
+    assert off.events == []
+
+
+def test_plot_writes_a_png(tmp_path):
+    save_timeline(tmp_path, simulated_records("1f1b", 2, 4), {"schedule": "1f1b", "stages": 2, "micro_batches": 4})
+    out = plot_timeline(load_timeline(tmp_path), tmp_path / "t.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_cli_prints_measured_and_theory_and_writes_png(tmp_path):
+    save_timeline(tmp_path, simulated_records("1f1b", 2, 4, steps=3), {"schedule": "1f1b", "stages": 2,
+                                                                         "replicas": 1, "micro_batches": 4})
+    result = CliRunner().invoke(main, ["timeline", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "1f1b: 2 stages x 1 replicas, 4 micro-batches, 3 steps recorded" in result.output
+    measured = float(result.output.split("measured bubble ")[1].split()[0])
+    assert measured == pytest.approx(0.2, abs=0.01)
+    assert "theory   bubble 0.200 = (p-1)/(m+p-1)" in result.output
+    assert (tmp_path / "timeline.png").exists()
+    result = CliRunner().invoke(main, ["timeline", str(tmp_path), "--step", "1", "-o", str(tmp_path / "s1.png")])
+    assert result.exit_code == 0 and "(step 1)" in result.output and (tmp_path / "s1.png").exists()
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["timeline", str(tmp_path)])
+    assert result.exit_code == 1 and "Error: no timeline at" in result.output
+    save_timeline(tmp_path, simulated_records("gpipe", 2, 2), {"stages": 2, "micro_batches": 2})
+    result = CliRunner().invoke(main, ["timeline", str(tmp_path), "--step", "9"])
+    assert result.exit_code == 1 and "--step 9 was not recorded: recorded steps are 0..1" in result.output
+    (tmp_path / "timeline.json").write_text(json.dumps({"something": "else"}))
+    result = CliRunner().invoke(main, ["timeline", str(tmp_path)])
+    assert result.exit_code == 1 and "is not a timeline file" in result.output
+
+
+def test_step_bubble_of_a_missing_step(tmp_path):
+    save_timeline(tmp_path, simulated_records("gpipe", 2, 2, steps=1), {})
+    with pytest.raises(ValueError, match="no events in step 5"):
+        step_bubble(load_timeline(tmp_path), 5)
