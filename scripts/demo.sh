@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The main job: set up, generate ./demo (PyTorch, data parallel), train it with 2 processes on
+# the CPU under horovodrun, tracked in the project's embedded MLflow store.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup.sh"
+
+cd "$ROOT"
+step "generating ./demo"
+hvdgen new demo --force
+cd demo
+step "training: horovodrun -np 2 -H localhost:2 --gloo python train.py"
+horovodrun -np 2 -H localhost:2 --gloo python train.py "$@"
+
+step "done"
+cat <<MSG
+  metrics (one line per epoch):  demo/runs/latest/metrics.jsonl
+  checkpoints (rank 0):          demo/checkpoints/
+  MLflow runs:                   cd demo && $VENV/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
+  train again (resumes):         cd demo && horovodrun -np 2 -H localhost:2 --gloo python train.py --train.epochs 30
+MSG

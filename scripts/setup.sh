@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up everything hvdgen needs on a fresh machine, idempotently: a virtualenv in .venv,
+# the frameworks, hvdgen itself, and Horovod built for those frameworks (cached in
+# ~/.cache/hvdgen, so a second run takes seconds). Sourced by demo.sh and test.sh.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HVDGEN_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+# torch 2.13.0's CPU build; override TORCH_SPEC for another build (e.g. a CUDA one on GPU machines).
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating virtualenv $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+
+step "installing frameworks and hvdgen"
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "$TORCH_SPEC"
+python -m pip install --quiet -e "$ROOT[torch,build,test]"
+
+step "building and installing Horovod (cached after the first run)"
+hvdgen install-horovod
+hvdgen doctor
