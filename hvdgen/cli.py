@@ -73,3 +73,7 @@ def doctor_cmd() -> None:
 from hvdgen.timeline_command import timeline_cmd  # noqa: E402  (click only; heavy imports run inside)
 
 main.add_command(timeline_cmd)
+
+from hvdgen.k8s.command import k8s_cmd  # noqa: E402  (click only; validation imports run inside)
+
+main.add_command(k8s_cmd)

@@ -71,6 +71,10 @@ def render_tree(spec: ProjectSpec, dest: Path, only: str | None = None) -> list[
             shutil.copyfile(source, target)
         shutil.copymode(source, target)
         written.append(rel)
+    if only in (None, "k8s"):
+        from hvdgen.k8s.project import write_k8s  # built as data and validated, not templated
+
+        written += write_k8s(spec, dest)
     if only is None:
         (dest / SPEC_FILE).write_text(spec.to_yaml())
         written.append(SPEC_FILE)

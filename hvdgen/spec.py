@@ -43,6 +43,7 @@ class ProjectSpec:
     framework: str = "torch"
     strategy: str = "data"
     hvdgen_version: str = field(default=__version__)
+    k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
 
     def __post_init__(self) -> None:
         validate_name(self.name)

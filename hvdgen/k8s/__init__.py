@@ -1,0 +1,1 @@
+"""Kubernetes: MPIJob manifests for generated projects, and their validation."""

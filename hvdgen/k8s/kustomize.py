@@ -1,0 +1,161 @@
+"""Kustomize: the layout hvdgen writes, and a small renderer for checking it without kubectl.
+
+For a custom resource such as MPIJob, kustomize has no merge keys, so a patch is a JSON merge
+patch (RFC 7386): mappings merge, lists are replaced whole. The renderer here implements that and
+the few kustomization fields hvdgen writes (resources, patches, namespace, images); the tests check
+it against `kubectl kustomize`. Anything else is reported, never ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from hvdgen.k8s.problems import Problem
+
+KUSTOMIZATION = "kustomization.yaml"
+KUSTOMIZE_API = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+SUPPORTED = {"apiVersion", "kind", "resources", "patches", "patchesStrategicMerge", "namespace", "images"}
+
+
+class RenderError(Exception):
+    """A kustomization this renderer cannot follow; the message says what to do instead."""
+
+
+def merge_patch(target, patch):
+    """RFC 7386: apply `patch` to `target` (neither is modified)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def diff_patch(old: dict, new: dict) -> dict:
+    """The smallest merge patch that turns `old` into `new`."""
+    patch = {}
+    for key, value in new.items():
+        if key not in old:
+            patch[key] = copy.deepcopy(value)
+        elif isinstance(value, dict) and isinstance(old[key], dict):
+            sub = diff_patch(old[key], value)
+            if sub:
+                patch[key] = sub
+        elif value != old[key]:
+            patch[key] = copy.deepcopy(value)
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    return patch
+
+
+def identity(obj: dict) -> tuple:
+    return obj.get("apiVersion"), obj.get("kind"), (obj.get("metadata") or {}).get("name")
+
+
+def overlay_patch(base: dict, variant: dict) -> dict:
+    """A patch file: the object's identity plus what differs."""
+    patch = diff_patch(base, variant)
+    metadata = {"name": base["metadata"]["name"], **patch.pop("metadata", {})}
+    return {"apiVersion": base["apiVersion"], "kind": base["kind"], "metadata": metadata, **patch}
+
+
+def load_documents(path: Path) -> list:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _image_name(image: str) -> str:
+    image = image.split("@", 1)[0]
+    last = image.rsplit("/", 1)[-1]
+    return image.rsplit(":", 1)[0] if ":" in last else image
+
+
+def _set_images(obj: dict, images: list[dict]) -> None:
+    def visit(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("containers", "initContainers") and isinstance(value, list):
+                    for container in value:
+                        if isinstance(container, dict) and isinstance(container.get("image"), str):
+                            container["image"] = _new_image(container["image"], images)
+                visit(value)
+        elif isinstance(node, list):
+            for item in node:
+                visit(item)
+
+    visit(obj)
+
+
+def _new_image(image: str, images: list[dict]) -> str:
+    for rule in images:
+        if rule.get("name") == _image_name(image):
+            name = rule.get("newName", rule["name"])
+            if rule.get("digest"):
+                return f"{name}@{rule['digest']}"
+            tag = rule.get("newTag") or (image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else None)
+            return f"{name}:{tag}" if tag else name
+    return image
+
+
+def render(directory: Path) -> list[dict]:
+    """The objects `kubectl kustomize directory` would print, for the fields hvdgen writes."""
+    file = directory / KUSTOMIZATION
+    try:
+        config = yaml.safe_load(file.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise RenderError(f"cannot read {file}: {exc}") from exc
+    unknown = sorted(set(config) - SUPPORTED)
+    if unknown:
+        raise RenderError(f"{file}: field(s) {', '.join(unknown)} are not followed by hvdgen's checker: "
+                          f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead")
+    objects: list[dict] = []
+    for entry in config.get("resources") or []:
+        path = directory / entry
+        if path.is_dir():
+            objects += render(path)
+        elif path.is_file():
+            objects += [doc for doc in load_documents(path)]
+        else:
+            raise RenderError(f"{file}: resource {entry!r} does not exist: fix the path")
+    patches = [{"path": p} for p in config.get("patchesStrategicMerge") or []] + list(config.get("patches") or [])
+    for entry in patches:
+        if not isinstance(entry, dict) or "target" in entry or ("path" not in entry and "patch" not in entry):
+            raise RenderError(f"{file}: patch {entry!r} is not a plain merge patch: "
+                              f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead")
+        docs = load_documents(directory / entry["path"]) if "path" in entry else list(yaml.safe_load_all(entry["patch"]))
+        for doc in docs:
+            if not isinstance(doc, dict):
+                raise RenderError(f"{file}: patch {entry!r} is a JSON 6902 patch: "
+                                  f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead")
+            matches = [i for i, obj in enumerate(objects) if identity(obj)[1:] == identity(doc)[1:]]
+            if not matches:
+                raise RenderError(f"{file}: patch for {identity(doc)[1]} {identity(doc)[2]!r} matches no resource: "
+                                  "make its kind and metadata.name match the base")
+            for i in matches:
+                objects[i] = merge_patch(objects[i], doc)
+    for obj in objects:
+        if config.get("namespace") and isinstance(obj, dict):
+            obj.setdefault("metadata", {})["namespace"] = config["namespace"]
+        if config.get("images") and isinstance(obj, dict):
+            _set_images(obj, config["images"])
+    return objects
+
+
+def kustomization(resources: list[str], namespace: str | None = None, patches: list[str] = ()) -> dict:
+    out = dict(KUSTOMIZE_API)
+    if namespace:
+        out["namespace"] = namespace
+    out["resources"] = list(resources)
+    if patches:
+        out["patches"] = [{"path": p} for p in patches]
+    return out
+
+
+def render_problem(directory: Path, error: RenderError) -> Problem:
+    return Problem(KUSTOMIZATION, str(error), str(directory))

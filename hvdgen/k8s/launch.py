@@ -1,0 +1,35 @@
+"""The launcher's horovodrun command line.
+
+horovodrun does not read the hostfile the operator mounts unless it is told to: without `--hostfile`
+(or a discovery script) it runs every rank on the launcher pod itself. Elastic jobs instead ask the
+operator's `discover_hosts.sh`, which lists the worker pods that are running right now.
+"""
+
+from __future__ import annotations
+
+HOSTFILE = "/etc/mpi/hostfile"
+DISCOVER_HOSTS = "/etc/mpi/discover_hosts.sh"
+TRAIN = ("python", "train.py")
+
+
+def horovodrun_args(workers: int, slots: int, elastic: bool = False,
+                    min_workers: int = 1, max_workers: int = 0) -> list[str]:
+    """Arguments after `horovodrun`: -np is workers x slots, so every slot runs exactly one rank."""
+    args = ["-np", str(workers * slots)]
+    if elastic:
+        args += ["--min-np", str(min_workers * slots), "--max-np", str((max_workers or workers) * slots),
+                 "--host-discovery-script", DISCOVER_HOSTS]
+    else:
+        args += ["--hostfile", HOSTFILE]
+    return args + list(TRAIN)
+
+
+def option_value(args: list[str], *names: str) -> str | None:
+    """The value after the first of `names` in an argument list (`-np 4` or `-np=4`)."""
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1:]
+    return None

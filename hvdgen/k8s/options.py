@@ -1,0 +1,101 @@
+"""The Kubernetes answers of a project: what `hvdgen k8s` asks, checked before any manifest is built.
+
+They are stored in `.hvdgen.yaml` under `k8s:` as a plain mapping, so a later `hvdgen k8s` starts
+from the last answers and only the options given on its command line change.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields, replace
+
+from hvdgen.errors import HvdgenError
+
+# A container image reference: [registry[:port]/]path[:tag][@digest], lower-case path.
+_IMAGE = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-]{1,2}[a-z0-9]+)*)*"
+                    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?")
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+MLFLOW_SOURCES = ("configmap", "secret")
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """One MPIJob's shape. Defaults give a 2-worker CPU job and a 1-GPU-per-worker GPU overlay."""
+
+    workers: int = 2
+    gpus_per_worker: int = 1  # GPUs per worker in the gpu overlay; 0 leaves the gpu overlay out
+    image: str = ""  # CPU image; empty means "<job name>:latest"
+    gpu_image: str = ""  # CUDA image; empty means the CPU image's tag with "-cuda" appended
+    namespace: str = "default"
+    elastic: bool = False
+    min_workers: int = 0  # elastic only; 0 means 1
+    max_workers: int = 0  # elastic only; 0 means `workers`
+    non_root: bool = False  # run as uid 1000 (mpiuser), SSH keys at /home/mpiuser/.ssh
+    mlflow_uri_from: str = "configmap"  # where MLFLOW_TRACKING_URI comes from: configmap or secret
+    checkpoint_size: str = "10Gi"
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "gpus_per_worker", "min_workers", "max_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise HvdgenError(f"k8s {name} must be a whole number, got {value!r}: e.g. --{_flag(name)} 2")
+        if self.workers < 1:
+            raise HvdgenError(f"--workers must be at least 1, got {self.workers}: e.g. --workers 2")
+        if self.gpus_per_worker < 0:
+            raise HvdgenError(f"--gpus-per-worker must be 0 or more, got {self.gpus_per_worker}: "
+                              "e.g. --gpus-per-worker 1")
+        for name in ("image", "gpu_image"):
+            value = getattr(self, name)
+            if value and not _IMAGE.fullmatch(value):
+                raise HvdgenError(f"--{_flag(name)} {value!r} is not an image reference: "
+                                  "use e.g. registry.example.com/team/mnist:v1 (lower-case, no spaces)")
+        if not _DNS1123_LABEL.fullmatch(self.namespace) or len(self.namespace) > 63:
+            raise HvdgenError(f"--namespace {self.namespace!r} is not a Kubernetes namespace name: "
+                              "use lower-case letters, digits and '-', at most 63 characters (e.g. ml-team)")
+        if self.mlflow_uri_from not in MLFLOW_SOURCES:
+            raise HvdgenError(f"--mlflow-uri-from {self.mlflow_uri_from!r} is not known: choose configmap or secret")
+        if not _QUANTITY.fullmatch(self.checkpoint_size):
+            raise HvdgenError(f"--checkpoint-size {self.checkpoint_size!r} is not a storage size: e.g. 10Gi")
+        if self.elastic:
+            low, high = self.min_np_workers, self.max_np_workers
+            if not 1 <= low <= self.workers <= high:
+                raise HvdgenError(f"elastic worker counts must satisfy 1 <= --min-workers ({low}) <= --workers "
+                                  f"({self.workers}) <= --max-workers ({high}): e.g. --min-workers 1 "
+                                  f"--workers {max(self.workers, 1)} --max-workers {max(high, self.workers)}")
+        elif self.min_workers or self.max_workers:
+            raise HvdgenError("--min-workers and --max-workers apply to elastic jobs only: add --elastic, "
+                              "or leave them out")
+
+    @property
+    def min_np_workers(self) -> int:
+        return self.min_workers or 1
+
+    @property
+    def max_np_workers(self) -> int:
+        return self.max_workers or self.workers
+
+    def to_answers(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_answers(cls, answers: dict | None) -> "K8sOptions":
+        answers = dict(answers or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(answers) - known)
+        if unknown:
+            raise HvdgenError(f".hvdgen.yaml k8s has unknown keys {unknown}: remove them "
+                              f"(known: {', '.join(sorted(known))})")
+        return cls(**answers)
+
+    def updated(self, **changes) -> "K8sOptions":
+        """These answers with the given options changed; None means "keep the recorded answer"."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if changes.get("elastic") is False:
+            changes.setdefault("min_workers", 0)
+            changes.setdefault("max_workers", 0)
+        return replace(self, **changes)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")

@@ -1,0 +1,175 @@
+"""Rules the CRD schema does not express.
+
+The operator checks the first group after the API server accepted the object and reports only a
+warning event, so the job just never starts. The second group are Horovod conventions whose
+violation starts the job but wastes it: GPUs in requests only, a launcher holding GPUs it never
+uses, `-np` that does not match workers x slots, horovodrun running every rank on the launcher.
+"""
+
+from __future__ import annotations
+
+from hvdgen.k8s.launch import DISCOVER_HOSTS, HOSTFILE, option_value
+from hvdgen.k8s.names import MAX_LABEL, dns1035_fix, is_dns1035_label, last_worker_name
+from hvdgen.k8s.problems import Problem
+
+REPLICA_TYPES = ("Launcher", "Worker")
+RESTART_POLICIES = ("Never", "OnFailure")
+CLEAN_POD_POLICIES = ("All", "Running", "None")
+LAUNCHER_POLICIES = ("AtStartup", "WaitForWorkersReady")
+NON_NEGATIVE = (("spec", "slotsPerWorker"), ("spec", "runPolicy", "backoffLimit"),
+                ("spec", "runPolicy", "activeDeadlineSeconds"), ("spec", "runPolicy", "ttlSecondsAfterFinished"))
+REPLICAS = "spec.mpiReplicaSpecs"
+
+
+def _get(obj, *keys):
+    for key in keys:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _replicas(spec: dict, kind: str) -> int | None:
+    value = _get(spec, "replicas")
+    return 1 if value is None else value if _is_int(value) else None
+
+
+def _name_problems(job: dict, workers: int | None) -> list[Problem]:
+    name = _get(job, "metadata", "name")
+    if not isinstance(name, str) or not name:
+        return [Problem("metadata.name", "missing: add a name such as 'mnist-ddp'")]
+    count = workers if workers and workers > 0 else 1
+    pod = last_worker_name(name, count)
+    if not is_dns1035_label(name) or not is_dns1035_label(pod):
+        why = (f"worker pod name '{pod}' is longer than {MAX_LABEL} characters" if len(pod) > MAX_LABEL
+               else f"'{name}' is not a DNS-1035 label (lower-case letters, digits and '-', starting with a letter)")
+        return [Problem("metadata.name", f"{why}: rename it, e.g. '{dns1035_fix(name, count)}'")]
+    return []
+
+
+def operator_problems(job: dict) -> list[Problem]:
+    """What the MPI operator rejects after admission (mpi-operator v0.8 validation)."""
+    problems = []
+    specs = _get(job, "spec", "mpiReplicaSpecs")
+    specs = specs if isinstance(specs, dict) else {}
+    for kind in specs:
+        if kind not in REPLICA_TYPES:
+            problems.append(Problem(f"{REPLICAS}.{kind}", "unknown replica type: use Launcher or Worker"))
+    if "Launcher" not in specs:
+        problems.append(Problem(f"{REPLICAS}.Launcher", "missing: an MPIJob needs exactly one Launcher"))
+    launcher = specs.get("Launcher") if isinstance(specs.get("Launcher"), dict) else None
+    if launcher is not None and _replicas(launcher, "Launcher") not in (1, None):
+        problems.append(Problem(f"{REPLICAS}.Launcher.replicas",
+                                f"is {launcher['replicas']}, must be exactly 1: set replicas: 1"))
+    worker = specs.get("Worker") if isinstance(specs.get("Worker"), dict) else None
+    workers = _replicas(worker, "Worker") if worker is not None else None
+    if workers is not None and workers < 1:
+        problems.append(Problem(f"{REPLICAS}.Worker.replicas",
+                                f"is {workers}, must be at least 1: set replicas: 1 or more"))
+    for kind in REPLICA_TYPES:
+        policy = _get(specs, kind, "restartPolicy")
+        if policy is not None and policy not in RESTART_POLICIES:
+            problems.append(Problem(f"{REPLICAS}.{kind}.restartPolicy",
+                                    f"{policy!r} is not allowed by the operator: use OnFailure or Never"))
+    policy = _get(job, "spec", "runPolicy", "cleanPodPolicy")
+    if policy is not None and policy not in CLEAN_POD_POLICIES:
+        problems.append(Problem("spec.runPolicy.cleanPodPolicy",
+                                f"{policy!r} is not allowed: use Running, All or None"))
+    policy = _get(job, "spec", "launcherCreationPolicy")
+    if policy is not None and policy not in LAUNCHER_POLICIES:
+        problems.append(Problem("spec.launcherCreationPolicy",
+                                f"{policy!r} is not allowed: use WaitForWorkersReady or AtStartup"))
+    for keys in NON_NEGATIVE:
+        value = _get(job, *keys)
+        if _is_int(value) and value < 0:
+            problems.append(Problem(".".join(keys), f"is {value}, must not be negative: set it to 0 or more"
+                                    + (" (GPUs per worker, 1 on CPU)" if keys[-1] == "slotsPerWorker" else "")))
+    return problems + _name_problems(job, workers)
+
+
+def _containers(replica: dict | None) -> list[tuple[int, dict]]:
+    containers = _get(replica, "template", "spec", "containers")
+    return [(i, c) for i, c in enumerate(containers) if isinstance(c, dict)] if isinstance(containers, list) else []
+
+
+def _gpu_keys(mapping) -> list[str]:
+    return sorted(k for k in mapping if isinstance(k, str) and k.endswith("/gpu")) if isinstance(mapping, dict) else []
+
+
+def _gpu_problems(specs: dict, run_launcher_as_worker: bool) -> list[Problem]:
+    problems = []
+    for kind in REPLICA_TYPES:
+        for i, container in _containers(specs.get(kind)):
+            where = f"{REPLICAS}.{kind}.template.spec.containers[{i}].resources"
+            requests, limits = _get(container, "resources", "requests"), _get(container, "resources", "limits")
+            limits = limits if isinstance(limits, dict) else {}
+            for key in _gpu_keys(requests):
+                if key not in limits:
+                    problems.append(Problem(f"{where}.requests", f"'{key}' in requests only: move it to "
+                                            f"{where}.limits (GPUs are allocated by limits)"))
+                elif str(limits[key]) != str(requests[key]):
+                    problems.append(Problem(f"{where}.requests", f"'{key}' request {requests[key]} differs from "
+                                            f"limit {limits[key]}: remove the request, the limit is enough"))
+            if kind == "Launcher" and _gpu_keys(limits) and not run_launcher_as_worker:
+                problems.append(Problem(f"{where}.limits", f"the launcher runs no rank but asks for "
+                                        f"'{_gpu_keys(limits)[0]}': remove it, or set spec.runLauncherAsWorker: true"))
+    return problems
+
+
+def _launch_problems(job: dict, specs: dict) -> list[Problem]:
+    containers = _containers(specs.get("Launcher"))
+    if not containers:
+        return []
+    _, main = containers[0]
+    argv = [str(a) for a in (main.get("command") or []) + (main.get("args") or [])
+            if isinstance(a, (str, int))] if isinstance(main.get("command") or [], list) and isinstance(
+                main.get("args") or [], list) else []
+    if not argv or not any(a.rsplit("/", 1)[-1] in ("horovodrun", "mpirun") for a in argv):
+        return []
+    where = f"{REPLICAS}.Launcher.template.spec.containers[0]"
+    problems = []
+    horovodrun = any(a.rsplit("/", 1)[-1] == "horovodrun" for a in argv)
+    elastic = option_value(argv, "--host-discovery-script") is not None
+    if horovodrun and not elastic and option_value(argv, "--hostfile", "-hostfile", "-H", "--hosts") is None:
+        problems.append(Problem(f"{where}.args", f"horovodrun without --hostfile runs every rank on the launcher: "
+                                f"add --hostfile {HOSTFILE} (or --host-discovery-script {DISCOVER_HOSTS})"))
+    workers = _replicas(specs.get("Worker") or {}, "Worker")
+    slots = _get(job, "spec", "slotsPerWorker")
+    slots = 1 if slots is None else slots
+    np_text = option_value(argv, "-np", "--num-proc", "-n", "--np")
+    if not (_is_int(workers) and _is_int(slots) and np_text and np_text.isdigit()) or slots < 0:
+        return problems
+    expected = workers * slots
+    if elastic:
+        low, high = option_value(argv, "--min-np"), option_value(argv, "--max-np")
+        if low and high and low.isdigit() and high.isdigit() and not int(low) <= int(np_text) <= int(high):
+            problems.append(Problem(f"{where}.args", f"-np {np_text} is outside --min-np {low} .. --max-np {high}: "
+                                    "make min-np <= np <= max-np"))
+        if high and high.isdigit() and int(high) % max(slots, 1):
+            problems.append(Problem(f"{where}.args", f"--max-np {high} is not a multiple of slotsPerWorker "
+                                    f"{slots}: use whole workers, e.g. --max-np {int(high) // max(slots, 1) * slots or slots}"))
+    if int(np_text) != expected and not elastic:
+        problems.append(Problem(f"{where}.args", f"-np {np_text} but Worker replicas ({workers}) x slotsPerWorker "
+                                f"({slots}) = {expected}: set -np {expected}"))
+    return problems
+
+
+def convention_problems(job: dict) -> list[Problem]:
+    """Horovod-on-Kubernetes conventions: GPUs, slots and -np agree."""
+    specs = _get(job, "spec", "mpiReplicaSpecs")
+    if not isinstance(specs, dict):
+        return []
+    problems = _gpu_problems(specs, _get(job, "spec", "runLauncherAsWorker") is True)
+    slots = _get(job, "spec", "slotsPerWorker")
+    for i, container in _containers(specs.get("Worker"))[:1]:
+        gpus = [v for k, v in (_get(container, "resources", "limits") or {}).items()
+                if k in _gpu_keys(_get(container, "resources", "limits"))]
+        if gpus and _is_int(gpus[0]) and gpus[0] > 0 and _is_int(slots if slots is not None else 1) \
+                and (slots if slots is not None else 1) != gpus[0]:
+            problems.append(Problem("spec.slotsPerWorker", f"is {1 if slots is None else slots} but each worker has "
+                                    f"{gpus[0]} GPUs: set slotsPerWorker: {gpus[0]} (one rank per GPU)"))
+    return problems + _launch_problems(job, specs)

@@ -1,0 +1,95 @@
+"""Validate an MPIJob against the vendored CRD schema, made strict.
+
+The API server prunes unknown fields of a custom resource without a word, so `limit:` for `limits:`
+silently loses the limits. Adding `additionalProperties: false` wherever `properties` are listed
+(what kubeconform's openapi2jsonschema does) turns that into an error we can name.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from functools import lru_cache
+from importlib import resources
+
+from hvdgen.k8s.problems import Problem, field_path
+
+SCHEMA_FILE = "mpijob_v2beta1.openapiv3.json"
+
+
+def load_schema() -> dict:
+    """The CRD's openAPIV3Schema exactly as vendored (see data/PROVENANCE.md)."""
+    return json.loads(resources.files("hvdgen.k8s").joinpath("data", SCHEMA_FILE).read_text())
+
+
+def make_strict(schema: dict) -> dict:
+    """A copy in which every object that lists its properties allows no others."""
+    strict = copy.deepcopy(schema)
+
+    def visit(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for item in node:
+                visit(item)
+
+    visit(strict)
+    return strict
+
+
+@lru_cache(maxsize=1)
+def strict_validator():
+    import jsonschema  # noqa: PLC0415 - kept out of CLI start-up
+
+    schema = make_strict(load_schema())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def _unknown_fields(error) -> list[Problem]:
+    allowed = sorted(error.schema.get("properties", {}))
+    where = field_path(error.absolute_path)
+    problems = []
+    for key in sorted(set(error.instance) - set(allowed)):
+        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+        fix = f"did you mean '{close[0]}'?" if close else f"remove it (allowed here: {', '.join(allowed)})"
+        problems.append(Problem(where, f"unknown field '{key}': {fix}"))
+    return problems
+
+
+_TYPE_EXAMPLES = {"integer": "a whole number such as 2, without quotes", "string": 'text, e.g. "value"',
+                  "boolean": "true or false", "array": "a list", "object": "a mapping of fields"}
+
+
+def _describe(error) -> str:
+    kind = error.validator
+    value = json.dumps(error.instance) if not isinstance(error.instance, (dict, list)) else type(error.instance).__name__
+    if kind == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        return f"missing required field '{missing}': add it"
+    if kind == "type":
+        wanted = error.validator_value if isinstance(error.validator_value, str) else error.validator_value[0]
+        return f"got {value}, expected {wanted}: write {_TYPE_EXAMPLES.get(wanted, wanted)}"
+    if kind == "enum":
+        return f"{value} is not allowed: use one of {', '.join(map(str, error.validator_value))}"
+    if kind == "pattern" or (kind == "anyOf" and "x-kubernetes-int-or-string" in error.schema):
+        return f"{value} is not a Kubernetes quantity: write e.g. 2, 500m, 4Gi or 16G"
+    if kind in ("minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength"):
+        return f"{value} is out of range ({kind} {error.validator_value}): change it"
+    return f"{error.message}: fix this value"
+
+
+def schema_problems(manifest: dict) -> list[Problem]:
+    """Every violation of the strict CRD schema, one Problem per field."""
+    problems: list[Problem] = []
+    for error in sorted(strict_validator().iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path))):
+        if error.validator == "additionalProperties" and error.validator_value is False:
+            problems += _unknown_fields(error)
+        else:
+            problems.append(Problem(field_path(error.absolute_path), _describe(error)))
+    return problems
