@@ -61,21 +61,3 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         optimizer, lambda step: warmup_factor(step, warmup_steps, scaler))
     return optimizer, scheduler
 
-
-def use_sync_batchnorm(model: nn.Module) -> nn.Module:
-    """Swap every BatchNorm for Horovod's SyncBatchNorm: statistics over the global batch.
-
-    With small per-rank batches, local statistics are noisy; syncing makes N ranks behave like
-    one big batch. The model definition stays untouched.
-    """
-    import horovod.torch as hvd
-
-    for name, child in model.named_children():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            synced = hvd.SyncBatchNorm(child.num_features, eps=child.eps, momentum=child.momentum,
-                                       affine=child.affine, track_running_stats=child.track_running_stats)
-            synced.load_state_dict(child.state_dict())
-            setattr(model, name, synced)
-        else:
-            use_sync_batchnorm(child)
-    return model

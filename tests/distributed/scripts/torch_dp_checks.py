@@ -1,0 +1,126 @@
+"""Numerical checks of hvd_runtime.torch's data parallelism, run under horovodrun -np 2.
+
+Each check compares what the ranks do together against one process doing the same work on the
+global batch, and prints `OK <name>` on rank 0 when it holds.
+"""
+
+import copy
+import sys
+import tempfile
+import warnings
+
+import torch
+from torch import nn
+
+import horovod.torch as hvd
+from hvd_runtime.checkpoint import CheckpointStore
+from hvd_runtime.config import HorovodConfig, OptimConfig
+from hvd_runtime.torch import (SyncBatchNorm, allreduce_sums, init_horovod, make_optimizer, restore_or_broadcast,
+                               use_sync_batchnorm)
+
+warnings.filterwarnings("ignore")
+ctx = init_horovod(seed=0, threads_per_rank=1)
+assert ctx.size == 2, "run with -np 2"
+R = ctx.rank
+TOL = 1e-5
+
+
+def model_fn(batch_norm=False):
+    torch.manual_seed(123)  # identical init on every rank and in the reference
+    layers = [nn.Linear(6, 8)] + ([nn.BatchNorm1d(8)] if batch_norm else []) + [nn.ReLU(), nn.Linear(8, 3)]
+    return nn.Sequential(*layers)
+
+
+g = torch.Generator().manual_seed(7)
+X, Y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+loss_fn = nn.CrossEntropyLoss()
+plain = OptimConfig(name="sgd", lr=0.1, momentum=0.0, scale_lr=False, warmup_epochs=0)
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def report(name: str, ok: bool, detail: str = "") -> None:
+    oks = hvd.allgather_object(bool(ok), name=f"ok_{name}")
+    if R == 0:
+        print(("OK " if all(oks) else "FAIL ") + name + (f" ({detail})" if detail else ""), flush=True)
+    if not all(oks):
+        sys.exit(1)
+
+
+# 1. One DistributedOptimizer step on two half-batches == one plain step on the whole batch.
+reference = model_fn()
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+loss_fn(reference(X), Y).backward()
+ref_opt.step()
+
+model = model_fn()
+opt, _ = make_optimizer(model, plain, HorovodConfig(), ctx, steps_per_epoch=1)
+opt.zero_grad()
+loss_fn(model(X.chunk(2)[R]), Y.chunk(2)[R]).backward()
+opt.step()
+diff = max_rel_diff(model, reference)
+report("allreduce_step_matches_global_batch", diff < TOL, f"max rel diff {diff:.2e}")
+
+# 2. backward_passes_per_step=2: two local batches, one allreduce == one step on all four quarters.
+model = model_fn()
+opt, _ = make_optimizer(model, plain, HorovodConfig(backward_passes_per_step=2), ctx, steps_per_epoch=2)
+opt.zero_grad()
+quarters_x, quarters_y = X.chunk(4), Y.chunk(4)
+for k in range(2):
+    (loss_fn(model(quarters_x[2 * R + k]), quarters_y[2 * R + k]) / 2).backward()
+opt.step()
+diff = max_rel_diff(model, reference)
+report("backward_passes_per_step_accumulates", diff < TOL, f"max rel diff {diff:.2e}")
+
+# 3. fp16 compression: the same step, to fp16 precision.
+model = model_fn()
+opt, _ = make_optimizer(model, plain, HorovodConfig(fp16_compression=True), ctx, steps_per_epoch=1)
+opt.zero_grad()
+loss_fn(model(X.chunk(2)[R]), Y.chunk(2)[R]).backward()
+opt.step()
+diff = max_rel_diff(model, reference)
+report("fp16_compression_close", diff < 1e-2, f"max rel diff {diff:.2e}")
+
+# 4. SyncBatchNorm: each rank's output equals BatchNorm over the global batch, sliced.
+reference = model_fn(batch_norm=True).train()
+synced = use_sync_batchnorm(model_fn(batch_norm=True)).train()
+assert isinstance(synced[1], SyncBatchNorm)
+expected = reference(X)
+got = synced(X.chunk(2)[R])
+diff = ((got - expected.chunk(2)[R]).abs().max() / expected.abs().max()).item()
+report("sync_batchnorm_uses_global_statistics", diff < TOL, f"max rel diff {diff:.2e}")
+# ...and its gradients, averaged by the optimizer, equal the global-batch gradients.
+loss_fn(expected, Y).backward()
+loss_fn(got, Y.chunk(2)[R]).backward()
+grads = [hvd.allreduce(p.grad, op=hvd.Average, name=f"g{i}") for i, p in enumerate(synced.parameters())]
+# (The bias before a BatchNorm has a gradient of ~0, so compare with an absolute floor.)
+ok = all(torch.allclose(a, p.grad, rtol=1e-4, atol=1e-7) for a, p in zip(grads, reference.parameters()))
+diff = max((a - p.grad).abs().max().item() for a, p in zip(grads, reference.parameters()))
+report("sync_batchnorm_gradients_match", ok, f"max abs diff {diff:.2e}")
+stats = ((synced[1].running_var - reference[1].running_var).abs().max()).item()
+report("sync_batchnorm_running_stats_match", stats < 1e-5, f"max abs diff {stats:.2e}")
+
+# 5. Metrics over uneven shards: global sums / global count, not a mean of means.
+values = torch.arange(5.0) if R == 0 else torch.arange(5.0, 7.0)
+means = allreduce_sums({"v": values.sum()}, torch.tensor(float(len(values))))
+report("metric_average_weights_by_count", abs(means["v"] - 3.0) < 1e-12, f"got {means['v']}")
+
+# 6. Ranks initialised differently start identical after restore_or_broadcast; LR warmup scales.
+torch.manual_seed(1000 + R)
+model = nn.Linear(4, 2)
+scaled = OptimConfig(name="sgd", lr=0.1, momentum=0.9, scale_lr=True, warmup_epochs=1)
+opt, sched = make_optimizer(model, scaled, HorovodConfig(), ctx, steps_per_epoch=4)
+with tempfile.TemporaryDirectory() as tmp:
+    state = restore_or_broadcast(CheckpointStore(tmp, is_writer=R == 0), model, opt, sched, ctx)
+weights = hvd.allgather_object(model.weight.detach().clone())
+lrs = []
+for _ in range(5):
+    lrs.append(opt.param_groups[0]["lr"])
+    sched.step()
+report("broadcast_makes_ranks_identical", torch.equal(weights[0], weights[1]) and state.epoch == 0)
+expected_lrs = [0.1, 0.125, 0.15, 0.175, 0.2]
+report("lr_warms_up_to_world_size_times_lr", all(abs(a - b) < 1e-9 for a, b in zip(lrs, expected_lrs)),
+       f"{lrs}")
