@@ -1,0 +1,61 @@
+"""Turn a live model into a model record: which MLflow flavor, a snapshot, and a signature.
+
+Runs in the training thread, because the signature needs one forward pass on the model as it is
+now. The frameworks are found in sys.modules, never imported: a torch job has no TF, and the
+other way round.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import numpy as np
+
+
+def flavor_of(model) -> str:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(model, torch.nn.Module):
+        return "pytorch"
+    for name in ("keras", "tensorflow"):
+        module = sys.modules.get(name)
+        keras_model = getattr(module, "Model", None) or getattr(getattr(module, "keras", None), "Model", None)
+        if keras_model is not None and isinstance(model, keras_model):
+            return "tensorflow"
+    raise TypeError(f"cannot log a {type(model).__name__}: expected a torch.nn.Module or a keras.Model")
+
+
+def _torch_forward(model, example):
+    torch = sys.modules["torch"]
+    first = next(iter(model.parameters()), None)
+    inputs = torch.as_tensor(example)
+    if first is not None:
+        inputs = inputs.to(first.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(inputs)
+    finally:
+        model.train(was_training)
+    return inputs.cpu().numpy(), output.detach().cpu().numpy()
+
+
+def _keras_forward(model, example):
+    inputs = np.asarray(example)
+    return inputs, np.asarray(model(inputs, training=False))
+
+
+def model_record(model, input_example, name: str = "model") -> dict:
+    """An in-memory record (holds objects, not JSON) for the sender to log or to spool.
+
+    A torch model is deep-copied so that training may go on changing it while the record waits
+    in the queue; a Keras model is logged as it is when sent.
+    """
+    from mlflow.models import infer_signature
+
+    flavor = flavor_of(model)
+    inputs, outputs = (_torch_forward if flavor == "pytorch" else _keras_forward)(model, input_example)
+    snapshot = copy.deepcopy(model) if flavor == "pytorch" else model
+    return {"kind": "model", "flavor": flavor, "name": name, "model": snapshot,
+            "signature": infer_signature(inputs, outputs), "input_example": inputs}

@@ -1,0 +1,67 @@
+"""Send a tracking spool to an MLflow server once it is reachable again.
+
+    python -m hvd_runtime.tracking.replay runs/latest/mlflow-spool --uri http://mlflow.example:5000
+
+Each segment continues its run when that server has the run id, else becomes a new run in the
+same experiment (tagged with the original id). A spool that was sent in full is renamed to
+spool.replayed.jsonl, so running the command twice does not log everything twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import records, settings
+from .spool import SPOOL_FILE, read_segments
+
+REPLAYED_FILE = "spool.replayed.jsonl"
+
+
+def spool_file(path: str | Path) -> Path:
+    path = Path(path)
+    return path / SPOOL_FILE if path.is_dir() else path
+
+
+def replay(path: str | Path, uri: str, experiment: str | None = None) -> list[str]:
+    """Send every segment of the spool at `path` (file or directory) to `uri`; return the run ids."""
+    from .sink import MlflowSink
+
+    file = spool_file(path)
+    sink = MlflowSink(uri)
+    run_ids = []
+    for header, items in read_segments(file):
+        if experiment:
+            header = {**header, "experiment": experiment}
+        run_id = sink.open_run(header, reopen=False)
+        for group in records.group(items):
+            sink.apply(run_id, group, base=file.parent)
+        if header.get("run_id") != run_id and not any(r["kind"] == "end" for r in items):
+            # a new run whose job never reported how it ended: do not leave it RUNNING forever
+            sink.apply(run_id, [{"kind": "end", "status": "KILLED", "end_time": records.now_ms()}])
+        run_ids.append(run_id)
+    file.rename(file.with_name(REPLAYED_FILE))
+    return run_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hvd_runtime.tracking.replay", description=__doc__.split("\n")[0])
+    parser.add_argument("spool", help="the spool directory (<run_dir>/mlflow-spool) or its spool.jsonl")
+    parser.add_argument("--uri", default=os.environ.get("MLFLOW_TRACKING_URI") or settings.embedded_uri(),
+                        help="tracking server or store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    parser.add_argument("--experiment", help="log into this experiment instead of the spooled one")
+    args = parser.parse_args(argv)
+    file = spool_file(args.spool)
+    if not file.exists():
+        print(f"no spool at {file}: nothing to replay", file=sys.stderr)
+        return 1
+    for run_id in replay(file, args.uri, args.experiment):
+        print(f"replayed into run {run_id} at {args.uri}")
+    print(f"done; the spool is kept as {file.with_name(REPLAYED_FILE)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

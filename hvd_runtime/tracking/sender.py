@@ -1,0 +1,136 @@
+"""One background sender per run, so the training loop never waits on the network.
+
+Why a thread rather than only short HTTP timeouts: even a 10 s timeout, retried, would stall
+every step while a server is down or slow, and the first contact with a fresh sqlite store
+spends seconds on migrations. So the training thread only enqueues (never blocking: a full queue
+spools instead), and this thread sends in order, consecutive metrics batched into one request.
+The first failure prints one warning; from then on every record goes to the local spool, which
+is fast and cannot fail the job. `Tracker.close` waits for this thread at most a fixed time and
+then spools whatever is left, so the job's exit is bounded whatever the server does.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from . import records
+from .spool import Spool
+
+MAX_BATCH = 500     # records taken from the queue per round trip
+
+
+class Sender(threading.Thread):
+    def __init__(self, uri: str, header: dict, params: dict, spool: Spool, warn: Callable[[str], None],
+                 queue_size: int = 10_000):
+        super().__init__(name="hvd-runtime-tracking", daemon=True)
+        self.uri = uri
+        self.header = header
+        self.params = params
+        self.spool = spool
+        self.warn = warn
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.run_id: str | None = header.get("run_id")
+        self.ready = threading.Event()      # set once the run is open, or opening it failed
+        self.imported = threading.Event()   # set once MLflow is imported (or failed to import)
+        self.failed = False
+        self.abandoned = False
+        self.inflight: list[dict] = []
+        self.sink = None
+
+    def segment_head(self) -> list[dict]:
+        """The spool's first lines: this run as known now, and its params."""
+        return [{**self.header, "run_id": self.run_id}, self.params]
+
+    def submit(self, record: dict) -> None:
+        if self.abandoned:
+            self.to_spool([record])
+            return
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.warn(f"tracking fell {self.queue.maxsize} records behind the server")
+            self.to_spool([record])
+
+    def run(self) -> None:
+        try:
+            try:
+                from .sink import MlflowSink  # MLflow is imported here, off the training thread
+            finally:
+                self.imported.set()
+            self.sink = MlflowSink(self.uri)
+            self.run_id = self.sink.open_run(self.header)
+            self.sink.apply(self.run_id, [self.params])
+        except Exception as exc:
+            self.fail(exc, [])
+        finally:
+            self.ready.set()
+        done = False
+        while not done:
+            batch = self._take()
+            done = batch[-1]["kind"] == "end"
+            for group in records.group(batch):
+                if self.failed or self.abandoned:
+                    self.to_spool(group)
+                    continue
+                self.inflight = group
+                try:
+                    self.sink.apply(self.run_id, group)
+                except Exception as exc:
+                    self.fail(exc, group)
+                finally:
+                    self.inflight = []
+
+    def _take(self) -> list[dict]:
+        batch = [self.queue.get()]
+        while len(batch) < MAX_BATCH and batch[-1]["kind"] != "end":
+            try:
+                batch.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def fail(self, exc: BaseException, pending: list[dict]) -> None:
+        self.failed = True
+        summary = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        self.warn(f"MLflow at {self.header.get('tracking_uri', self.uri)} failed ({summary})")
+        self.to_spool(pending)
+
+    def drain(self) -> None:
+        """After close gave up waiting: spool what is queued and what is being sent."""
+        self.abandoned = True
+        self.to_spool(list(self.inflight))
+        pending = []
+        while True:
+            try:
+                pending.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        self.to_spool(pending)
+
+    def to_spool(self, pending: list[dict]) -> None:
+        """Write records to the spool; an in-memory model is saved there as an MLflow model first."""
+        out = []
+        for record in pending:
+            if record["kind"] == "model" and "model" in record:
+                record = self._save_model(record)
+                if record is None:
+                    continue
+            out.append(record)
+        try:
+            self.spool.write(out)
+        except OSError as exc:
+            self.warn(f"could not write the tracking spool {self.spool.path} ({exc})")
+
+    def _save_model(self, record: dict) -> dict | None:
+        try:
+            from .sink import save_model
+
+            path = self.spool.new_slot(record["name"])
+            save_model(record, path)
+        except Exception as exc:
+            self.warn(f"could not save the model to the tracking spool ({exc})")
+            return None
+        return {"kind": "model", "flavor": record["flavor"], "name": record["name"],
+                "path": str(path.relative_to(self.spool.directory))}

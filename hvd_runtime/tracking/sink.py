@@ -1,0 +1,142 @@
+"""The only module that talks to MLflow: open or reopen a run, and apply record groups to it.
+
+Used by the background sender during training and by replay afterwards, so a spooled record
+reaches a server through exactly the code a live one does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model
+
+ORIGINAL_RUN_TAG = "hvd_runtime.original_run_id"      # set when a stored run id is not on this server
+CHANGED_PARAMS_TAG = "hvd_runtime.params_changed"     # MLflow params are write-once; a resume may differ
+MODEL_ARGUMENT = {"pytorch": "pytorch_model", "tensorflow": "model"}
+PARAMS_PER_REQUEST = 100
+METRICS_PER_REQUEST = 1000
+
+
+def _flavor(name: str):
+    return importlib.import_module(f"mlflow.{name}")
+
+
+def _chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def _requirements(flavor) -> list[str]:
+    """The flavor's pinned defaults (torch or tensorflow, cloudpickle...), given explicitly because
+    MLflow's inference re-imports the model in a subprocess: ~10 s per model on a small CPU node,
+    and a generated project's own package is not on PyPI for it to find anyway."""
+    return flavor.get_default_pip_requirements()
+
+
+def save_model(record: dict, path: Path) -> None:
+    """Write an in-memory model record as an MLflow model directory (signature and example kept)."""
+    flavor = _flavor(record["flavor"])
+    flavor.save_model(record["model"], str(path), signature=record["signature"],
+                      input_example=record["input_example"], pip_requirements=_requirements(flavor))
+
+
+class MlflowSink:
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+
+    def open_run(self, header: dict, reopen: bool = True) -> str:
+        """Continue the header's run when this server has it, else create one in its experiment."""
+        experiment_id = self._experiment_id(header["experiment"])
+        wanted = header.get("run_id")
+        if wanted and self._run_exists(wanted):
+            if reopen:
+                self.client.update_run(wanted, status="RUNNING")
+            return wanted
+        tags = dict(header.get("tags") or {})
+        if wanted:
+            tags[ORIGINAL_RUN_TAG] = wanted
+        run = self.client.create_run(experiment_id, start_time=header.get("start_time"), tags=tags,
+                                     run_name=header.get("run_name"))
+        return run.info.run_id
+
+    def _experiment_id(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException as exc:  # another job created it between our two calls
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _run_exists(self, run_id: str) -> bool:
+        try:
+            self.client.get_run(run_id)
+            return True
+        except MlflowException as exc:  # anything but "no such run" (e.g. no server) must propagate
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return False
+            raise
+
+    def apply(self, run_id: str, group: list[dict], base: Path | None = None) -> None:
+        """Send one group from records.group; paths in it are relative to `base` (the spool)."""
+        kind = group[0]["kind"]
+        if kind == "metrics":
+            metrics = [Metric(key, value, r["timestamp"], r["step"])
+                       for r in group for key, value in r["metrics"].items()]
+            for chunk in _chunks(metrics, METRICS_PER_REQUEST):
+                self.client.log_batch(run_id, metrics=chunk)
+        elif kind == "params":
+            self._params(run_id, {k: v for r in group for k, v in r["params"].items()})
+        elif kind == "tags":
+            tags = [RunTag(k, v) for r in group for k, v in r["tags"].items()]
+            self.client.log_batch(run_id, tags=tags)
+        elif kind == "artifact":
+            for record in group:
+                self._artifact(run_id, record, base)
+        elif kind == "model":
+            for record in group:
+                self._model(run_id, record, base)
+        elif kind == "end":
+            self.client.set_terminated(run_id, status=group[-1]["status"], end_time=group[-1]["end_time"])
+
+    def _params(self, run_id: str, params: dict[str, str]) -> None:
+        existing = self.client.get_run(run_id).data.params
+        new = [Param(k, v) for k, v in params.items() if k not in existing]
+        for chunk in _chunks(new, PARAMS_PER_REQUEST):
+            self.client.log_batch(run_id, params=chunk)
+        changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
+        if changed:
+            self.client.set_tag(run_id, CHANGED_PARAMS_TAG, ",".join(changed)[:5000])
+
+    def _artifact(self, run_id: str, record: dict, base: Path | None) -> None:
+        if record.get("missing"):
+            return
+        path = Path(base or ".") / record["path"]
+        if path.is_dir():
+            self.client.log_artifacts(run_id, str(path), record.get("artifact_path") or path.name)
+        else:
+            self.client.log_artifact(run_id, str(path), record.get("artifact_path"))
+
+    def _model(self, run_id: str, record: dict, base: Path | None) -> None:
+        flavor = _flavor(record["flavor"])
+        if "path" in record:  # a spooled model: load it back, so it is logged like a live one
+            local = str(Path(base or ".") / record["path"])
+            saved = Model.load(local)
+            model, signature, example = flavor.load_model(local), saved.signature, saved.load_input_example(local)
+        else:
+            model, signature, example = record["model"], record["signature"], record["input_example"]
+        # Model.log finds the store and the experiment through MLflow's process-wide state, not
+        # the run: point both at this run (this process logs to one place anyway).
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_experiment(experiment_id=self.client.get_run(run_id).info.experiment_id)
+        Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
+                  input_example=example, pip_requirements=_requirements(flavor),
+                  **{MODEL_ARGUMENT[record["flavor"]]: model})

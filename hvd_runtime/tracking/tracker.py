@@ -1,0 +1,133 @@
+"""What the training loop holds: `Tracker` on rank 0, `NullTracker` everywhere else.
+
+Every Tracker method returns at once: records go to the background sender (sender.py). The one
+call that may wait is `close`, for at most `close_timeout` seconds, and `run_id`, until the run
+is open (normally long before anyone asks for it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+
+from . import records
+from .sender import Sender
+
+log = logging.getLogger("hvd_runtime.tracking")
+
+CLOSE_TIMEOUT = 60.0    # seconds close() waits for the sender before spooling the rest
+OPEN_TIMEOUT = 60.0     # seconds run_id waits for the run to open
+
+
+class OneWarning:
+    """Print the first problem as one warning that says what happens next; later ones quietly."""
+
+    def __init__(self, spool_dir, uri: str):
+        self.spool_dir, self.uri = spool_dir, uri
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, problem: str) -> None:
+        with self._lock:
+            self.count += 1
+            first = self.count == 1
+        if first:
+            log.warning("%s; training continues, unsent tracking data goes to %s (send it later with: "
+                        "python -m hvd_runtime.tracking.replay %s --uri %s)",
+                        problem, self.spool_dir, self.spool_dir, self.uri)
+        else:
+            log.info("%s", problem)
+
+
+class NullTracker:
+    """Ranks other than 0, or tracking disabled: accepts every call, does nothing, imports nothing."""
+
+    run_id = None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def set_tags(self, tags):
+        pass
+
+    def log_artifact(self, path, artifact_path=None):
+        pass
+
+    def log_model(self, model, input_example, name="model"):
+        pass
+
+    def close(self, status="FINISHED"):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return False
+
+
+class Tracker(NullTracker):
+    def __init__(self, sender: Sender, warn: OneWarning, close_timeout: float = CLOSE_TIMEOUT):
+        self._sender = sender
+        self._warn = warn
+        self._close_timeout = close_timeout
+        self._closed = False
+        atexit.register(self.close)     # a script that forgets close() still flushes and ends its run
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id, to store with checkpoints; None if the run could not be opened."""
+        self._sender.ready.wait(OPEN_TIMEOUT)
+        return self._sender.run_id
+
+    @property
+    def spool_path(self):
+        return self._sender.spool.path
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        """Values already averaged across ranks (hvd.allreduce); one point per key and step."""
+        self._submit(lambda: records.metrics(metrics, step))
+
+    def set_tags(self, tags: dict) -> None:
+        self._submit(lambda: records.tags(tags))
+
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        """A file or a directory, read when it is sent (or copied when it is spooled)."""
+        self._submit(lambda: records.artifact(os.path.abspath(path), artifact_path))
+
+    def log_model(self, model, input_example, name: str = "model") -> None:
+        """torch.nn.Module -> mlflow.pytorch, keras.Model -> mlflow.tensorflow, with a signature
+        inferred from `input_example` and the model's output on it."""
+        # Two threads importing MLflow at once can see it half-initialised: let the sender finish.
+        self._sender.imported.wait(OPEN_TIMEOUT)
+        from .models import model_record
+
+        self._submit(lambda: model_record(model, input_example, name))
+
+    def _submit(self, make_record) -> None:
+        if self._closed:
+            return
+        try:
+            record = make_record()
+        except Exception as exc:  # a bad value or model is reported, never raised into training
+            log.warning("tracking call ignored: %s", exc)
+            return
+        self._sender.submit(record)
+
+    def close(self, status: str = "FINISHED") -> None:
+        """End the run with `status`; wait at most close_timeout for the sender, spool the rest."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._sender.submit(records.end(status))
+        self._sender.join(self._close_timeout)
+        if self._sender.is_alive():
+            self._warn(f"MLflow did not finish within {self._close_timeout:.0f} s")
+            self._sender.drain()
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close("FAILED" if exc_type is not None else "FINISHED")
+        return False
