@@ -8,6 +8,8 @@ uses, `-np` that does not match workers x slots, horovodrun running every rank o
 
 from __future__ import annotations
 
+import difflib
+
 from hvdgen.k8s.launch import DISCOVER_HOSTS, HOSTFILE, option_value
 from hvdgen.k8s.names import MAX_LABEL, dns1035_fix, is_dns1035_label, last_worker_name
 from hvdgen.k8s.problems import Problem
@@ -33,7 +35,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _replicas(spec: dict, kind: str) -> int | None:
+def _replicas(spec: dict) -> int | None:
     value = _get(spec, "replicas")
     return 1 if value is None else value if _is_int(value) else None
 
@@ -58,15 +60,18 @@ def operator_problems(job: dict) -> list[Problem]:
     specs = specs if isinstance(specs, dict) else {}
     for kind in specs:
         if kind not in REPLICA_TYPES:
-            problems.append(Problem(f"{REPLICAS}.{kind}", "unknown replica type: use Launcher or Worker"))
+            close = difflib.get_close_matches(str(kind), REPLICA_TYPES, n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'?" if close else "use Launcher or Worker"
+            problems.append(Problem(f"{REPLICAS}.{kind}", f"unknown replica type '{kind}': {hint} "
+                                    "(the operator knows Launcher and Worker)"))
     if "Launcher" not in specs:
         problems.append(Problem(f"{REPLICAS}.Launcher", "missing: an MPIJob needs exactly one Launcher"))
     launcher = specs.get("Launcher") if isinstance(specs.get("Launcher"), dict) else None
-    if launcher is not None and _replicas(launcher, "Launcher") not in (1, None):
+    if launcher is not None and _replicas(launcher) not in (1, None):
         problems.append(Problem(f"{REPLICAS}.Launcher.replicas",
                                 f"is {launcher['replicas']}, must be exactly 1: set replicas: 1"))
     worker = specs.get("Worker") if isinstance(specs.get("Worker"), dict) else None
-    workers = _replicas(worker, "Worker") if worker is not None else None
+    workers = _replicas(worker) if worker is not None else None
     if workers is not None and workers < 1:
         problems.append(Problem(f"{REPLICAS}.Worker.replicas",
                                 f"is {workers}, must be at least 1: set replicas: 1 or more"))
@@ -120,15 +125,21 @@ def _gpu_problems(specs: dict, run_launcher_as_worker: bool) -> list[Problem]:
     return problems
 
 
+def _argv(container: dict) -> list[str]:
+    argv = []
+    for key in ("command", "args"):
+        value = container.get(key) or []
+        if not isinstance(value, list):
+            return []
+        argv += [str(item) for item in value if isinstance(item, (str, int))]
+    return argv
+
+
 def _launch_problems(job: dict, specs: dict) -> list[Problem]:
+    """The launcher's horovodrun/mpirun line agrees with the workers and slots."""
     containers = _containers(specs.get("Launcher"))
-    if not containers:
-        return []
-    _, main = containers[0]
-    argv = [str(a) for a in (main.get("command") or []) + (main.get("args") or [])
-            if isinstance(a, (str, int))] if isinstance(main.get("command") or [], list) and isinstance(
-                main.get("args") or [], list) else []
-    if not argv or not any(a.rsplit("/", 1)[-1] in ("horovodrun", "mpirun") for a in argv):
+    argv = _argv(containers[0][1]) if containers else []
+    if not any(arg.rsplit("/", 1)[-1] in ("horovodrun", "mpirun") for arg in argv):
         return []
     where = f"{REPLICAS}.Launcher.template.spec.containers[0]"
     problems = []
@@ -137,11 +148,13 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
     if horovodrun and not elastic and option_value(argv, "--hostfile", "-hostfile", "-H", "--hosts") is None:
         problems.append(Problem(f"{where}.args", f"horovodrun without --hostfile runs every rank on the launcher: "
                                 f"add --hostfile {HOSTFILE} (or --host-discovery-script {DISCOVER_HOSTS})"))
-    workers = _replicas(specs.get("Worker") or {}, "Worker")
+    if not isinstance(specs.get("Worker"), dict):
+        return problems
+    workers = _replicas(specs["Worker"])
     slots = _get(job, "spec", "slotsPerWorker")
     slots = 1 if slots is None else slots
     np_text = option_value(argv, "-np", "--num-proc", "-n", "--np")
-    if not (_is_int(workers) and _is_int(slots) and np_text and np_text.isdigit()) or slots < 0:
+    if not (_is_int(workers) and _is_int(slots) and np_text and np_text.isdigit()) or slots < 0 or workers < 1:
         return problems
     expected = workers * slots
     if elastic:
@@ -158,18 +171,23 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
     return problems
 
 
+def _slots_problems(job: dict, specs: dict) -> list[Problem]:
+    """One rank per GPU: slotsPerWorker equals the GPUs in a worker's limits."""
+    slots = _get(job, "spec", "slotsPerWorker")
+    slots = 1 if slots is None else slots
+    for _, container in _containers(specs.get("Worker"))[:1]:
+        limits = _get(container, "resources", "limits")
+        gpus = [limits[key] for key in _gpu_keys(limits)]
+        if gpus and _is_int(gpus[0]) and gpus[0] > 0 and _is_int(slots) and 0 <= slots != gpus[0]:
+            return [Problem("spec.slotsPerWorker", f"is {slots} but each worker has {gpus[0]} GPUs: "
+                                                   f"set slotsPerWorker: {gpus[0]} (one rank per GPU)")]
+    return []
+
+
 def convention_problems(job: dict) -> list[Problem]:
     """Horovod-on-Kubernetes conventions: GPUs, slots and -np agree."""
     specs = _get(job, "spec", "mpiReplicaSpecs")
     if not isinstance(specs, dict):
         return []
-    problems = _gpu_problems(specs, _get(job, "spec", "runLauncherAsWorker") is True)
-    slots = _get(job, "spec", "slotsPerWorker")
-    for i, container in _containers(specs.get("Worker"))[:1]:
-        gpus = [v for k, v in (_get(container, "resources", "limits") or {}).items()
-                if k in _gpu_keys(_get(container, "resources", "limits"))]
-        if gpus and _is_int(gpus[0]) and gpus[0] > 0 and _is_int(slots if slots is not None else 1) \
-                and (slots if slots is not None else 1) != gpus[0]:
-            problems.append(Problem("spec.slotsPerWorker", f"is {1 if slots is None else slots} but each worker has "
-                                    f"{gpus[0]} GPUs: set slotsPerWorker: {gpus[0]} (one rank per GPU)"))
-    return problems + _launch_problems(job, specs)
+    return (_gpu_problems(specs, _get(job, "spec", "runLauncherAsWorker") is True)
+            + _slots_problems(job, specs) + _launch_problems(job, specs))
