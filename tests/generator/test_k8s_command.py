@@ -1,0 +1,133 @@
+"""`hvdgen k8s`: re-renders k8s/ from the project's answers and touches nothing else; `--check`
+rejects hand-edited manifests with one line per problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from hvdgen.cli import main
+from hvdgen.spec import SPEC_FILE
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    result = run("new", "demo", "--output", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    return tmp_path / "demo"
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def answers(project: Path) -> dict:
+    return yaml.safe_load((project / SPEC_FILE).read_text())
+
+
+def test_new_writes_valid_k8s(project):
+    assert (project / "k8s" / "base" / "mpijob.yaml").is_file()
+    result = run("k8s", "--project", str(project), "--check")
+    assert result.exit_code == 0, result.output
+
+
+def test_rerender_touches_only_k8s_and_the_k8s_answers(project):
+    (project / "train.py").write_text((project / "train.py").read_text() + "\n# my change\n")
+    (project / "notes.md").write_text("mine\n")
+    (project / "config.yaml").write_text((project / "config.yaml").read_text().replace("epochs: 20", "epochs: 3"))
+    before = snapshot(project)
+    spec_before = answers(project)
+
+    result = run("k8s", "--project", str(project), "--workers", "4", "--gpus-per-worker", "2", "--elastic",
+                 "--max-workers", "6", "--image", "registry.example.com/ml/demo:v3", "--namespace", "ml")
+    assert result.exit_code == 0, result.output
+
+    after = snapshot(project)
+    changed = {rel for rel in before.keys() | after.keys() if before.get(rel) != after.get(rel)}
+    assert changed and all(rel.startswith("k8s/") or rel == SPEC_FILE for rel in changed), changed
+    spec_after = answers(project)
+    assert {k: v for k, v in spec_after.items() if k != "k8s"} == {k: v for k, v in spec_before.items() if k != "k8s"}
+    assert spec_after["k8s"]["workers"] == 4 and spec_after["k8s"]["elastic"] is True
+    assert not list(project.glob(".hvdgen-k8s-*")), "staging folder left behind"
+
+    job = yaml.safe_load((project / "k8s/base/mpijob.yaml").read_text())
+    assert job["metadata"]["namespace"] == "ml"
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 4
+    patch = yaml.safe_load((project / "k8s/overlays/gpu/mpijob-patch.yaml").read_text())
+    assert patch["spec"]["slotsPerWorker"] == 2
+
+    # Options left out keep the recorded answers.
+    result = run("k8s", "--project", str(project), "--workers", "3")
+    assert result.exit_code == 0, result.output
+    k8s = answers(project)["k8s"]
+    assert (k8s["workers"], k8s["image"], k8s["max_workers"], k8s["namespace"]) == (
+        3, "registry.example.com/ml/demo:v3", 6, "ml")
+    assert run("k8s", "--project", str(project), "--check").exit_code == 0
+
+
+def test_gpus_zero_drops_the_gpu_overlay(project):
+    assert (project / "k8s/overlays/gpu").is_dir()
+    assert run("k8s", "--project", str(project), "--gpus-per-worker", "0").exit_code == 0
+    assert not (project / "k8s/overlays/gpu").exists()
+    assert run("k8s", "--project", str(project), "--check").exit_code == 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--workers", "0"], ["--workers", "at least 1"]),
+    (["--elastic", "--min-workers", "3", "--workers", "2"], ["--min-workers", "<= --workers"]),
+    (["--namespace", "ML_Team"], ["--namespace", "lower-case"]),
+    (["--image", "Bad Image"], ["--image", "image reference"]),
+])
+def test_bad_options_change_nothing(project, args, words):
+    before = snapshot(project)
+    result = run("k8s", "--project", str(project), *args)
+    assert result.exit_code == 1
+    line = result.output.strip()
+    assert "\n" not in line and all(word in line for word in words), line
+    assert snapshot(project) == before
+
+
+def test_check_rejects_a_hand_edited_manifest(project):
+    path = project / "k8s/base/mpijob.yaml"
+    path.write_text(path.read_text().replace("              limits:", "              limit:", 1))
+    result = run("k8s", "--project", str(project), "--check")
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert lines == ["k8s/base: spec.mpiReplicaSpecs.Launcher.template.spec.containers[0].resources: "
+                     "unknown field 'limit': did you mean 'limits'?"]
+
+
+def test_check_reports_a_broken_patch_under_its_overlay(project):
+    path = project / "k8s/overlays/gpu/mpijob-patch.yaml"
+    path.write_text(path.read_text().replace("\nspec:\n", "\nspec:\n  slotsPerWorker: -2\n", 1))
+    result = run("k8s", "--project", str(project), "--check")
+    assert result.exit_code == 1
+    assert result.output.strip().startswith("k8s/overlays/gpu: spec.slotsPerWorker: is -2, must not be negative")
+
+
+def test_check_reads_a_file_from_stdin(project):
+    job = yaml.safe_load((project / "k8s/base/mpijob.yaml").read_text())
+    job["spec"]["mpiReplicaSpecs"]["Launcher"]["replicas"] = 2
+    result = run("k8s", "--check", "--file", "-", input=yaml.safe_dump(job))
+    assert result.exit_code == 1
+    assert result.output.strip() == ("<stdin>: spec.mpiReplicaSpecs.Launcher.replicas: is 2, must be exactly 1: "
+                                     "set replicas: 1")
+    job["spec"]["mpiReplicaSpecs"]["Launcher"]["replicas"] = 1
+    assert run("k8s", "--check", "--file", "-", input=yaml.safe_dump(job)).exit_code == 0
+
+
+def test_check_refuses_generation_options(project):
+    result = run("k8s", "--project", str(project), "--check", "--workers", "3")
+    assert result.exit_code == 2 and "--workers" in result.output
+
+
+def test_outside_a_project(tmp_path):
+    result = run("k8s", "--project", str(tmp_path))
+    assert result.exit_code == 1 and ".hvdgen.yaml" in result.output
