@@ -1,0 +1,85 @@
+"""`hvdgen install-horovod` and `hvdgen doctor` against the real sdist and the installed build."""
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hvdgen import horovod_build
+from hvdgen.doctor import parse_check_build
+from hvdgen.errors import HvdgenError
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def sdist_source(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("sdist")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(work), f"horovod=={horovod_build.HOROVOD_VERSION}"], check=True)
+    with tarfile.open(next(work.glob("horovod-*.tar.gz"))) as archive:
+        archive.extractall(work, filter="data")
+    return work / f"horovod-{horovod_build.HOROVOD_VERSION}"
+
+
+def test_patches_apply_to_the_real_sdist(sdist_source):
+    horovod_build.apply_patches(sdist_source)
+    assert "set(CMAKE_CXX_STANDARD 17)" in (sdist_source / "CMakeLists.txt").read_text()
+    assert "CMAKE_CXX_STANDARD 14" not in (sdist_source / "horovod/torch/CMakeLists.txt").read_text()
+    assert "xla_mpi_ops.cc" not in (sdist_source / "horovod/tensorflow/CMakeLists.txt").read_text()
+    with pytest.raises(HvdgenError, match="sdist changed"):
+        horovod_build.apply_patches(sdist_source)  # already patched: the old text is gone
+
+
+def test_cache_key_names_every_version():
+    target = horovod_build.BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=True, nccl=False)
+    assert target.key == "horovod0.28.1_py311_torch2.13.0+cpu_tf-none_gloo_mpi"
+    assert target.frameworks == ["PyTorch"]
+
+
+def test_build_environment_selects_frameworks_and_controllers():
+    target = horovod_build.BuildTarget(python="311", torch="2.13.0", tensorflow=None, mpi=False, nccl=False)
+    env = horovod_build.build_environment(target, jobs=3)
+    assert env["HOROVOD_WITH_PYTORCH"] == env["HOROVOD_WITHOUT_TENSORFLOW"] == env["HOROVOD_WITHOUT_MPI"] == "1"
+    assert env["MAKEFLAGS"] == "-j3" and "-include cstdint" in env["CXXFLAGS"]
+    assert "HOROVOD_GPU_OPERATIONS" not in env
+
+
+def test_failure_explains_the_likely_fix(tmp_path):
+    log = tmp_path / "build.log"
+    log.write_text("compiling\n" * 50 + "fatal error: highwayhash/arch_specific.h: No such file or directory\n")
+    message = horovod_build.explain_failure(log)
+    assert "libhighwayhash-dev" in message and str(log) in message
+    assert message.count("compiling") == 39  # the tail, not the whole log
+
+
+@pytest.mark.slow
+def test_second_install_reuses_the_installed_wheel():
+    proc = subprocess.run([str(BIN / "hvdgen"), "install-horovod"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "is installed from the cached wheel" in proc.stdout
+
+
+def test_doctor_reports_the_build():
+    proc = subprocess.run([str(BIN / "hvdgen"), "doctor"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "frameworks   PyTorch" in proc.stdout and "controllers  Gloo" in proc.stdout
+
+
+def test_doctor_fails_without_horovodrun_and_says_what_to_do():
+    env = dict(os.environ, PATH="/usr/bin:/bin")
+    proc = subprocess.run([sys.executable, "-m", "hvdgen", "doctor"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert "hvdgen install-horovod" in proc.stderr
+
+
+def test_parse_check_build_reads_horovodrun_output():
+    out = subprocess.run([str(BIN / "horovodrun"), "--check-build"], capture_output=True, text=True).stdout
+    build = parse_check_build(out)
+    assert build["Frameworks"]["PyTorch"] is True
+    assert build["Controllers"]["Gloo"] is True
+    assert set(build) == {"Frameworks", "Controllers", "Tensor Operations"}
