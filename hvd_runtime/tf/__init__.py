@@ -1,0 +1,20 @@
+"""hvd_runtime for TensorFlow / Keras 3: what a data-parallel train.py calls, one concern per module.
+
+Built on `horovod.tensorflow` (collectives) and plain Keras 3 (model, optimizer), with the
+gradient allreduce as an explicit step in a custom loop. `horovod.tensorflow.keras` is not
+used: on Keras 3 its optimizer wrapper is silently bypassed and its callbacks fail.
+"""
+
+from hvd_runtime.tf.batches import ShardedBatches
+from hvd_runtime.tf.context import Context, init_horovod
+from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
+from hvd_runtime.tf.loop import allreduce_sums, evaluate, train_epoch
+from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer
+from hvd_runtime.tf.state import TrainState, checkpoint_store, restore_or_broadcast, save_checkpoint
+from hvd_runtime.tf.step import TrainStep
+from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm
+
+__all__ = ["Context", "GradientAccumulator", "GradientSync", "ShardedBatches", "SyncBatchNormalization",
+           "TrainState", "TrainStep", "WarmupSchedule", "allreduce_sums", "checkpoint_store", "evaluate",
+           "init_horovod", "make_optimizer", "restore_or_broadcast", "save_checkpoint", "train_epoch",
+           "use_sync_batchnorm"]

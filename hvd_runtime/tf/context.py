@@ -1,0 +1,74 @@
+"""Horovod start-up for TensorFlow: init, one GPU per rank (or a fair share of the CPU), seeds.
+
+Everything here must run before TensorFlow creates its first tensor: device visibility and
+thread pools are fixed at that moment, and changing them later raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Context:
+    """Who this process is in the job, and where its tensors live."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: str     # "GPU:0" (the one GPU this rank sees) or "CPU:0"
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def cpu_threads(local_size: int, requested: int = 0) -> int:
+    """Cores shared evenly by the ranks on this host: oversubscribed threads slow every rank."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_size))
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and TF (hence Keras initialisers and dropout) from one number."""
+    import keras
+
+    keras.utils.set_random_seed(seed % 2**32)
+
+
+def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0) -> str:
+    """Show this rank only its own GPU, growing memory on demand; on CPU, cap its thread pools.
+
+    Without memory growth the first rank's TF grabs nearly all of every GPU it sees; without the
+    thread cap, N ranks on one host each start one thread per core and fight over them.
+    """
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        gpu = gpus[local_rank % len(gpus)]
+        tf.config.set_visible_devices(gpu, "GPU")
+        tf.config.experimental.set_memory_growth(gpu, True)
+        return "GPU:0"
+    threads = cpu_threads(local_size, threads_per_rank)
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return "CPU:0"
+
+
+def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
+    """hvd.init(), pin this rank's device, seed with seed + rank.
+
+    Seeds differ per rank so dropout differs; the model itself is made identical by broadcasting
+    rank 0's variables, and the data order comes from a seed shared by all ranks.
+    """
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank)
+    seed_everything(seed + hvd.rank())
+    return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)

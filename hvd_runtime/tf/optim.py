@@ -1,0 +1,76 @@
+"""The optimizer side of data parallelism: the LR scaled by world size, reached by a warmup.
+
+Gradients are averaged in hvd_runtime.tf.gradients, not here: Keras 3 optimizers are used as
+they are, which is what keeps `model.fit`-era code and Horovod's Keras wrappers out of the way.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from hvd_runtime.tf.context import Context
+
+
+def lr_scaler(size: int, local_size: int, scale_lr: bool, adasum: bool, gpu_allreduce: bool) -> float:
+    """Why the LR grows: averaging over N ranks makes the effective batch N times larger.
+
+    Adasum combines gradients adaptively, so it needs only the local (GPU) scaling, as Horovod
+    documents; on CPU it needs none.
+    """
+    if adasum:
+        return float(local_size) if gpu_allreduce else 1.0
+    return float(size) if scale_lr else 1.0
+
+
+@keras.saving.register_keras_serializable(package="hvd_runtime")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """lr x scaler, reached by a linear ramp from the one-rank lr over `warmup_steps` steps.
+
+    Starting at the full scaled LR from random weights often diverges (Goyal et al., 2017). The
+    step is the optimizer's own iteration count, which checkpoints carry, so a resumed run picks
+    the ramp up where it stopped.
+    """
+
+    def __init__(self, lr: float, scaler: float, warmup_steps: int):
+        self.lr, self.scaler, self.warmup_steps = float(lr), float(scaler), int(warmup_steps)
+
+    def __call__(self, step):
+        target = self.lr * self.scaler
+        if self.warmup_steps <= 0 or self.scaler == 1.0:
+            return tf.constant(target, tf.float32)
+        progress = tf.minimum(tf.cast(step, tf.float32) / self.warmup_steps, 1.0)
+        return self.lr + (target - self.lr) * progress
+
+    def get_config(self):
+        return {"lr": self.lr, "scaler": self.scaler, "warmup_steps": self.warmup_steps}
+
+
+def _decay(cfg) -> float | None:
+    return cfg.weight_decay or None
+
+
+# Keras 3 applies weight_decay decoupled from the gradient (AdamW-style) for every optimizer.
+OPTIMIZERS = {
+    "sgd": lambda cfg, lr: keras.optimizers.SGD(lr, momentum=cfg.momentum, weight_decay=_decay(cfg)),
+    "adam": lambda cfg, lr: keras.optimizers.Adam(lr, weight_decay=_decay(cfg)),
+    "adamw": lambda cfg, lr: keras.optimizers.AdamW(lr, weight_decay=cfg.weight_decay),
+}
+
+
+def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int) -> keras.optimizers.Optimizer:
+    """A plain Keras optimizer whose LR follows WarmupSchedule.
+
+    One optimizer step is `backward_passes_per_step` batches, so the warmup is counted in those.
+    """
+    import horovod.tensorflow as hvd
+
+    if optim_cfg.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optim.name {optim_cfg.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if hvd_cfg.backward_passes_per_step < 1:
+        raise ValueError(f"horovod.backward_passes_per_step must be at least 1, got {hvd_cfg.backward_passes_per_step}")
+    gpu_allreduce = hvd.nccl_built() and ctx.device.startswith("GPU")
+    scaler = lr_scaler(ctx.size, ctx.local_size, optim_cfg.scale_lr, hvd_cfg.adasum, bool(gpu_allreduce))
+    optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
+    schedule = WarmupSchedule(optim_cfg.lr, scaler, int(round(optim_cfg.warmup_epochs * optimizer_steps)))
+    return OPTIMIZERS[optim_cfg.name](optim_cfg, schedule)

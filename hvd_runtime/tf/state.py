@@ -1,0 +1,116 @@
+"""Training state across restarts: rank 0 writes checkpoints, every rank starts from rank 0's state.
+
+A checkpoint holds the Keras model's variables, the optimizer's variables (slots, iteration
+count, hence the warmup position), the epoch and step, and every rank's Python and NumPy RNG
+state. On start, rank 0 loads its newest readable checkpoint into its model, then broadcasts
+the variables, so all ranks begin identical whatever their own initialisation was.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hvd_runtime.checkpoint import CheckpointStore
+from hvd_runtime.tf.context import Context
+
+SUFFIX = "pkl"
+
+
+@dataclass
+class TrainState:
+    epoch: int = 0          # the next epoch to run
+    step: int = 0           # batches trained so far, over all epochs
+    run_id: str | None = None   # the tracking run this training belongs to
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def shared_variables(model, optimizer, local_variables=()) -> list:
+    """What every rank must hold identically: float model variables and all optimizer variables.
+
+    Integer variables in a Keras model are RNG seed states (Dropout's SeedGenerator): each rank
+    keeps its own, so dropout masks differ across ranks. Local variables stay per rank too.
+    """
+    local = {id(v) for v in local_variables}
+    model_vars = [v for v in model.variables if "float" in str(v.dtype) and id(v) not in local]
+    return model_vars + list(optimizer.variables)
+
+
+def snapshot(model, optimizer, state: TrainState, rng_states=None) -> dict:
+    return {"model": [np.asarray(v) for v in model.variables],
+            "optimizer": [np.asarray(v) for v in optimizer.variables],
+            "state": asdict(state), "rng": rng_states}
+
+
+def _assign(variables, arrays, what: str, path: Path) -> None:
+    if len(variables) != len(arrays) or any(tuple(v.shape) != a.shape for v, a in zip(variables, arrays)):
+        raise ValueError(f"checkpoint {path} does not fit this {what} ({len(arrays)} arrays for {len(variables)} "
+                         "variables): was the model or optimizer changed? Start over with --checkpoint.resume false")
+    for v, a in zip(variables, arrays):
+        v.assign(a)
+
+
+def _read(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool = True,
+                         local_variables=()) -> TrainState:
+    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
+
+    The optimizer's variables are created here, before the broadcast, so they are synchronised
+    along with the model's instead of after a first step that already used them.
+    """
+    import horovod.tensorflow as hvd
+
+    optimizer.build(model.trainable_variables)
+    meta = {"state": asdict(TrainState()), "rng": None}
+    if ctx.is_root:
+        found = store.load_latest(_read) if resume else None
+        if found:
+            path, payload = found
+            _assign(model.variables, payload["model"], "model", path)
+            _assign(optimizer.variables, payload["optimizer"], "optimizer", path)
+            meta = {"state": payload["state"], "rng": payload["rng"]}
+            print(f"resuming from {path}: epoch {meta['state']['epoch']}, step {meta['state']['step']}", flush=True)
+    # Horovod: every rank starts from rank 0's weights, optimizer state and position.
+    hvd.broadcast_variables([v.value for v in shared_variables(model, optimizer, local_variables)], root_rank=0)
+    meta = hvd.broadcast_object(meta, root_rank=0, name="initial_state")
+    rngs = meta["rng"]
+    if rngs and len(rngs) == ctx.size:
+        set_rng_state(rngs[ctx.rank])
+    return TrainState(**meta["state"])
+
+
+def save_checkpoint(store: CheckpointStore, model, optimizer, state: TrainState) -> Path | None:
+    """Called by every rank (the RNG states are gathered); only rank 0 writes."""
+    import horovod.tensorflow as hvd
+
+    rngs = hvd.allgather_object(rng_state(), name="rng_states")
+    if not store.is_writer:
+        return None
+    payload = snapshot(model, optimizer, state, rngs)
+
+    def write(path: Path) -> None:
+        with open(path, "wb") as f:
+            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return store.save(state.step, write)
+
+
+def checkpoint_store(cfg, ctx: Context) -> CheckpointStore:
+    """Rank 0 writes `ckpt-<step>.pkl` files; other ranks never touch the disk."""
+    return CheckpointStore(cfg.dir, cfg.keep, is_writer=ctx.is_root, suffix=SUFFIX)

@@ -1,0 +1,63 @@
+"""One training step in a custom loop: forward, backward, allreduce, apply; compiled once.
+
+This is the loop Keras 3 needs under Horovod: `horovod.tensorflow.keras`'s DistributedOptimizer
+is never called by Keras 3's `model.fit`, which then trains each rank alone without a word.
+Here the allreduce is an explicit line between `tape.gradient` and `apply_gradients`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
+
+
+class TrainStep:
+    """`step(x, y, apply)` trains on one batch; returns its mean loss and number correct.
+
+    With backward_passes_per_step = k > 1 the batch's gradients are accumulated, and only calls
+    with `apply=True` (every k-th) allreduce the mean and update the weights.
+    """
+
+    def __init__(self, model, optimizer, loss_fn, sync: GradientSync, backward_passes_per_step: int = 1):
+        self.model, self.optimizer, self.loss_fn, self.sync = model, optimizer, loss_fn, sync
+        self.variables = list(model.trainable_variables)
+        self.k = backward_passes_per_step
+        self.accumulator = GradientAccumulator(self.variables, self.k) if self.k > 1 else None
+        self._step = tf.function(self._train_on_batch, reduce_retracing=True)
+        self._accumulate = tf.function(self._accumulate_batch, reduce_retracing=True)
+        self._apply_accumulated = tf.function(self._apply_accumulated_fn)
+
+    def _forward_backward(self, x, y):
+        with tf.GradientTape() as tape:
+            logits = self.model(x, training=True)
+            loss = self.loss_fn(y, logits)
+        grads = tape.gradient(loss, self.variables)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=-1), tf.cast(y, tf.int64)), tf.float64))
+        return loss, correct, grads
+
+    def _apply(self, grads):
+        # Horovod: average gradients across ranks (one grouped allreduce), then update.
+        grads = self.sync(grads, self.variables)
+        self.optimizer.apply_gradients(zip(grads, self.variables))
+
+    def _train_on_batch(self, x, y):
+        loss, correct, grads = self._forward_backward(x, y)
+        self._apply(grads)
+        return loss, correct
+
+    def _accumulate_batch(self, x, y):
+        loss, correct, grads = self._forward_backward(x, y)
+        self.accumulator.add(grads)
+        return loss, correct
+
+    def _apply_accumulated_fn(self):
+        self._apply(self.accumulator.mean_and_reset())
+
+    def __call__(self, x, y, apply: bool = True):
+        if self.accumulator is None:
+            return self._step(x, y)
+        out = self._accumulate(x, y)
+        if apply:
+            self._apply_accumulated()
+        return out

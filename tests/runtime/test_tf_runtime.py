@@ -1,0 +1,103 @@
+"""hvd_runtime.tf pieces that need no second process: batching, LR schedule, accumulation, SyncBN swap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed: the TF runtime is not tested here")
+keras = pytest.importorskip("keras")
+
+from hvd_runtime.data import Split  # noqa: E402
+from hvd_runtime.tf.batches import ShardedBatches  # noqa: E402
+from hvd_runtime.tf.context import cpu_threads  # noqa: E402
+from hvd_runtime.tf.gradients import GradientAccumulator  # noqa: E402
+from hvd_runtime.tf.optim import WarmupSchedule, lr_scaler  # noqa: E402
+from hvd_runtime.tf.state import _assign  # noqa: E402
+from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm  # noqa: E402
+
+
+def split(n: int) -> Split:
+    return Split(np.arange(n, dtype=np.float32).reshape(n, 1), np.arange(n, dtype=np.int64))
+
+
+def labels(batches: ShardedBatches, start: int = 0) -> list[int]:
+    return [int(v) for _, y in batches.dataset(start) for v in y.numpy()]
+
+
+def test_uneven_training_shards_take_the_same_number_of_steps_and_cover_everything():
+    ranks = [ShardedBatches(split(13), 4, rank, 2, seed=1) for rank in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 2  # ceil(ceil(13 / 2) / 4)
+    seen = [labels(b) for b in ranks]
+    assert len(seen[0]) == len(seen[1]) == 7  # padded to 14 samples
+    assert set(seen[0]) | set(seen[1]) == set(range(13))
+    assert len(set(seen[0]) & set(seen[1])) == 1  # only the one sample repeated to pad
+
+
+def test_evaluation_shards_are_disjoint_and_see_every_sample_once():
+    ranks = [ShardedBatches(split(13), 4, rank, 2, train=False) for rank in range(2)]
+    seen = [labels(b) for b in ranks]
+    assert sorted(seen[0] + seen[1]) == list(range(13))
+    assert [len(b) for b in ranks] == [2, 2]
+
+
+def test_epochs_reshuffle_identically_on_every_rank_and_resume_mid_epoch():
+    a, b = ShardedBatches(split(40), 5, 0, 2, seed=3), ShardedBatches(split(40), 5, 0, 2, seed=3)
+    first = labels(a)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    assert labels(a) == labels(b) != first
+    assert labels(a, start=2) == labels(a)[10:]
+    assert [x.numpy()[:, 0].tolist() for x, _ in a.dataset()][0] == labels(a)[:5]  # x rows follow y
+
+
+def test_warmup_ramps_from_one_rank_lr_to_scaled_lr_then_stays():
+    schedule = WarmupSchedule(lr=0.1, scaler=4.0, warmup_steps=3)
+    assert np.allclose([float(schedule(s)) for s in range(5)], [0.1, 0.2, 0.3, 0.4, 0.4])
+    assert float(WarmupSchedule(0.1, 4.0, 0)(0)) == pytest.approx(0.4)
+    assert WarmupSchedule.from_config(schedule.get_config()).get_config() == schedule.get_config()
+
+
+def test_lr_scaler_follows_world_size_or_adasum_rule():
+    assert lr_scaler(8, 4, scale_lr=True, adasum=False, gpu_allreduce=False) == 8.0
+    assert lr_scaler(8, 4, scale_lr=False, adasum=False, gpu_allreduce=False) == 1.0
+    assert lr_scaler(8, 4, scale_lr=True, adasum=True, gpu_allreduce=True) == 4.0
+    assert lr_scaler(8, 4, scale_lr=True, adasum=True, gpu_allreduce=False) == 1.0
+
+
+def test_accumulator_hands_on_the_mean_and_starts_again():
+    v = keras.Variable(np.zeros(3, np.float32))
+    acc = GradientAccumulator([v], k=2)
+    acc.add([tf.constant([1.0, 2.0, 3.0])])
+    acc.add([tf.constant([3.0, 2.0, 1.0])])
+    assert acc.mean_and_reset()[0].numpy().tolist() == [2.0, 2.0, 2.0]
+    acc.add([tf.constant([4.0, 0.0, 0.0])])
+    assert acc.mean_and_reset()[0].numpy().tolist() == [2.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        GradientAccumulator([v], k=0)
+
+
+def test_sync_batchnorm_swap_keeps_weights_and_the_model_code():
+    keras.utils.set_random_seed(0)
+    block = keras.Sequential([keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    model = keras.Sequential([keras.Input((3,)), block, keras.layers.Dense(2)])
+    model.layers[0].layers[1].moving_mean.assign(np.arange(4, dtype=np.float32))
+    synced = use_sync_batchnorm(model)
+    swapped = [layer for layer in synced._flatten_layers() if isinstance(layer, SyncBatchNormalization)]
+    assert len(swapped) == 1
+    assert not any(isinstance(layer, SyncBatchNormalization) for layer in model._flatten_layers())
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    assert np.allclose(synced(x, training=False), model(x, training=False))
+
+
+def test_checkpoint_that_does_not_fit_the_model_names_the_fix(tmp_path):
+    variables = [keras.Variable(np.zeros((2, 2), np.float32))]
+    with pytest.raises(ValueError, match="resume false"):
+        _assign(variables, [np.zeros((3, 2), np.float32)], "model", tmp_path / "ckpt-000000001.pkl")
+    _assign(variables, [np.ones((2, 2), np.float32)], "model", tmp_path / "ckpt-000000001.pkl")
+    assert np.asarray(variables[0]).sum() == 4.0
+
+
+def test_cpu_threads_share_the_cores_between_local_ranks():
+    assert cpu_threads(local_size=1, requested=3) == 3
+    assert cpu_threads(local_size=10_000) == 1
