@@ -39,9 +39,11 @@ def k8s_cmd(project: Path, check: bool, file_: str | None, **answers) -> None:
     from hvdgen.k8s.project import load_spec, regenerate
 
     opts = options_of(load_spec(project)).updated(**answers)
-    written = regenerate(project, opts)
-    click.echo(f"wrote {len(written)} files in {project / 'k8s'} and updated the k8s answers in .hvdgen.yaml")
-    click.echo(f"next: kubectl apply -k {project / 'k8s' / 'overlays' / ('gpu' if opts.gpus_per_worker else 'cpu')}")
+    written = [rel for rel in regenerate(project, opts) if rel.startswith("k8s/")]
+    click.echo(f"wrote {len(written)} files in {project / 'k8s'} and the k8s answers in .hvdgen.yaml")
+    overlays = ["cpu", "gpu"] if opts.gpus_per_worker else ["cpu"]
+    click.echo("next: " + "  or  ".join(f"kubectl apply -k {project / 'k8s' / 'overlays' / o}" for o in overlays)
+               + f"  (see {project / 'k8s' / 'README.md'})")
 
 
 def _check(project: Path, file_: str | None, answers: dict) -> None:

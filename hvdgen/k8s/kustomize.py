@@ -13,7 +13,6 @@ from pathlib import Path
 
 import yaml
 
-from hvdgen.k8s.problems import Problem
 
 KUSTOMIZATION = "kustomization.yaml"
 KUSTOMIZE_API = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
@@ -160,6 +159,3 @@ def kustomization(resources: list[str], namespace: str | None = None, patches: l
         out["patches"] = [{"path": p} for p in patches]
     return out
 
-
-def render_problem(directory: Path, error: RenderError) -> Problem:
-    return Problem(KUSTOMIZATION, str(error), str(directory))

@@ -50,6 +50,9 @@ class K8sOptions:
             if value and not _IMAGE.fullmatch(value):
                 raise HvdgenError(f"--{_flag(name)} {value!r} is not an image reference: "
                                   "use e.g. registry.example.com/team/mnist:v1 (lower-case, no spaces)")
+        if "@" in self.image and self.gpus_per_worker and not self.gpu_image:
+            raise HvdgenError(f"--image {self.image!r} is pinned by digest, so no CUDA tag can be derived from it: "
+                              "give --gpu-image too, or --gpus-per-worker 0")
         if not _DNS1123_LABEL.fullmatch(self.namespace) or len(self.namespace) > 63:
             raise HvdgenError(f"--namespace {self.namespace!r} is not a Kubernetes namespace name: "
                               "use lower-case letters, digits and '-', at most 63 characters (e.g. ml-team)")

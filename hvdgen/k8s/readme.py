@@ -17,7 +17,8 @@ def _launch_line(spec: ProjectSpec, opts: K8sOptions, gpu: bool) -> str:
 
 def readme(spec: ProjectSpec, opts: K8sOptions) -> str:
     name, ns = job_name(spec.name, opts.workers), opts.namespace
-    overlay = "gpu" if opts.gpus_per_worker else "cpu"
+    overlay = "cpu"
+    other_note = "          # on GPU nodes: kubectl apply -k k8s/overlays/gpu" if opts.gpus_per_worker else ""
     uri_source = mlflow_source_name(spec, opts)
     gpu_rows = (f"| `overlays/gpu/` | {opts.workers} workers x {opts.gpus_per_worker} GPU "
                 f"(`slotsPerWorker: {opts.gpus_per_worker}`), image `{default_gpu_image(spec, opts)}`, "
@@ -75,8 +76,8 @@ docker push {default_gpu_image(spec, opts)}
 ## 2. Optional: send metrics to an MLflow server
 
 Every pod reads `MLFLOW_TRACKING_URI` from the {opts.mlflow_uri_from} `{uri_source}`, key
-`MLFLOW_TRACKING_URI`. Without it the job logs to the local store inside the pod. Create it before
-applying:
+`MLFLOW_TRACKING_URI`. Without it rank 0 logs to the embedded store inside its pod, which is lost
+with the pod. Create it before applying:
 
 ```bash
 kubectl create configmap {uri_source} -n {ns} --from-literal=MLFLOW_TRACKING_URI=http://mlflow.mlflow.svc:5000
@@ -87,7 +88,7 @@ kubectl create secret generic {uri_source} -n {ns} --from-literal=MLFLOW_TRACKIN
 ## 3. Run
 
 ```bash
-kubectl apply -k k8s/overlays/{overlay}
+kubectl apply -k k8s/overlays/{overlay}{other_note}
 kubectl get mpijob {name} -n {ns} -w
 kubectl get pods -n {ns} -l app.kubernetes.io/name={name} -w
 kubectl logs -n {ns} -f job/{name}-launcher
@@ -100,7 +101,7 @@ shows why in `kubectl describe mpijob {name} -n {ns}` (look at the Events).
 
 ```bash
 kubectl delete mpijob {name} -n {ns}          # the job; checkpoints stay on the claim
-kubectl delete -k k8s/overlays/{overlay}      # the job and the checkpoint claim
+kubectl delete -k k8s/overlays/{overlay}      # the job and the checkpoint claim (all checkpoints)
 ```
 
 Apply again after the first command and training resumes from the last checkpoint.
