@@ -93,7 +93,9 @@ class Sender(threading.Thread):
 
     def fail(self, exc: BaseException, pending: list[dict]) -> None:
         self.failed = True
-        summary = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        summary = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if len(summary) > 240:  # MLflow's messages put the URL first and the cause last: keep both
+            summary = f"{summary[:120]} ... {summary[-120:]}"
         self.warn(f"MLflow at {self.header.get('tracking_uri', self.uri)} failed ({summary})")
         self.to_spool(pending)
 

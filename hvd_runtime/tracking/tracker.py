@@ -58,7 +58,7 @@ class NullTracker:
     def log_model(self, model, input_example, name="model"):
         pass
 
-    def close(self, status="FINISHED"):
+    def close(self, status="FINISHED", timeout=None):
         pass
 
     def __enter__(self):
@@ -116,16 +116,18 @@ class Tracker(NullTracker):
             return
         self._sender.submit(record)
 
-    def close(self, status: str = "FINISHED") -> None:
-        """End the run with `status`; wait at most close_timeout for the sender, spool the rest."""
+    def close(self, status: str = "FINISHED", timeout: float | None = None) -> None:
+        """End the run with `status`; wait at most `timeout` s (default CLOSE_TIMEOUT) for the
+        sender, then spool what it has not sent."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
+        timeout = self._close_timeout if timeout is None else timeout
         self._sender.submit(records.end(status))
-        self._sender.join(self._close_timeout)
-        if self._sender.is_alive():
-            self._warn(f"MLflow did not finish within {self._close_timeout:.0f} s")
+        self._sender.join(timeout)
+        if self._sender.is_alive() or not self._sender.queue.empty():
+            self._warn(f"MLflow did not finish within {timeout:.0f} s")
             self._sender.drain()
 
     def __exit__(self, exc_type, exc, tb):

@@ -101,6 +101,7 @@ def steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
 
 def assert_model_predicts(client: MlflowClient, run) -> None:
     models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    mlflow.set_tracking_uri(client.tracking_uri)   # models:/ URIs resolve against the global store
     assert [m.source_run_id for m in models] == [run.info.run_id]
     model = mlflow.pytorch.load_model(f"models:/{models[0].model_id}")
     assert model(torch.randn(4, 8)).shape == (4, 3)

@@ -1,0 +1,206 @@
+"""hvd_runtime.tracking in one process: the embedded store, a dead and a hung server, replay, resume."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")
+torch = pytest.importorskip("torch")
+from mlflow import MlflowClient  # noqa: E402
+
+from hvd_runtime.config import load_config  # noqa: E402
+from hvd_runtime.tracking import Tracker, settings, start_tracking  # noqa: E402
+from hvd_runtime.tracking.spool import read_segments  # noqa: E402
+
+WARNING_MARK = "training continues, unsent tracking data goes to"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    """Each test in its own working dir, with MLflow's process-wide settings put back afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for key in (*settings.HTTP_DEFAULTS, "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(key, raising=False)
+    yield
+    mlflow.set_tracking_uri(None)
+
+
+def start(project: str, **kwargs) -> Tracker:
+    config = load_config(overrides=kwargs.pop("overrides", []))
+    tracker = start_tracking(config, rank=0, world_size=2, framework="torch", strategy="data",
+                             project_name=project, **kwargs)
+    assert isinstance(tracker, Tracker)
+    return tracker
+
+
+def dead_uri() -> str:
+    with socket.socket() as s:          # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def tracking_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "hvd_runtime.tracking" and r.levelno == logging.WARNING]
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def only_run(client: MlflowClient, experiment: str):
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1
+    return runs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_embedded_store_holds_params_metrics_artifacts_and_a_loadable_model(tmp_path):
+    model, example = tiny_model(), torch.randn(2, 4)
+    Path("notes.txt").write_text("hello")
+    with start("embedded") as tracker:
+        for step in range(3):
+            tracker.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+        tracker.set_tags({"stage": "test"})
+        tracker.log_artifact("notes.txt")
+        tracker.log_model(model, input_example=example)
+        run_id = tracker.run_id
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = only_run(client, "embedded")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.params["world_size"] == "2" and run.data.tags["stage"] == "test"
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0, 1, 2]
+    assert [a.path for a in client.list_artifacts(run_id)] == ["notes.txt"]
+    (logged,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    loaded = mlflow.pytorch.load_model(f"models:/{logged.model_id}")
+    assert torch.allclose(loaded(example), model(example))
+    signature = mlflow.models.get_model_info(f"models:/{logged.model_id}").signature
+    assert list(signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 4]
+    assert not (tmp_path / "runs").exists()     # nothing failed, so nothing was spooled
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_unreachable_server_warns_once_spools_everything_and_replays(tmp_path, caplog):
+    uri = dead_uri()
+    model, example = tiny_model(), torch.randn(2, 4)
+    tracker = start("offline", tracking_uri=uri)
+    began = time.monotonic()
+    for step in range(200):
+        tracker.log_metrics({"train/loss": float(step)}, step=step)
+    logging_took = time.monotonic() - began
+    tracker.set_tags({"stage": "offline"})
+    tracker.log_model(model, input_example=example)
+    began = time.monotonic()
+    tracker.close()
+    print(f"200 log_metrics calls: {logging_took * 1000:.1f} ms; close: {time.monotonic() - began:.1f} s")
+    assert logging_took < 1.0                     # enqueue only: a dead server costs the loop nothing
+    assert tracker.run_id is None
+    warnings = tracking_warnings(caplog)
+    assert len(warnings) == 1 and WARNING_MARK in warnings[0] and uri in warnings[0]
+
+    spool = tmp_path / "runs" / "latest" / "mlflow-spool"
+    ((header, items),) = list(read_segments(spool / "spool.jsonl"))
+    assert header["experiment"] == "offline"
+    assert [r["step"] for r in items if r["kind"] == "metrics"] == list(range(200))
+    assert [r["kind"] for r in items if r["kind"] != "metrics"] == ["params", "tags", "model", "end"]
+
+    target = f"sqlite:///{tmp_path / 'replayed.db'}"
+    replay = subprocess.run([sys.executable, "-m", "hvd_runtime.tracking.replay", str(spool), "--uri", target],
+                            capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    client = MlflowClient(target)
+    run = only_run(client, "offline")
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(200))
+    (logged,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    mlflow.set_tracking_uri(target)               # models:/ URIs resolve against the global store
+    assert torch.allclose(mlflow.pytorch.load_model(f"models:/{logged.model_id}")(example), model(example))
+    assert (spool / "spool.replayed.jsonl").exists() and not (spool / "spool.jsonl").exists()
+
+
+class HungServer:
+    """A TCP peer that accepts connections and never answers: the worst kind of server."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.uri = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_server_delays_close_by_at_most_its_timeout(tmp_path, caplog):
+    hung = HungServer()
+    try:
+        tracker = start("hung", tracking_uri=hung.uri)
+        for step in range(5):
+            tracker.log_metrics({"train/loss": float(step)}, step=step)
+        began = time.monotonic()
+        tracker.close(timeout=2)
+        took = time.monotonic() - began
+    finally:
+        hung.close()
+    print(f"close against a hung server: {took:.2f} s")
+    assert took < 4
+    assert len(tracking_warnings(caplog)) == 1
+    ((header, items),) = list(read_segments(tmp_path / "runs" / "latest" / "mlflow-spool" / "spool.jsonl"))
+    assert [r["step"] for r in items if r["kind"] == "metrics"] == list(range(5))
+    assert items[-1]["kind"] == "end"
+
+
+@pytest.mark.timeout(600)
+def test_resume_continues_the_run_and_names_changed_params(tmp_path):
+    with start("resume", overrides=["train.epochs=1"]) as tracker:
+        tracker.log_metrics({"loss": 1.0}, step=0)
+        first = tracker.run_id
+    with start("resume", overrides=["train.epochs=3"], run_id=first) as tracker:
+        tracker.log_metrics({"loss": 0.5}, step=1)
+        assert tracker.run_id == first
+    client = MlflowClient(settings.embedded_uri(tmp_path))
+    run = only_run(client, "resume")
+    assert [m.step for m in client.get_metric_history(first, "loss")] == [0, 1]
+    assert run.data.params["train.epochs"] == "1"
+    assert run.data.tags["hvd_runtime.params_changed"] == "train.epochs"
+    assert run.info.status == "FINISHED"
+
+
+@pytest.mark.timeout(600)
+def test_a_run_id_unknown_to_the_store_starts_a_new_run_that_names_it(tmp_path):
+    with start("moved", run_id="0123456789abcdef0123456789abcdef") as tracker:
+        run_id = tracker.run_id
+    run = MlflowClient(settings.embedded_uri(tmp_path)).get_run(run_id)
+    assert run_id != "0123456789abcdef0123456789abcdef"
+    assert run.data.tags["hvd_runtime.original_run_id"] == "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.timeout(600)
+def test_a_bad_model_or_value_is_reported_never_raised(caplog):
+    with start("bad") as tracker:
+        tracker.log_model(object(), input_example=None)
+        tracker.log_metrics({"loss": "not a number"}, step=0)
+    messages = tracking_warnings(caplog)
+    assert len(messages) == 2 and all(m.startswith("tracking call ignored") for m in messages)
