@@ -4,7 +4,8 @@ Choices that users otherwise learn the hard way:
 - `launcherCreationPolicy: WaitForWorkersReady` plus a TCP readiness probe on sshd, so the launcher
   starts only when every worker accepts SSH (not merely when its container started);
 - GPUs in the workers' `limits` only; the launcher runs no rank and gets none;
-- `slotsPerWorker` = GPUs per worker (1 on CPU) and `-np` = workers x slots;
+- `slotsPerWorker` = ranks per worker: one per GPU (1 on CPU), except model-split, whose one rank
+  per worker spreads its stages over all the worker's GPUs; `-np` = workers x slots;
 - the MLflow URI from a ConfigMap or Secret, `optional` so a job without one logs locally;
 - checkpoints on a PersistentVolumeClaim mounted where the project's config writes them, so a
   restarted launcher resumes instead of starting over.
@@ -143,10 +144,15 @@ def pod_security(opts: K8sOptions) -> dict:
     return {"securityContext": {"fsGroup": NON_ROOT_UID}} if opts.non_root else {}
 
 
+def slots_per_worker(strategy: str, gpus: int) -> int:
+    """Horovod ranks per worker pod."""
+    return 1 if strategy == "model-split" or not gpus else gpus
+
+
 def build_mpijob(spec: ProjectSpec, opts: K8sOptions, gpu: bool = False) -> dict:
     """The whole MPIJob for the cpu (gpu=False) or gpu variant."""
     name = job_name(spec.name, opts.workers)
-    slots = opts.gpus_per_worker if gpu else 1
+    slots = slots_per_worker(spec.strategy, opts.gpus_per_worker if gpu else 0)
     image = default_gpu_image(spec, opts) if gpu else default_image(spec, opts)
     run_policy = {"cleanPodPolicy": "Running", "backoffLimit": 3}
     if opts.elastic:

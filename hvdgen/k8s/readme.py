@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hvdgen.k8s.launch import DISCOVER_HOSTS
 from hvdgen.k8s.mpijob import (CHECKPOINT_DIR, build_mpijob, checkpoint_claim_name, default_gpu_image,
-                               default_image, mlflow_source_name, ssh_path)
+                               default_image, mlflow_source_name, slots_per_worker, ssh_path)
 from hvdgen.k8s.names import job_name
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.spec import ProjectSpec
@@ -21,7 +21,7 @@ def readme(spec: ProjectSpec, opts: K8sOptions) -> str:
     other_note = "          # on GPU nodes: kubectl apply -k k8s/overlays/gpu" if opts.gpus_per_worker else ""
     uri_source = mlflow_source_name(spec, opts)
     gpu_rows = (f"| `overlays/gpu/` | {opts.workers} workers x {opts.gpus_per_worker} GPU "
-                f"(`slotsPerWorker: {opts.gpus_per_worker}`), image `{default_gpu_image(spec, opts)}`, "
+                f"(`slotsPerWorker: {slots_per_worker(spec.strategy, opts.gpus_per_worker)}`), image `{default_gpu_image(spec, opts)}`, "
                 f"NCCL environment; runs `{_launch_line(spec, opts, True)}` |\n") if opts.gpus_per_worker else ""
     elastic = ""
     if opts.elastic:

@@ -21,6 +21,7 @@ LAUNCHER_POLICIES = ("AtStartup", "WaitForWorkersReady")
 NON_NEGATIVE = (("spec", "slotsPerWorker"), ("spec", "runPolicy", "backoffLimit"),
                 ("spec", "runPolicy", "activeDeadlineSeconds"), ("spec", "runPolicy", "ttlSecondsAfterFinished"))
 REPLICAS = "spec.mpiReplicaSpecs"
+MODEL_SPLIT_LABEL = ("hvdgen/strategy", "model-split")  # set by hvdgen/k8s/mpijob.py labels()
 
 
 def _get(obj, *keys):
@@ -172,13 +173,22 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
 
 
 def _slots_problems(job: dict, specs: dict) -> list[Problem]:
-    """One rank per GPU: slotsPerWorker equals the GPUs in a worker's limits."""
+    """One rank per GPU: slotsPerWorker equals the GPUs in a worker's limits.
+
+    hvdgen's model-split projects (labelled so) run one rank per worker across all its GPUs instead.
+    """
     slots = _get(job, "spec", "slotsPerWorker")
     slots = 1 if slots is None else slots
+    model_split = _get(job, "metadata", "labels", MODEL_SPLIT_LABEL[0]) == MODEL_SPLIT_LABEL[1]
     for _, container in _containers(specs.get("Worker"))[:1]:
         limits = _get(container, "resources", "limits")
         gpus = [limits[key] for key in _gpu_keys(limits)]
-        if gpus and _is_int(gpus[0]) and gpus[0] > 0 and _is_int(slots) and 0 <= slots != gpus[0]:
+        if not (gpus and _is_int(gpus[0]) and gpus[0] > 0 and _is_int(slots) and slots >= 0):
+            return []
+        if model_split and slots != 1:
+            return [Problem("spec.slotsPerWorker", f"is {slots} but a model-split job runs one rank per worker "
+                                                   "over all its GPUs: set slotsPerWorker: 1")]
+        if not model_split and slots != gpus[0]:
             return [Problem("spec.slotsPerWorker", f"is {slots} but each worker has {gpus[0]} GPUs: "
                                                    f"set slotsPerWorker: {gpus[0]} (one rank per GPU)")]
     return []

@@ -73,7 +73,8 @@ def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gp
         assert object_problems(obj) == [], obj["kind"]
     job, claim = objects["MPIJob"], objects["PersistentVolumeClaim"]
 
-    slots = gpus or 1
+    # One rank per GPU, except model-split: one rank per worker, its stages over the worker's GPUs.
+    slots = 1 if strategy == "model-split" or not gpus else gpus
     assert job["metadata"]["name"] == "mnist-ddp"
     assert job["spec"]["slotsPerWorker"] == slots
     assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"

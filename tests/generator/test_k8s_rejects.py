@@ -161,3 +161,12 @@ def test_core_objects_are_checked_strictly():
     claim["spec"]["accessMode"] = claim["spec"].pop("accessModes")
     problems = object_problems(claim)
     assert len(problems) == 1 and "accessMode" in problems[0].message and problems[0].path == "spec"
+
+
+def test_model_split_jobs_run_one_rank_per_worker():
+    """hvdgen's model-split projects spread one rank's stages over a worker's GPUs."""
+    job = copy.deepcopy(GOOD)
+    job["metadata"]["labels"]["hvdgen/strategy"] = "model-split"
+    problems = [str(p) for p in object_problems(job)]
+    assert "spec.slotsPerWorker: is 2 but a model-split job runs one rank per worker over all its GPUs: " \
+           "set slotsPerWorker: 1" in problems
