@@ -8,6 +8,7 @@ STRATEGIES = ("data", "model-split", "pipeline")
 # (framework, strategy) -> one line on what the generated project does.
 AVAILABLE = {
     ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",
+    ("tensorflow", "data"): "Keras 3 custom loop, one grouped allreduce of gradients per step",
 }
 
 
