@@ -43,6 +43,7 @@ class TrainConfig:
     epochs: int = 20
     batch_size: int = 32            # per rank; the global batch is batch_size x world size
     eval_batch_size: int = 256
+    log_every: int = 10             # steps between averaged train-loss points sent to tracking; 0 = off
 
 
 @dataclass

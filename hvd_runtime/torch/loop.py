@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -24,11 +26,13 @@ def allreduce_sums(sums: dict[str, torch.Tensor], count: torch.Tensor) -> dict[s
 
 
 def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, scheduler, loss_fn, ctx: Context,
-                state: TrainState, backward_passes_per_step: int = 1) -> dict[str, float]:
+                state: TrainState, backward_passes_per_step: int = 1, log_every: int = 0,
+                on_log: Callable[[dict[str, float], int], None] | None = None) -> dict[str, float]:
     """Train one epoch (state.epoch), advancing state.step; return averaged loss and accuracy.
 
     With backward_passes_per_step = k, gradients of k batches accumulate locally before one
     allreduce; the epoch is trimmed to a multiple of k so no half-accumulated step is left over.
+    Every `log_every` steps, the batch loss averaged over ranks goes to `on_log(metrics, step)`.
     """
     model.train()
     batches.set_epoch(state.epoch)
@@ -53,6 +57,8 @@ def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, scheduler,
         correct += (out.detach().argmax(dim=1) == y).sum()
         seen += len(y)
         state.step += 1
+        if log_every and on_log and state.step % log_every == 0:
+            on_log(allreduce_sums({"step_train_loss": loss.detach()}, torch.ones((), device=ctx.device)), state.step)
     # Horovod: average over all ranks, not just this one.
     return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen)
 
