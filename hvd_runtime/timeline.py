@@ -154,6 +154,8 @@ def plot_timeline(tl: Timeline, path: str | Path, step: int | None = None) -> Pa
     fig, ax = plt.subplots(figsize=(10, 0.7 * len(rows) + 1.4))
     for y, (rank, evs) in enumerate(rows):
         for e in evs:
+            if e["kind"] == "idle":
+                continue
             x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
             height = 0.8 if e["kind"] in COMPUTE else 0.3
             ax.barh(y, w, left=x, height=height, color=COLOURS[e["kind"]], edgecolor="black", linewidth=0.4)

@@ -47,8 +47,8 @@ class Link:
         self.rank, self.peer = rank, peer
         self._pending: list = []
 
-    def send(self, tensor: torch.Tensor, tag: str) -> None:
-        """Post `tensor` to the peer without waiting; it must not change until `wait_sends()`."""
+    def send(self, tensor: torch.Tensor, tag: str, shape_known: bool = False) -> None:
+        """Post `tensor` to the peer without waiting. shape_known: the receiver passes shape and dtype."""
         raise NotImplementedError
 
     def recv(self, tag: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -142,7 +142,7 @@ class TorchDistLink(Link):
         return 0 if tag.startswith("act") else 1 if tag.startswith("grad") else 2
 
     def send(self, tensor, tag, shape_known: bool = False):
-        t = tensor.detach().contiguous()
+        t = tensor.detach().cpu().contiguous()   # gloo moves host memory
         ch = self._channel(tag)
         if not shape_known:
             h = _header(t)

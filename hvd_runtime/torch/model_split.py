@@ -1,0 +1,65 @@
+"""model-split: one worker's model cut into stages on its own devices; Horovod data parallel across workers.
+
+    model = ModelSplit(model, stages=2, micro_batches=4)    # GPUs if there are enough, else CPU
+    optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    out = model(x); loss = loss_fn(out, y.to(model.output_device))
+
+Activations move from device to device between stages. With micro_batches > 1 the batch is cut
+into chunks issued as a wavefront (stage s works on chunk i while stage s+1 works on chunk i-1);
+CUDA runs kernels asynchronously, so on GPUs the stages overlap. On CPU the result is the same,
+only without overlap. The output is the whole batch's, so the loss and the gradients are exactly
+those of the unsplit model (BatchNorm aside: it sees one chunk at a time).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from hvd_runtime.partition import Partition
+from hvd_runtime.torch.stage import build_stage, plan_stages
+
+
+def split_devices(stages: int, local_rank: int = 0, local_size: int = 1) -> list[torch.device]:
+    """Devices for this worker's stages: its own share of the host's GPUs, else the CPU for all.
+
+    With local_size workers on a host and at least stages x local_size GPUs, worker k takes GPUs
+    k*stages .. k*stages+stages-1. Fewer GPUs than that: every stage on the CPU.
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() >= stages * local_size:
+        return [torch.device("cuda", local_rank * stages + s) for s in range(stages)]
+    return [torch.device("cpu")] * stages
+
+
+class ModelSplit(nn.Module):
+    """The model's blocks in `stages` groups, each on its device; forward moves activations along."""
+
+    def __init__(self, model, stages: int = 2, devices: Sequence | None = None,
+                 partition: Partition | str | Sequence = "params", micro_batches: int = 1,
+                 sample: torch.Tensor | None = None):
+        super().__init__()
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        plan = plan_stages(model, stages, partition, sample)
+        devices = [torch.device(d) for d in devices] if devices is not None else split_devices(stages)
+        if len(devices) != stages:
+            raise ValueError(f"got {len(devices)} devices for {stages} stages: give one device per stage")
+        self.plan, self.devices, self.micro_batches = plan, devices, micro_batches
+        self.stages = nn.ModuleList(build_stage(model, k, plan).to(d) for k, d in enumerate(devices))
+
+    @property
+    def output_device(self) -> torch.device:
+        return self.devices[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chunks = list(x.tensor_split(min(self.micro_batches, len(x))))
+        p, m = len(self.stages), len(chunks)
+        # wavefront: at tick t, stage s runs chunk t - s; later stages first so their inputs are ready
+        for t in range(m + p - 1):
+            for s in reversed(range(p)):
+                i = t - s
+                if 0 <= i < m:
+                    chunks[i] = self.stages[s](chunks[i].to(self.devices[s], non_blocking=True))
+        return torch.cat(chunks) if m > 1 else chunks[0]

@@ -1,0 +1,112 @@
+"""Pipeline stages cut from an unchanged model: the model's own blocks, the others dropped.
+
+The user's model is an `nn.Sequential` (or a list of blocks), each block passing one tensor to the
+next. A stage is a new `nn.Sequential` holding the blocks of `[start, stop)` under their original
+names, so its `state_dict()` keys are the model's own ("3.weight"), and the stages' state dicts
+together are the model's. The blocks are shared, not copied: drop the model and the other
+stages' blocks are freed.
+
+    plan = plan_stages(model, stages=2, by="params")           # or by="time", sample=x
+    stage = build_stage(model, dims, partition=plan)         # dims from init_pipeline, or an int
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from hvd_runtime.partition import Partition, PartitionError, partition
+
+
+def named_blocks(model) -> list[tuple[str, nn.Module]]:
+    """(name, block) in order, from an nn.Sequential, nn.ModuleList, dict or list of modules."""
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return list(model.named_children())
+    if isinstance(model, dict):
+        return list(model.items())
+    if isinstance(model, (list, tuple)) and all(isinstance(b, nn.Module) for b in model):
+        return [(str(i), b) for i, b in enumerate(model)]
+    raise PartitionError(f"cannot split a {type(model).__name__}: give an nn.Sequential or a list of blocks "
+                         f"(e.g. nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))")
+
+
+def param_costs(model) -> list[int]:
+    """Parameters per block: balances memory, costs nothing to compute."""
+    return [sum(p.numel() for p in block.parameters()) for _, block in named_blocks(model)]
+
+
+def time_costs(model, sample: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward per block on `sample` (a batch like the training ones).
+
+    Each block is timed alone on the activation it really receives; the fastest of `repeats`
+    runs counts, since noise only ever adds time.
+    """
+    costs, x = [], sample
+    for _, block in named_blocks(model):
+        best = float("inf")
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = block(inp)
+            if out.requires_grad:
+                out.float().sum().backward()
+            best = min(best, time.perf_counter() - start)
+        block.zero_grad(set_to_none=True)
+        costs.append(best)
+        with torch.no_grad():
+            x = block(x)
+    return costs
+
+
+def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch.Tensor | None = None) -> Partition:
+    """Partition the model's blocks: by="params", by="time" (needs sample), or split points (names/indices)."""
+    names = [n for n, _ in named_blocks(model)]
+    if isinstance(by, Partition):
+        return by
+    if isinstance(by, str) and by in ("params", "time"):
+        if by == "time":
+            if sample is None:
+                raise PartitionError("partition by='time' needs sample=<a batch of inputs> to time each block")
+            return partition(names, time_costs(model, sample), stages)
+        return partition(names, param_costs(model), stages)
+    if isinstance(by, str):
+        raise PartitionError(f"partition {by!r} is unknown: use 'params', 'time', or split points like ['4']")
+    return partition(names, param_costs(model), stages, split=list(by))
+
+
+class Stage(nn.Sequential):
+    """Blocks [start, stop) of the model, under their original names."""
+
+    def __init__(self, blocks: "OrderedDict[str, nn.Module]", index: int, plan: Partition):
+        super().__init__(blocks)
+        self.index = index
+        self.plan = plan
+
+
+def build_stage(model, dims, partition: Partition | str | Sequence = "params",
+                sample: torch.Tensor | None = None) -> Stage:
+    """This rank's stage of `model`. dims: a PipelineRank (its stage and stage count) or a stage index.
+
+    With an int, pass a Partition (or plan the stage count from it) so every stage agrees.
+    """
+    if isinstance(dims, int):
+        if not isinstance(partition, Partition):
+            raise PartitionError("build_stage(model, <stage index>) needs partition=plan_stages(model, stages)")
+        index, stages = dims, partition.stages
+    else:
+        index, stages = dims.stage, dims.stages
+    plan = plan_stages(model, stages, partition, sample)
+    if not isinstance(dims, int) and partition == "time":
+        import horovod.torch as hvd
+
+        # timings differ from rank to rank; every rank must cut the model the same way
+        plan = hvd.broadcast_object(plan, root_rank=0, name="pp.partition")
+    if plan.stages != stages:
+        raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {stages}")
+    start, stop = plan.bounds[index]
+    kept = OrderedDict(named_blocks(model)[start:stop])
+    return Stage(kept, index, plan)

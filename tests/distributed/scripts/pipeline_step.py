@@ -1,0 +1,111 @@
+"""Train a few steps with the pipeline and, in the same process, with the unsplit model; compare.
+
+    horovodrun -np 2 --gloo python pipeline_step.py --stages 2 --schedule 1f1b --micro-batches 4 --out r.json
+
+Every rank computes the single-process reference itself (the whole global batch through the
+whole model, plain SGD) and compares its own stage's parameters after the steps, and the
+reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
+"""
+
+import argparse
+import faulthandler
+import json
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
+
+FEATURES, CLASSES, WIDTH = 16, 5, 32
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES))
+
+
+def accuracy(out, y):
+    return {"accuracy": (out.argmax(1) == y).float().mean().item()}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--p2p", default="torch")
+    ap.add_argument("--batch", type=int, default=10, help="per replica")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--watchdog", type=float, default=120, help="seconds before a hung rank dumps its stack and exits")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+
+    dims = init_pipeline(stages=args.stages, p2p=args.p2p, threads=1)
+    g = torch.Generator().manual_seed(7)
+    global_batch = args.batch * dims.replicas
+    xs = [torch.randn(global_batch, FEATURES, generator=g) for _ in range(args.steps)]
+    ys = [torch.randint(0, CLASSES, (global_batch,), generator=g) for _ in range(args.steps)]
+    x_val, y_val = torch.randn(3 * global_batch, FEATURES, generator=g), torch.randint(0, CLASSES, (3 * global_batch,), generator=g)
+
+    # the single-process reference
+    ref = make_model()
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_losses, ref_accs = [], []
+    for x, y in zip(xs, ys):
+        ref_opt.zero_grad()
+        out = ref(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+        ref_accs.append(accuracy(out, y)["accuracy"])
+    with torch.no_grad():
+        ref_val = F.cross_entropy(ref(x_val), y_val).item()
+
+    # the pipeline: this rank's stage of a fresh copy of the same model
+    partition = args.partition if args.partition in ("params", "time") else args.partition.split(",")
+    stage = build_stage(make_model(), dims, partition=partition, sample=xs[0][: args.batch])
+    engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(stage.parameters(), lr=0.5),
+                            schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=accuracy,
+                            timeline=args.run_dir is not None)
+    shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
+    losses, accs = [], []
+    for x, y in zip(xs, ys):
+        # a middle stage needs neither inputs nor targets, only the batch size
+        if dims.is_first or dims.is_last:
+            loss, metrics = engine.train_step(x[shard] if dims.is_first else None, y[shard] if dims.is_last else None)
+        else:
+            loss, metrics = engine.train_step(batch_size=args.batch)
+        losses.append(loss)
+        accs.append(metrics["accuracy"])
+    val_shard = slice(dims.replica * 3 * args.batch, (dims.replica + 1) * 3 * args.batch)
+    vx, vy = x_val[val_shard], y_val[val_shard]
+    val_loss, _ = engine.evaluate([(vx[:args.batch], vy[:args.batch]), (vx[args.batch:], vy[args.batch:])])
+    if args.run_dir:
+        engine.save_timeline(args.run_dir)
+
+    after = ref.state_dict()
+    update_err = {name: rel(p.detach() - before[name], after[name] - before[name])
+                  for name, p in stage.state_dict().items()}
+    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "blocks": list(stage.plan.stage_names(dims.stage)),
+              "losses": losses, "ref_losses": ref_losses, "accs": accs, "ref_accs": ref_accs,
+              "val_loss": val_loss, "ref_val_loss": ref_val, "update_err": update_err}
+    results = hvd.allgather_object(result)
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""PyTorch pipeline and model-split: the same numbers as the unsplit model in one process.
+
+Fast tests check the grid arithmetic, stage cutting and model-split in-process; the slow ones run
+real `horovodrun --gloo` jobs whose every rank compares itself with a single-process reference.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from torch import nn
+
+from helpers import run_horovod
+from hvd_runtime.partition import PartitionError
+from hvd_runtime.timeline import load_timeline
+from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims
+from hvd_runtime.torch.model_split import ModelSplit
+from hvd_runtime.torch.pipeline import micro_batch_sizes
+from hvd_runtime.torch.stage import build_stage, plan_stages
+from hvdgen.cli import main as cli
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from pipeline_step import CLASSES, FEATURES, make_model, rel  # noqa: E402
+
+TOL = 1e-5
+ALL_BLOCKS = [str(i) for i in range(7)]
+
+
+# -- grid, micro-batches, stages: no Horovod needed -----------------------------------------------
+
+def test_dims_name_every_factor_when_world_does_not_fit():
+    with pytest.raises(PipelineConfigError) as err:
+        PipelineDims(world=3, stages=2)
+    assert str(err.value) == ("world size 3 (horovodrun -np) is not stages 2 x replicas: "
+                              "use -np 2, 4, 6... or a --stages that divides 3")
+    with pytest.raises(PipelineConfigError, match="stages must be a positive integer, got 0"):
+        PipelineDims(world=2, stages=0)
+
+
+def test_dims_rank_layout_and_process_sets():
+    d = PipelineDims(world=6, stages=3)
+    assert d.replicas == 2 and d.describe() == "6 ranks = 3 stages x 2 replicas"
+    assert [d.coords(r) for r in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert all(d.rank_of(*d.coords(r)) == r for r in range(6))
+    assert d.stage_ranks(1) == [1, 4]
+    assert d.process_set_ranks(pairs=False) == [[0, 3], [1, 4], [2, 5]]
+    assert d.process_set_ranks(pairs=True)[3:] == [[0, 1], [1, 2], [3, 4], [4, 5]]
+    # two ranks, two stages: the only pair is the whole world, which is Horovod's global set
+    assert PipelineDims(world=2, stages=2).process_set_ranks(pairs=True) == []
+
+
+def test_micro_batch_sizes_follow_tensor_split():
+    assert micro_batch_sizes(10, 4) == [len(c) for c in torch.arange(10).tensor_split(4)] == [3, 3, 2, 2]
+    with pytest.raises(PipelineConfigError, match="micro_batches 5 exceeds the batch size 4"):
+        micro_batch_sizes(4, 5)
+
+
+def test_stages_keep_the_model_names_and_cover_it():
+    model = make_model()
+    plan = plan_stages(model, 2)
+    stages = [build_stage(model, k, plan) for k in range(2)]
+    keys = [k for s in stages for k in s.state_dict()]
+    assert keys == list(model.state_dict())
+    assert all(s.state_dict()[k] is not None for s in stages for k in s.state_dict())
+    x = torch.randn(4, FEATURES)
+    assert torch.equal(stages[1](stages[0](x)), model(x))
+    by_name = build_stage(model, 1, plan_stages(model, 2, ["4"]))
+    assert list(by_name.state_dict()) == ["4.weight", "4.bias", "6.weight", "6.bias"]
+    timed = plan_stages(model, 2, "time", sample=x)
+    assert timed.stages == 2 and all(c > 0 for c in timed.costs[::2])
+    with pytest.raises(PartitionError, match="partition by='time' needs sample="):
+        plan_stages(model, 2, "time")
+    with pytest.raises(PartitionError, match="partition 'speed' is unknown"):
+        plan_stages(model, 2, "speed")
+    with pytest.raises(PartitionError, match="cannot split a Linear: give an nn.Sequential or a list of blocks"):
+        plan_stages(nn.Linear(2, 2), 2)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
+    torch.manual_seed(0)
+    x, y = torch.randn(10, FEATURES), torch.randint(0, CLASSES, (10,))
+    ref = make_model()
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    opt.step()
+    split = ModelSplit(make_model(), stages=2, devices=["cpu", "cpu"], micro_batches=micro_batches)
+    opt = torch.optim.SGD(split.parameters(), lr=0.5)
+    loss = F.cross_entropy(split(x), y.to(split.output_device))
+    loss.backward()
+    opt.step()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=TOL)
+    for stage in split.stages:
+        for name, p in stage.state_dict().items():
+            assert rel(p - before[name], ref.state_dict()[name] - before[name]) < TOL, name
+    with pytest.raises(ValueError, match="got 1 devices for 2 stages"):
+        ModelSplit(make_model(), stages=2, devices=["cpu"])
+
+
+# -- real horovodrun jobs -----------------------------------------------------------------------
+
+PIPELINE_CASES = [
+    # (np, stages, schedule, micro-batches, p2p, what it covers)
+    (2, 2, "gpipe", 4, "torch", "pp=2 dp=1, GPipe, uneven micro-batches 3,3,2,2"),
+    (2, 2, "1f1b", 4, "torch", "pp=2 dp=1, 1F1B"),
+    (2, 2, "1f1b", 3, "alltoall", "pp=2 dp=1, 1F1B over Horovod alltoall"),
+    (2, 2, "gpipe", 2, "broadcast", "pp=2 dp=1, GPipe over Horovod broadcast"),
+    (4, 2, "1f1b", 2, "torch", "pp=2 dp=2: gradients averaged per stage over replicas"),
+    (4, 2, "gpipe", 4, "alltoall", "pp=2 dp=2 with pair process sets"),
+    (4, 4, "1f1b", 4, "torch", "pp=4 dp=1: middle stages get only the batch size"),
+]
+
+
+def check_against_reference(results, np, stages):
+    assert sorted(r["rank"] for r in results) == list(range(np))
+    for r in results:
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * abs(want), (r["rank"], r["losses"], r["ref_losses"])
+        assert r["accs"] == pytest.approx(r["ref_accs"], abs=1e-6)
+        assert abs(r["val_loss"] - r["ref_val_loss"]) <= TOL * abs(r["ref_val_loss"])
+        worst = max(r["update_err"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, f"rank {r['rank']}: parameter {worst[0]} update off by {worst[1]:.2e} (relative)"
+    # every block of the model was compared, on every replica
+    for replica in {r["replica"] for r in results}:
+        blocks = [b for r in sorted(results, key=lambda r: r["stage"]) if r["replica"] == replica for b in r["blocks"]]
+        assert blocks == ALL_BLOCKS
+        assert len({r["stage"] for r in results if r["replica"] == replica}) == stages
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np_,stages,schedule,m,p2p,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
+def test_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, p2p, what):
+    out = tmp_path / "result.json"
+    run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule", schedule,
+                      "--micro-batches", str(m), "--p2p", p2p, "--out", str(out)], cwd=tmp_path, timeout=280)
+    check_against_reference(json.loads(out.read_text()), np_, stages)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path):
+    out, run = tmp_path / "result.json", tmp_path / "run"
+    run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "1f1b", "--micro-batches", "4",
+                    "--steps", "3", "--partition", "4", "--out", str(out), "--run-dir", str(run)], cwd=tmp_path, timeout=280)
+    results = json.loads(out.read_text())
+    check_against_reference(results, 2, 2)
+    assert [r["blocks"] for r in results] == [["0", "1", "2", "3"], ["4", "5", "6"]]
+    tl = load_timeline(run)
+    assert tl.meta == {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4}
+    assert tl.steps == [0, 1, 2]          # training steps only: evaluation is not recorded
+    for rank in tl.ranks:
+        for step in tl.steps:
+            kinds = [(e["kind"], e["mb"]) for e in rank["events"] if e["step"] == step]
+            for kind in ("forward", "backward"):
+                assert sorted(mb for k, mb in kinds if k == kind) == [0, 1, 2, 3]
+            assert sum(k == "send" for k, _ in kinds) == 4 and sum(k == "recv" for k, _ in kinds) == 4
+    result = CliRunner().invoke(cli, ["timeline", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "theory   bubble 0.200" in result.output and (run / "timeline.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_model_split_with_horovod_data_parallel_matches_single_process(tmp_path):
+    out = tmp_path / "result.json"
+    run_horovod(2, [sys.executable, str(SCRIPTS / "model_split_step.py"), "--micro-batches", "3", "--out", str(out)],
+                cwd=tmp_path, timeout=280)
+    results = json.loads(out.read_text())
+    assert len(results) == 2
+    for r in results:
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * abs(want)
+        assert sorted(r["update_err"]) == sorted(make_model().state_dict())
+        assert max(r["update_err"].values()) < TOL
