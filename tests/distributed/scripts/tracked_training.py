@@ -64,7 +64,9 @@ def main() -> None:
     state = torch.load(checkpoint) if hvd.rank() == 0 and checkpoint.exists() else None
     if state is not None:
         model.load_state_dict(state["model"])
-    state = hvd.broadcast_object(state and {"epoch": state["epoch"], "run_id": state["run_id"]}, root_rank=0)
+    # Horovod: an explicit name, since the default one (the type name) differs between dict and None
+    state = hvd.broadcast_object(state and {"epoch": state["epoch"], "run_id": state["run_id"]}, root_rank=0,
+                                 name="resume_state")
     start_epoch, run_id = (state["epoch"], state["run_id"]) if state else (0, None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)   # Horovod: same start on every rank
 
