@@ -59,8 +59,6 @@ def check_project(project: Path) -> list[Problem]:
             found = _objects_problems(kustomize.render(directory), source)
         except kustomize.RenderError as exc:
             found = [Problem(kustomize.KUSTOMIZATION, str(exc), source)]
-        except yaml.YAMLError as exc:
-            found = [Problem("(document)", f"a file is not valid YAML ({exc}): fix it", source)]
         for problem in found:
             if (problem.path, problem.message) not in seen:
                 seen.add((problem.path, problem.message))

@@ -27,7 +27,8 @@ import click
 @click.option("--project", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
               help="The project folder (holds .hvdgen.yaml).")
 @click.option("--check", is_flag=True, help="Validate the manifests in k8s/ (or --file) and change nothing.")
-@click.option("--file", "file_", help="With --check: a manifest file to check instead of k8s/; '-' reads stdin.")
+@click.option("--file", "file_", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              help="With --check: a manifest file to check instead of k8s/; '-' reads stdin.")
 def k8s_cmd(project: Path, check: bool, file_: str | None, **answers) -> None:
     """Write the project's Kubernetes MPIJob manifests (k8s/), or check them with --check."""
     if check:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import yaml
 
-
 KUSTOMIZATION = "kustomization.yaml"
 KUSTOMIZE_API = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
 SUPPORTED = {"apiVersion", "kind", "resources", "patches", "patchesStrategicMerge", "namespace", "images"}
@@ -69,7 +68,23 @@ def overlay_patch(base: dict, variant: dict) -> dict:
 
 
 def load_documents(path: Path) -> list:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    try:
+        return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RenderError(f"{path.name} is not valid YAML{where} ({getattr(exc, 'problem', None) or exc}): "
+                          "fix the indentation or quoting") from exc
+    except OSError as exc:
+        raise RenderError(f"cannot read {path.name} ({exc.strerror}): fix the path") from exc
+
+
+def _inline(text: str) -> list:
+    try:
+        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as exc:
+        raise RenderError(f"an inline patch is not valid YAML ({getattr(exc, 'problem', None) or exc}): "
+                          "fix the indentation or quoting") from exc
 
 
 def _image_name(image: str) -> str:
@@ -107,38 +122,33 @@ def _new_image(image: str, images: list[dict]) -> str:
 
 def render(directory: Path) -> list[dict]:
     """The objects `kubectl kustomize directory` would print, for the fields hvdgen writes."""
-    file = directory / KUSTOMIZATION
-    try:
-        config = yaml.safe_load(file.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise RenderError(f"cannot read {file}: {exc}") from exc
+    docs = load_documents(directory / KUSTOMIZATION)
+    config = docs[0] if docs and isinstance(docs[0], dict) else {}
+    instead = f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead"
     unknown = sorted(set(config) - SUPPORTED)
     if unknown:
-        raise RenderError(f"{file}: field(s) {', '.join(unknown)} are not followed by hvdgen's checker: "
-                          f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead")
+        raise RenderError(f"field(s) {', '.join(unknown)} are not followed by hvdgen's checker: {instead}")
     objects: list[dict] = []
     for entry in config.get("resources") or []:
         path = directory / entry
         if path.is_dir():
             objects += render(path)
         elif path.is_file():
-            objects += [doc for doc in load_documents(path)]
+            objects += load_documents(path)
         else:
-            raise RenderError(f"{file}: resource {entry!r} does not exist: fix the path")
+            raise RenderError(f"resource {entry!r} does not exist: fix the path")
     patches = [{"path": p} for p in config.get("patchesStrategicMerge") or []] + list(config.get("patches") or [])
     for entry in patches:
         if not isinstance(entry, dict) or "target" in entry or ("path" not in entry and "patch" not in entry):
-            raise RenderError(f"{file}: patch {entry!r} is not a plain merge patch: "
-                              f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead")
-        docs = load_documents(directory / entry["path"]) if "path" in entry else list(yaml.safe_load_all(entry["patch"]))
+            raise RenderError(f"patch {entry!r} is not a plain merge patch: {instead}")
+        docs = load_documents(directory / entry["path"]) if "path" in entry else _inline(entry["patch"])
         for doc in docs:
             if not isinstance(doc, dict):
-                raise RenderError(f"{file}: patch {entry!r} is a JSON 6902 patch: "
-                                  f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead")
+                raise RenderError(f"patch {entry!r} is a JSON 6902 patch: {instead}")
             matches = [i for i, obj in enumerate(objects) if identity(obj) == identity(doc)]
             if not matches:
                 kind, name, namespace = identity(doc)
-                raise RenderError(f"{file}: patch for {kind} {name!r} in namespace {namespace!r} matches no resource: "
+                raise RenderError(f"patch for {kind} {name!r} in namespace {namespace!r} matches no resource: "
                                   "make its kind, metadata.name and metadata.namespace match the base")
             for i in matches:
                 objects[i] = merge_patch(objects[i], doc)

@@ -59,9 +59,13 @@ def k8s_files(spec: ProjectSpec, opts: K8sOptions | None = None) -> dict[str, st
         "overlays/cpu/kustomization.yaml": to_yaml(kustomize.kustomization(["../../base"]), version),
     }
     if "gpu" in rendered:
+        patch = kustomize.overlay_patch(job, rendered["gpu"][0])
+        # What kubectl applies is the base plus this patch: it must be exactly the validated gpu job.
+        if kustomize.merge_patch(job, patch) != rendered["gpu"][0]:
+            raise HvdgenError("hvdgen built a gpu patch that does not reproduce the gpu job (please report this)")
         files["overlays/gpu/kustomization.yaml"] = to_yaml(
             kustomize.kustomization(["../../base"], patches=["mpijob-patch.yaml"]), version)
-        files["overlays/gpu/mpijob-patch.yaml"] = to_yaml(kustomize.overlay_patch(job, rendered["gpu"][0]), version)
+        files["overlays/gpu/mpijob-patch.yaml"] = to_yaml(patch, version)
     return files
 
 

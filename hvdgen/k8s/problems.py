@@ -26,5 +26,6 @@ class Problem:
         return Problem(self.path, self.message, source)
 
     def __str__(self) -> str:
+        """Always one line, whatever a parser put into the message."""
         prefix = f"{self.source}: " if self.source else ""
-        return f"{prefix}{self.path}: {self.message}"
+        return " ".join(f"{prefix}{self.path}: {self.message}".split())
