@@ -131,3 +131,19 @@ def test_check_refuses_generation_options(project):
 def test_outside_a_project(tmp_path):
     result = run("k8s", "--project", str(tmp_path))
     assert result.exit_code == 1 and ".hvdgen.yaml" in result.output
+
+
+def test_check_names_a_file_that_is_not_yaml(project):
+    (project / "k8s/base/checkpoints-pvc.yaml").write_text("apiVersion: v1\nkind: [\n")
+    result = run("k8s", "--project", str(project), "--check")
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k8s/base: ") and "checkpoints-pvc.yaml is not valid YAML" in lines[0]
+
+
+def test_check_says_how_to_check_what_it_cannot_render(project):
+    path = project / "k8s/overlays/cpu/kustomization.yaml"
+    path.write_text(path.read_text() + "commonLabels:\n  team: ml\n")
+    result = run("k8s", "--project", str(project), "--check")
+    assert result.exit_code == 1
+    assert "commonLabels" in result.output and "kubectl kustomize" in result.output
