@@ -92,7 +92,6 @@ def launcher_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: st
     return {
         "name": "launcher",
         "image": image,
-        "imagePullPolicy": "IfNotPresent",
         "workingDir": WORKDIR,
         "command": ["horovodrun"],
         "args": args,
@@ -115,7 +114,6 @@ def worker_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: str)
     return {
         "name": "worker",
         "image": image,
-        "imagePullPolicy": "IfNotPresent",
         "workingDir": WORKDIR,
         # Workers only serve SSH; the host key is the job's key, mounted by the operator, so no
         # key is ever baked into the image.
