@@ -29,8 +29,8 @@ def _torch_forward(model, example):
     torch = sys.modules["torch"]
     first = next(iter(model.parameters()), None)
     inputs = torch.as_tensor(example)
-    if first is not None:
-        inputs = inputs.to(first.device)
+    if first is not None:  # numpy examples are often float64; the model decides
+        inputs = inputs.to(first.device, first.dtype if inputs.is_floating_point() else None)
     was_training = model.training
     model.eval()
     try:

@@ -11,6 +11,7 @@ then spools whatever is left, so the job's exit is bounded whatever the server d
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Callable
@@ -19,6 +20,29 @@ from . import records
 from .spool import Spool
 
 MAX_BATCH = 500     # records taken from the queue per round trip
+# MLflow error codes that mean "this record is bad", not "the server is unavailable"
+REJECTION_CODES = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS"}
+
+log = logging.getLogger("hvd_runtime.tracking")
+
+
+def rejected(exc: BaseException, group: list[dict]) -> bool:
+    """True when the records, not the server, are at fault: sending them again cannot help.
+
+    Anything unrecognised counts as a server failure, so its records are spooled, not lost. A model
+    that cannot be exported (say torch.export on data-dependent control flow) is the model's fault.
+    """
+    code = getattr(exc, "error_code", None)
+    if code is not None:
+        return code in REJECTION_CODES
+    return group[0]["kind"] == "model" and not isinstance(exc, (OSError, ConnectionError))
+
+
+def _summary(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if len(text) > 240:  # MLflow's messages put the URL first and the cause last: keep both
+        text = f"{text[:120]} ... {text[-120:]}"
+    return text
 
 
 class Sender(threading.Thread):
@@ -37,6 +61,7 @@ class Sender(threading.Thread):
         self.failed = False
         self.abandoned = False
         self.inflight: list[dict] = []
+        self.rejections = 0
         self.sink = None
 
     def segment_head(self) -> list[dict]:
@@ -71,16 +96,31 @@ class Sender(threading.Thread):
             batch = self._take()
             done = batch[-1]["kind"] == "end"
             for group in records.group(batch):
-                if self.failed or self.abandoned:
-                    self.to_spool(group)
-                    continue
-                self.inflight = group
-                try:
-                    self.sink.apply(self.run_id, group)
-                except Exception as exc:
-                    self.fail(exc, group)
-                finally:
-                    self.inflight = []
+                self._send(group)
+
+    def _send(self, group: list[dict]) -> None:
+        if self.failed or self.abandoned:
+            self.to_spool(group)
+            return
+        self.inflight = group
+        try:
+            self.sink.apply(self.run_id, group)
+        except Exception as exc:
+            if not rejected(exc, group):
+                self.fail(exc, group)
+            elif len(group) > 1:        # one bad key must not cost the other records of a batch
+                for record in group:
+                    self._send([record])
+            else:
+                self._reject(exc, group[0])
+        finally:
+            self.inflight = []
+
+    def _reject(self, exc: BaseException, record: dict) -> None:
+        level = logging.INFO if self.rejections else logging.WARNING
+        self.rejections += 1
+        log.log(level, "MLflow rejected a %s record, which is dropped (%s)%s", record["kind"], _summary(exc),
+                "" if self.rejections > 1 else "; further rejections are logged at INFO level")
 
     def _take(self) -> list[dict]:
         batch = [self.queue.get()]
@@ -93,10 +133,7 @@ class Sender(threading.Thread):
 
     def fail(self, exc: BaseException, pending: list[dict]) -> None:
         self.failed = True
-        summary = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if len(summary) > 240:  # MLflow's messages put the URL first and the cause last: keep both
-            summary = f"{summary[:120]} ... {summary[-120:]}"
-        self.warn(f"MLflow at {self.header.get('tracking_uri', self.uri)} failed ({summary})")
+        self.warn(f"MLflow at {self.header.get('tracking_uri', self.uri)} failed ({_summary(exc)})")
         self.to_spool(pending)
 
     def drain(self) -> None:
@@ -122,7 +159,7 @@ class Sender(threading.Thread):
             out.append(record)
         try:
             self.spool.write(out)
-        except OSError as exc:
+        except Exception as exc:  # a full disk must not stop training either
             self.warn(f"could not write the tracking spool {self.spool.path} ({exc})")
 
     def _save_model(self, record: dict) -> dict | None:

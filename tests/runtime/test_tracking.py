@@ -204,3 +204,18 @@ def test_a_bad_model_or_value_is_reported_never_raised(caplog):
         tracker.log_metrics({"loss": "not a number"}, step=0)
     messages = tracking_warnings(caplog)
     assert len(messages) == 2 and all(m.startswith("tracking call ignored") for m in messages)
+
+
+@pytest.mark.timeout(600)
+def test_a_rejected_record_is_dropped_alone_and_the_run_goes_on(tmp_path, caplog):
+    with start("rejected") as tracker:
+        tracker.log_metrics({"loss": 1.0}, step=0)
+        tracker.log_metrics({"loss": 0.9, "bad key!": 1.0}, step=1)
+        tracker.log_metrics({"loss": 0.8}, step=2)
+        run_id = tracker.run_id
+    client = MlflowClient(settings.embedded_uri(tmp_path))
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 2]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    (message,) = tracking_warnings(caplog)
+    assert message.startswith("MLflow rejected a metrics record")
+    assert not (tmp_path / "runs").exists()
