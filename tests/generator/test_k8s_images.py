@@ -105,3 +105,15 @@ def test_worker_sshd_accepts_the_job_key(project, tmp_path, non_root):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_checkpoint_volume_is_where_the_project_writes_checkpoints(project):
+    """The claim is mounted at WORKDIR/<checkpoint.dir of config.yaml>, WORKDIR being the image's."""
+    import yaml
+
+    from hvdgen.k8s.mpijob import CHECKPOINT_DIR, WORKDIR
+
+    config = yaml.safe_load((project / "config.yaml").read_text())
+    assert f"{WORKDIR}/{config['checkpoint']['dir'].rstrip('/')}" == CHECKPOINT_DIR
+    for name in DOCKERFILES:
+        assert re.findall(r"^WORKDIR\s+(\S+)", (project / name).read_text(), re.M) == [WORKDIR]
