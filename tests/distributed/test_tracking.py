@@ -184,6 +184,7 @@ def test_dead_server_mid_run_spools_and_replays(server, tmp_path):
     thread.join(JOB_TIMEOUT)
     proc = result["proc"]
     print(f"job finished {time.monotonic() - killed_at:.1f} s after the server was killed")
+    print("\n".join(line for line in proc.stdout.splitlines() if "mean step ms" in line))
 
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert warnings_in(proc) == 1, proc.stderr[-4000:]

@@ -73,11 +73,13 @@ def main() -> None:
     tracker = start_tracking(config, rank=hvd.rank(), world_size=hvd.size(), framework="torch",
                              strategy="data", project_name=args.project, run_id=run_id)
     steps_per_epoch = len(x_shard) // BATCH
+    step_seconds: list[float] = []
     with tracker:
         tracker.set_tags({"script": "tracked_training"})
         for epoch in range(start_epoch, args.epochs):
             model.train()
             for i in range(steps_per_epoch):
+                began = time.perf_counter()
                 step = epoch * steps_per_epoch + i
                 batch = slice(i * BATCH, (i + 1) * BATCH)
                 optimizer.zero_grad()
@@ -86,6 +88,7 @@ def main() -> None:
                 optimizer.step()
                 mean_loss = hvd.allreduce(loss.detach(), name="train_loss").item()   # Horovod: average
                 tracker.log_metrics({"train/loss": mean_loss}, step=step)
+                step_seconds.append(time.perf_counter() - began)
                 if step == args.pause_at_step:
                     wait_for_resume(args.workdir, step)
             model.eval()
@@ -97,10 +100,16 @@ def main() -> None:
                 torch.save({"model": model.state_dict(), "epoch": epoch + 1, "run_id": tracker.run_id}, checkpoint)
                 tracker.log_artifact(checkpoint)
         tracker.log_model(model, input_example=x[:4].numpy())
+        closing = time.perf_counter()
+    closed_in = time.perf_counter() - closing
 
     if hvd.rank() != 0:
         assert "mlflow" not in sys.modules, "a rank other than 0 imported mlflow"
-    print(f"rank {hvd.rank()} finished run_id={tracker.run_id}", flush=True)
+    split = args.pause_at_step + 1 if args.pause_at_step >= 0 else 0
+    before, after = step_seconds[:split], step_seconds[split:]
+    print(f"rank {hvd.rank()} finished run_id={tracker.run_id} mean step ms: "
+          f"before pause {1000 * sum(before) / max(len(before), 1):.1f}, after {1000 * sum(after) / max(len(after), 1):.1f}; "
+          f"close {closed_in:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
