@@ -55,6 +55,7 @@ class PipelineEngine:
         self.device = torch.device(device) if device else next(stage.parameters(), torch.empty(0)).device
         self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline)
         self.steps = 0
+        self.peak_in_flight = 0     # most micro-batches holding activations at once, last step
         self._act_shapes: dict[int, tuple] = {}    # micro-batch size -> (shape, dtype) seen on the way in
         self._act_sent: set[int] = set()            # micro-batch sizes whose shape the next stage knows
         self._metric_names: list[str] | None = None
@@ -95,7 +96,7 @@ class PipelineEngine:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         grads: dict[int, torch.Tensor] = {}
-        sums = None
+        sums, peak = None, 0
         for a in actions:
             i, op = a.micro_batch, a.op
             if op is Op.RECV_ACT:
@@ -111,6 +112,7 @@ class PipelineEngine:
                         sums = stats if sums is None else sums + stats
                         out = loss * (sizes[i] / total)
                     outputs[i] = out
+                    peak = max(peak, len(outputs))
             elif op is Op.SEND_ACT:
                 with rec.span("send", i):
                     self._send_act(i, sizes[i], outputs[i] if train else outputs.pop(i))
@@ -128,6 +130,8 @@ class PipelineEngine:
                     g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
                     dims.prev.send(g, f"grad{i}", shape_known=True)
         self._wait_sends()
+        if train:
+            self.peak_in_flight = peak
         return sums if sums is not None else torch.zeros(2 + len(self._metric_names or []), dtype=torch.float64)
 
     def _stats(self, loss, out, y, n: int) -> torch.Tensor:

@@ -118,9 +118,11 @@ PIPELINE_CASES = [
 ]
 
 
-def check_against_reference(results, np, stages):
+def check_against_reference(results, np, stages, schedule, m):
     assert sorted(r["rank"] for r in results) == list(range(np))
     for r in results:
+        # activations held at once: GPipe all m, 1F1B at most p - stage
+        assert r["peak_in_flight"] == (m if schedule == "gpipe" else min(m, stages - r["stage"]))
         for got, want in zip(r["losses"], r["ref_losses"]):
             assert abs(got - want) <= TOL * abs(want), (r["rank"], r["losses"], r["ref_losses"])
         assert r["accs"] == pytest.approx(r["ref_accs"], abs=1e-6)
@@ -141,7 +143,7 @@ def test_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m
     out = tmp_path / "result.json"
     run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule", schedule,
                       "--micro-batches", str(m), "--p2p", p2p, "--out", str(out)], cwd=tmp_path, timeout=280)
-    check_against_reference(json.loads(out.read_text()), np_, stages)
+    check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m)
 
 
 @pytest.mark.slow
@@ -151,7 +153,7 @@ def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path):
     run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "1f1b", "--micro-batches", "4",
                     "--steps", "3", "--partition", "4", "--out", str(out), "--run-dir", str(run)], cwd=tmp_path, timeout=280)
     results = json.loads(out.read_text())
-    check_against_reference(results, 2, 2)
+    check_against_reference(results, 2, 2, "1f1b", 4)
     assert [r["blocks"] for r in results] == [["0", "1", "2", "3"], ["4", "5", "6"]]
     tl = load_timeline(run)
     assert tl.meta == {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4}

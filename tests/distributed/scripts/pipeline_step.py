@@ -80,7 +80,7 @@ def main():
                             schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=accuracy,
                             timeline=args.run_dir is not None)
     shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
-    losses, accs = [], []
+    losses, accs, peaks = [], [], []
     for x, y in zip(xs, ys):
         # a middle stage needs neither inputs nor targets, only the batch size
         if dims.is_first or dims.is_last:
@@ -88,6 +88,7 @@ def main():
         else:
             loss, metrics = engine.train_step(batch_size=args.batch)
         losses.append(loss)
+        peaks.append(engine.peak_in_flight)
         accs.append(metrics["accuracy"])
     val_shard = slice(dims.replica * 3 * args.batch, (dims.replica + 1) * 3 * args.batch)
     vx, vy = x_val[val_shard], y_val[val_shard]
@@ -100,7 +101,7 @@ def main():
                   for name, p in stage.state_dict().items()}
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "blocks": list(stage.plan.stage_names(dims.stage)),
               "losses": losses, "ref_losses": ref_losses, "accs": accs, "ref_accs": ref_accs,
-              "val_loss": val_loss, "ref_val_loss": ref_val, "update_err": update_err}
+              "val_loss": val_loss, "peak_in_flight": max(peaks), "ref_val_loss": ref_val, "update_err": update_err}
     results = hvd.allgather_object(result)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
