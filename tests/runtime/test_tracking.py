@@ -219,3 +219,25 @@ def test_a_rejected_record_is_dropped_alone_and_the_run_goes_on(tmp_path, caplog
     (message,) = tracking_warnings(caplog)
     assert message.startswith("MLflow rejected a metrics record")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(600)
+def test_replay_into_a_store_that_has_the_run_continues_it(tmp_path):
+    from hvd_runtime.tracking import records
+    from hvd_runtime.tracking.spool import Spool
+
+    with start("back") as tracker:
+        tracker.log_metrics({"loss": 1.0}, step=0)
+        run_id = tracker.run_id
+    uri = settings.embedded_uri(tmp_path)
+    head = [{"kind": "run", "experiment": "back", "run_id": run_id, "run_name": "x", "tags": {}, "start_time": 0},
+            records.params({"world_size": "2"})]
+    spool = Spool(tmp_path / "spool", lambda: head)
+    spool.write([records.metrics({"loss": 0.5}, step=1), records.metrics({"loss": 0.25}, step=2)])
+    replay = subprocess.run([sys.executable, "-m", "hvd_runtime.tracking.replay", str(spool.path), "--uri", uri],
+                            capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    client = MlflowClient(uri)
+    run = only_run(client, "back")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"   # not reopened, not renamed
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1, 2]
