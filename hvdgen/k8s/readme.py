@@ -89,13 +89,15 @@ kubectl create secret generic {uri_source} -n {ns} --from-literal=MLFLOW_TRACKIN
 
 ```bash
 kubectl apply -k k8s/overlays/{overlay}{other_note}
-kubectl get mpijob {name} -n {ns} -w
 kubectl get pods -n {ns} -l app.kubernetes.io/name={name} -w
 kubectl logs -n {ns} -f job/{name}-launcher
+kubectl get mpijob {name} -n {ns} -o jsonpath='{{.status.conditions[-1].type}}{{"\\n"}}'
 ```
 
-The job has succeeded when `kubectl get mpijob {name} -n {ns}` shows `Succeeded`. A failing job
-shows why in `kubectl describe mpijob {name} -n {ns}` (look at the Events).
+The last command prints the job's latest condition: `Created`, `Running`, `Restarting`, `Succeeded`
+or `Failed`; `kubectl wait mpijob/{name} -n {ns} --for=condition=Succeeded --timeout=24h` blocks
+until it succeeds. A job that does not start shows why in `kubectl describe mpijob {name} -n {ns}`
+(look at the Events).
 
 ## 4. Delete
 
