@@ -9,6 +9,8 @@ from hvdgen.k8s.names import job_name
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.spec import ProjectSpec
 
+OPERATOR_MANIFEST = "https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.8.2/deploy/v2beta1/mpi-operator.yaml"
+
 
 def _launch_line(spec: ProjectSpec, opts: K8sOptions, gpu: bool) -> str:
     container = build_mpijob(spec, opts, gpu)["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
@@ -61,6 +63,15 @@ The launcher is created only when every worker's sshd accepts connections
 to `{CHECKPOINT_DIR}`, which is the claim, so a restarted job resumes where it stopped. The claim asks
 for `ReadWriteMany` because every worker mounts it: on a single node, or a cluster without such a
 storage class, change `accessModes` to `ReadWriteOnce`. {non_root}
+
+## 0. Once per cluster: the MPI Operator
+
+```bash
+kubectl apply --server-side -f {OPERATOR_MANIFEST}
+```
+
+The older Kubeflow training-operator also defines `mpijobs.kubeflow.org` (version v1); the two cannot
+be installed side by side.
 
 ## 1. Build and push the images
 
