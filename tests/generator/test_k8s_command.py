@@ -147,3 +147,14 @@ def test_check_says_how_to_check_what_it_cannot_render(project):
     result = run("k8s", "--project", str(project), "--check")
     assert result.exit_code == 1
     assert "commonLabels" in result.output and "kubectl kustomize" in result.output
+
+
+def test_cli_start_up_loads_no_validation_library():
+    """The k8s command registers with click alone; schemas load only when a manifest is validated."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hvdgen.cli; "
+            "print(sorted(m for m in ('jsonschema', 'kubernetes_validate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
