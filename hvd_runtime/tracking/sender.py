@@ -1,6 +1,6 @@
 """One background sender per run, so the training loop never waits on the network.
 
-Why a thread rather than only short HTTP timeouts: even a 10 s timeout, retried, would stall
+Why a thread rather than only short HTTP timeouts: even a 5 s timeout, retried, would stall
 every step while a server is down or slow, and the first contact with a fresh sqlite store
 spends seconds on migrations. So the training thread only enqueues (never blocking: a full queue
 spools instead), and this thread sends in order, consecutive metrics batched into one request.

@@ -11,7 +11,7 @@ SPOOL_DIRNAME = "mlflow-spool"
 # MLflow's own defaults retry for minutes (7 retries, 120 s timeout): right for a notebook, wrong
 # for a sender that should notice a dead server quickly and spool. Set only where the user has not.
 HTTP_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",       # per socket wait, not per transfer: uploads may take longer
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
