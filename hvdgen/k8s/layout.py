@@ -27,7 +27,10 @@ MANAGED = ("README.md", "base/kustomization.yaml", "base/mpijob.yaml", "base/che
 
 
 def options_of(spec: ProjectSpec) -> K8sOptions:
-    return K8sOptions.from_answers(getattr(spec, "k8s", None))
+    """The recorded k8s answers; an elastic project launches elastically unless told otherwise."""
+    answers = dict(getattr(spec, "k8s", None) or {})
+    answers.setdefault("elastic", bool(getattr(spec, "elastic", False)))
+    return K8sOptions.from_answers(answers)
 
 
 def to_yaml(obj: dict, version: str) -> str:

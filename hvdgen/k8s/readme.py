@@ -39,8 +39,8 @@ kubectl patch mpijob {name} -n {ns} --type merge \\
   -p '{{"spec":{{"mpiReplicaSpecs":{{"Worker":{{"replicas":{opts.max_np_workers}}}}}}}}}'
 ```
 
-The training script itself must be elastic (generated with elastic support), or a lost worker
-still stops the job.
+The training script itself must be elastic (`hvdgen new --elastic`), or a lost worker still stops
+the job.
 """
     non_root = (f"The pods run as the non-root user `mpiuser` (uid 1000); the operator mounts the job's SSH keys "
                 f"at `{ssh_path(opts)}`.") if opts.non_root else (

@@ -158,3 +158,18 @@ def test_cli_start_up_loads_no_validation_library():
             "print(sorted(m for m in ('jsonschema', 'kubernetes_validate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_an_elastic_project_gets_an_elastic_job(tmp_path):
+    from hvdgen.spec import ProjectSpec
+
+    if "elastic" not in ProjectSpec.__dataclass_fields__:
+        pytest.skip("Requires: hvdgen new --elastic")
+    result = run("new", "demo", "--elastic", "--output", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    job = yaml.safe_load((tmp_path / "demo/k8s/base/mpijob.yaml").read_text())
+    args = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["args"]
+    assert "--host-discovery-script" in args
+    assert run("k8s", "--project", str(tmp_path / "demo"), "--no-elastic").exit_code == 0
+    job = yaml.safe_load((tmp_path / "demo/k8s/base/mpijob.yaml").read_text())
+    assert "--hostfile" in job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["args"]
