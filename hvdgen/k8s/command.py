@@ -17,7 +17,8 @@ import click
 @click.option("--image", help="CPU job image, e.g. registry.example.com/team/mnist:v1 (default NAME:latest).")
 @click.option("--gpu-image", help="CUDA job image (default: the CPU image's tag + '-cuda').")
 @click.option("--namespace", help="Kubernetes namespace (default 'default').")
-@click.option("--elastic/--no-elastic", default=None, help="Elastic Horovod: workers may come and go (default: as hvdgen new --elastic).")
+@click.option("--elastic/--no-elastic", default=None,
+              help="Elastic Horovod: workers may come and go (default: as hvdgen new --elastic).")
 @click.option("--min-workers", type=int, help="Elastic: fewest workers to keep training with (default 1).")
 @click.option("--max-workers", type=int, help="Elastic: most workers to use (default --workers).")
 @click.option("--non-root/--root", "non_root", default=None, help="Run pods as uid 1000 with SSH keys in its home.")
