@@ -13,7 +13,8 @@ OPERATOR_MANIFEST = "https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.
 
 
 def _launch_line(spec: ProjectSpec, opts: K8sOptions, gpu: bool) -> str:
-    container = build_mpijob(spec, opts, gpu)["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    launcher = build_mpijob(spec, opts, gpu)["spec"]["mpiReplicaSpecs"]["Launcher"]
+    container = launcher["template"]["spec"]["containers"][0]
     return " ".join(container["command"] + container["args"])
 
 
@@ -23,7 +24,8 @@ def readme(spec: ProjectSpec, opts: K8sOptions) -> str:
     other_note = "          # on GPU nodes: kubectl apply -k k8s/overlays/gpu" if opts.gpus_per_worker else ""
     uri_source = mlflow_source_name(spec, opts)
     gpu_rows = (f"| `overlays/gpu/` | {opts.workers} workers x {opts.gpus_per_worker} GPU "
-                f"(`slotsPerWorker: {slots_per_worker(spec.strategy, opts.gpus_per_worker)}`), image `{default_gpu_image(spec, opts)}`, "
+                f"(`slotsPerWorker: {slots_per_worker(spec.strategy, opts.gpus_per_worker)}`), "
+                f"image `{default_gpu_image(spec, opts)}`, "
                 f"NCCL environment; runs `{_launch_line(spec, opts, True)}` |\n") if opts.gpus_per_worker else ""
     elastic = ""
     if opts.elastic:

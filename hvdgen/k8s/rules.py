@@ -164,8 +164,9 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
             problems.append(Problem(f"{where}.args", f"-np {np_text} is outside --min-np {low} .. --max-np {high}: "
                                     "make min-np <= np <= max-np"))
         if high and high.isdigit() and int(high) % max(slots, 1):
+            whole = int(high) // max(slots, 1) * slots or slots
             problems.append(Problem(f"{where}.args", f"--max-np {high} is not a multiple of slotsPerWorker "
-                                    f"{slots}: use whole workers, e.g. --max-np {int(high) // max(slots, 1) * slots or slots}"))
+                                    f"{slots}: use whole workers, e.g. --max-np {whole}"))
     if int(np_text) != expected and not elastic:
         problems.append(Problem(f"{where}.args", f"-np {np_text} but Worker replicas ({workers}) x slotsPerWorker "
                                 f"({slots}) = {expected}: set -np {expected}"))

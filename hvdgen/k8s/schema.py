@@ -68,7 +68,8 @@ _TYPE_EXAMPLES = {"integer": "a whole number such as 2, without quotes", "string
 
 def _describe(error) -> str:
     kind = error.validator
-    value = json.dumps(error.instance) if not isinstance(error.instance, (dict, list)) else type(error.instance).__name__
+    instance = error.instance
+    value = type(instance).__name__ if isinstance(instance, (dict, list)) else json.dumps(instance)
     if kind == "required":
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         return f"missing required field '{missing}': add it"
