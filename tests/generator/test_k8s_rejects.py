@@ -170,3 +170,20 @@ def test_model_split_jobs_run_one_rank_per_worker():
     problems = [str(p) for p in object_problems(job)]
     assert "spec.slotsPerWorker: is 2 but a model-split job runs one rank per worker over all its GPUs: " \
            "set slotsPerWorker: 1" in problems
+
+
+ELASTIC = build_mpijob(SPEC, K8sOptions(workers=2, gpus_per_worker=2, elastic=True, min_workers=1,
+                                        max_workers=3), gpu=True)
+
+
+@pytest.mark.parametrize("option,value,words", [
+    ("-np", "8", ["-np 8 is outside --min-np 2 .. --max-np 6"]),
+    ("--max-np", "5", ["--max-np 5 is not a multiple of slotsPerWorker 2", "--max-np 4"]),
+])
+def test_elastic_counts_are_checked(option, value, words):
+    job = copy.deepcopy(ELASTIC)
+    assert object_problems(job) == []
+    args = launcher(job)["args"]
+    args[args.index(option) + 1] = value
+    lines = [str(p) for p in object_problems(job)]
+    assert any(all(w in line for w in words) for line in lines), lines
