@@ -86,9 +86,10 @@ class Sender(threading.Thread):
                 self.imported.set()
             self.sink = MlflowSink(self.uri)
             self.run_id = self.sink.open_run(self.header)
-            self.sink.apply(self.run_id, [self.params])
         except Exception as exc:
-            self.fail(exc, [])
+            self.fail(exc, [])      # the spool's head carries the run and its params
+        else:
+            self._send([self.params])
         finally:
             self.ready.set()
         done = False

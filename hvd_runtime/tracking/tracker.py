@@ -1,8 +1,8 @@
 """What the training loop holds: `Tracker` on rank 0, `NullTracker` everywhere else.
 
-Every Tracker method returns at once: records go to the background sender (sender.py). The one
-call that may wait is `close`, for at most `close_timeout` seconds, and `run_id`, until the run
-is open (normally long before anyone asks for it).
+Tracker methods return at once: records go to the background sender (sender.py). Three may
+wait, each for a bounded time: `close` (for the sender to finish), `run_id` (for the run to open)
+and the first `log_model` (for the sender to finish importing MLflow).
 """
 
 from __future__ import annotations
@@ -124,11 +124,14 @@ class Tracker(NullTracker):
         self._closed = True
         atexit.unregister(self.close)
         timeout = self._close_timeout if timeout is None else timeout
-        self._sender.submit(records.end(status))
-        self._sender.join(timeout)
-        if self._sender.is_alive() or not self._sender.queue.empty():
-            self._warn(f"MLflow did not finish within {timeout:.0f} s")
-            self._sender.drain()
+        try:
+            self._sender.submit(records.end(status))
+            self._sender.join(timeout)
+            if self._sender.is_alive() or not self._sender.queue.empty():
+                self._warn(f"MLflow did not finish within {timeout:.0f} s")
+                self._sender.drain()
+        except Exception as exc:  # the end of training is no place to fail either
+            log.warning("tracking could not close cleanly: %s", exc)
 
     def __exit__(self, exc_type, exc, tb):
         self.close("FAILED" if exc_type is not None else "FINISHED")
