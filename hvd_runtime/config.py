@@ -63,12 +63,14 @@ class HorovodConfig:
     adasum: bool = False            # Adasum instead of averaging (scales lr by local size, not world size)
     sync_batchnorm: bool = False    # BatchNorm statistics over the global batch, not the local one
     threads_per_rank: int = 0       # CPU threads per rank; 0 = cores / local ranks
+    elastic_commit_every: int = 20  # elastic jobs: steps between commits (what a lost worker rolls back to)
 
 
 @dataclass
 class CheckpointConfig:
     dir: str = "checkpoints"        # written by rank 0 only; the latest is resumed on start
     keep: int = 3                   # how many recent checkpoints to keep
+    every_steps: int = 0            # also checkpoint every N steps within an epoch; 0 = once per epoch
     resume: bool = True
 
 

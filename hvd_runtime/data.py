@@ -125,18 +125,23 @@ def load_dataset(cfg, seed: int = 0) -> Dataset:
     return loaders[cfg.source]()
 
 
-def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int, shuffle: bool, pad: bool) -> np.ndarray:
-    """This rank's sample indices for one epoch.
+def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int, shuffle: bool, pad: bool,
+                  consumed: int = 0) -> np.ndarray:
+    """This rank's sample indices for one epoch, after the first `consumed` of the epoch's order.
 
-    Every rank draws the same permutation (seed + epoch) and takes every size-th index, so shards
-    are disjoint. With `pad`, the permutation wraps around until it divides evenly: every rank
-    then takes the same number of steps, which the gradient allreduce needs. Without it (for
-    evaluation), shards are uneven and every sample is seen exactly once.
+    Every rank draws the same permutation (seed + epoch) and takes every size-th index of what
+    is left, so shards are disjoint. Because a step consumes a contiguous stretch of that order
+    across ranks, resuming after `consumed` samples, even with another number of ranks (an
+    elastic reset), continues exactly where the epoch stopped: no sample skipped or repeated.
+    With `pad`, the rest wraps around until it divides evenly, so every rank takes the same
+    number of steps, which the gradient allreduce needs. Without it (for evaluation), shards
+    are uneven and every sample is seen exactly once.
     """
     order = np.random.default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
-    if pad:
-        total = math.ceil(n / size) * size
-        order = np.resize(order, total)  # repeats from the start to fill
+    order = order[consumed:]
+    if pad and len(order):
+        total = math.ceil(len(order) / size) * size
+        order = np.resize(order, total)  # repeats from the start of the rest to fill
     return order[rank::size]
 
 

@@ -31,6 +31,7 @@ class RunLog:
         """Append one line to metrics.jsonl and print a one-line summary."""
         if not self.is_writer:
             return
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # an elastic reset can make a new rank 0
         record = {"epoch": epoch, "step": step, "elapsed_s": round(time.monotonic() - self.started, 3), **metrics}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -43,14 +43,16 @@ def list_cmd() -> None:
 @click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split or pipeline.")
 @click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Directory in which the project folder NAME is created.")
+@click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
-def new_cmd(name: str, framework: str, strategy: str, output: Path, dry_run: bool, force: bool) -> None:
+def new_cmd(name: str, framework: str, strategy: str, elastic: bool, output: Path, dry_run: bool,
+            force: bool) -> None:
     """Generate a training project NAME."""
     from hvdgen.render import generate
     from hvdgen.spec import ProjectSpec
 
-    spec = ProjectSpec(name=name, framework=framework, strategy=strategy)
+    spec = ProjectSpec(name=name, framework=framework, strategy=strategy, elastic=elastic)
     target = output / name
     written = generate(spec, target, force=force, dry_run=dry_run)
     if dry_run:

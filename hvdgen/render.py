@@ -24,6 +24,11 @@ from hvdgen.spec import SPEC_FILE, ProjectSpec
 
 TEMPLATE_SUFFIX = ".j2"
 
+# Files only some projects get: output path -> whether this spec gets it.
+ONLY_WHEN = {
+    "discover_hosts.sh": lambda spec: spec.elastic,
+}
+
 
 def _layers(spec: ProjectSpec) -> list[Path]:
     root = templates_dir()
@@ -35,8 +40,9 @@ def template_files(spec: ProjectSpec) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for layer in _layers(spec):
         for path in sorted(p for p in layer.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-            rel = path.relative_to(layer).as_posix()
-            files[rel.removesuffix(TEMPLATE_SUFFIX)] = path
+            rel = path.relative_to(layer).as_posix().removesuffix(TEMPLATE_SUFFIX)
+            if ONLY_WHEN.get(rel, lambda _: True)(spec):
+                files[rel] = path
     return files
 
 

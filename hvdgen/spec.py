@@ -42,6 +42,7 @@ class ProjectSpec:
     name: str
     framework: str = "torch"
     strategy: str = "data"
+    elastic: bool = False  # Horovod elastic: survive lost workers (hvd.elastic.run, host discovery)
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
 

@@ -12,13 +12,36 @@ import torch
 
 @dataclass(frozen=True)
 class Context:
-    """Who this process is in the job, and where its tensors live."""
+    """Where this process's tensors live, and who it is in the job.
 
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
+    Rank and size are read from Horovod each time: an elastic job can renumber its ranks.
+    """
+
     device: torch.device
+
+    @property
+    def rank(self) -> int:
+        import horovod.torch as hvd
+
+        return hvd.rank()
+
+    @property
+    def size(self) -> int:
+        import horovod.torch as hvd
+
+        return hvd.size()
+
+    @property
+    def local_rank(self) -> int:
+        import horovod.torch as hvd
+
+        return hvd.local_rank()
+
+    @property
+    def local_size(self) -> int:
+        import horovod.torch as hvd
+
+        return hvd.local_size()
 
     @property
     def is_root(self) -> bool:
@@ -55,4 +78,4 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(hvd.local_size(), threads_per_rank))
     seed_everything(seed + hvd.rank())
-    return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), device)
+    return Context(device)

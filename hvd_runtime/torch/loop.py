@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -10,7 +11,15 @@ from torch import nn
 from hvd_runtime.progress import progress
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context
-from hvd_runtime.torch.state import TrainState
+from hvd_runtime.torch.optim import WarmupSchedule
+
+
+@dataclass(frozen=True)
+class Every:
+    """Run `action()` after every `steps` training steps (0 = never), on every rank at once."""
+
+    steps: int
+    action: Callable[[], object]
 
 
 def allreduce_sums(sums: dict[str, torch.Tensor], count: torch.Tensor) -> dict[str, float]:
@@ -22,43 +31,56 @@ def allreduce_sums(sums: dict[str, torch.Tensor], count: torch.Tensor) -> dict[s
 
     stacked = torch.stack([*(v.double() for v in sums.values()), count.double()]).cpu()
     totals = hvd.allreduce(stacked, op=hvd.Sum, name="metric_sums")
+    if totals[-1] == 0:  # an epoch resumed at its very end trained nothing
+        return {name: float("nan") for name in sums}
     return {name: (totals[i] / totals[-1]).item() for i, name in enumerate(sums)}
 
 
-def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, scheduler, loss_fn, ctx: Context,
-                state: TrainState, backward_passes_per_step: int = 1, log_every: int = 0,
-                on_log: Callable[[dict[str, float], int], None] | None = None) -> dict[str, float]:
-    """Train one epoch (state.epoch), advancing state.step; return averaged loss and accuracy.
+def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, schedule: WarmupSchedule, loss_fn,
+                ctx: Context, state, backward_passes_per_step: int = 1, log_every: int = 0,
+                on_log: Callable[[dict[str, float], int], None] | None = None,
+                every: Sequence[Every] = ()) -> dict[str, float]:
+    """Train the rest of epoch `state.epoch`; return loss and accuracy averaged over ranks.
 
-    With backward_passes_per_step = k, gradients of k batches accumulate locally before one
-    allreduce; the epoch is trimmed to a multiple of k so no half-accumulated step is left over.
-    Every `log_every` steps, the batch loss averaged over ranks goes to `on_log(metrics, step)`.
+    `state` (a TrainState or Horovod's elastic state) advances as it goes: `step`, and
+    `samples_in_epoch`, from which a resumed or resized job continues; at the end of the epoch
+    `epoch` moves on and `samples_in_epoch` returns to 0. With backward_passes_per_step = k,
+    gradients of k batches accumulate locally before one allreduce; the epoch is trimmed to a
+    multiple of k so no half-accumulated step is left over. Every `log_every` steps, the batch
+    loss averaged over ranks goes to `on_log(metrics, step)`.
     """
     model.train()
-    batches.set_epoch(state.epoch)
     k = backward_passes_per_step
-    usable = max(k, len(batches) - len(batches) % k)
+    steps = batches.steps(state.samples_in_epoch)
+    usable = steps - steps % k
     loss_sum = torch.zeros((), device=ctx.device)
     correct = torch.zeros((), device=ctx.device)
     seen = torch.zeros((), device=ctx.device)
     optimizer.zero_grad()
-    for i, (x, y) in enumerate(progress(batches, enabled=ctx.is_root, desc=f"epoch {state.epoch}", total=usable)):
+    batch_iter = batches.batches(state.epoch, state.samples_in_epoch)
+    for i, (x, y) in enumerate(progress(batch_iter, enabled=ctx.is_root, desc=f"epoch {state.epoch}", total=usable)):
         if i >= usable:
             break
         out = model(x)
         loss = loss_fn(out, y)
         (loss / k).backward()
         if (i + 1) % k == 0:
+            schedule.apply(optimizer, state.step // k, ctx)
             # Horovod: step() waits for the allreduced gradients, then applies them.
             optimizer.step()
             optimizer.zero_grad()
-            scheduler.step()
         loss_sum += loss.detach() * len(y)
         correct += (out.detach().argmax(dim=1) == y).sum()
         seen += len(y)
         state.step += 1
+        state.samples_in_epoch += batches.samples_per_step
         if log_every and on_log and state.step % log_every == 0:
             on_log(allreduce_sums({"step_train_loss": loss.detach()}, torch.ones((), device=ctx.device)), state.step)
+        for hook in every:
+            if hook.steps and state.step % hook.steps == 0 and (i + 1) % k == 0:
+                hook.action()
+    state.epoch += 1
+    state.samples_in_epoch = 0
     # Horovod: average over all ranks, not just this one.
     return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen)
 

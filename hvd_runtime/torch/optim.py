@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -34,19 +36,42 @@ def warmup_factor(step: int, warmup_steps: int, scaler: float) -> float:
     return start + (1.0 - start) * step / warmup_steps
 
 
-def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int):
-    """Build the optimizer, wrap it for Horovod, and return it with its warmup scheduler.
+@dataclass(frozen=True)
+class WarmupSchedule:
+    """The LR as a pure function of the optimizer step and the current world size.
 
-    The scheduler is stepped once per optimizer step (every `backward_passes_per_step` batches).
+    Holding no state, it resumes exactly from a checkpoint's step, and rescales by itself when
+    an elastic job changes size.
     """
+
+    base_lr: float
+    scale_lr: bool
+    adasum: bool
+    nccl_built: bool
+    warmup_steps: int
+
+    def lr(self, optimizer_step: int, ctx: Context) -> float:
+        scaler = lr_scaler(ctx, self.scale_lr, self.adasum, self.nccl_built)
+        return self.base_lr * scaler * warmup_factor(optimizer_step, self.warmup_steps, scaler)
+
+    def apply(self, optimizer, optimizer_step: int, ctx: Context) -> None:
+        lr = self.lr(optimizer_step, ctx)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+
+def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int):
+    """Build the optimizer, wrap it for Horovod, and return it with its LR schedule."""
     import horovod.torch as hvd
 
     if optim_cfg.name not in OPTIMIZERS:
         raise ValueError(f"unknown optim.name {optim_cfg.name!r}: choose one of {', '.join(OPTIMIZERS)}")
     if hvd_cfg.backward_passes_per_step < 1:
         raise ValueError("horovod.backward_passes_per_step must be at least 1")
-    scaler = lr_scaler(ctx, optim_cfg.scale_lr, hvd_cfg.adasum, hvd.nccl_built())
-    optimizer = OPTIMIZERS[optim_cfg.name](model.parameters(), optim_cfg, optim_cfg.lr * scaler)
+    optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
+    schedule = WarmupSchedule(optim_cfg.lr, optim_cfg.scale_lr, hvd_cfg.adasum, hvd.nccl_built(),
+                              int(round(optim_cfg.warmup_epochs * optimizer_steps)))
+    optimizer = OPTIMIZERS[optim_cfg.name](model.parameters(), optim_cfg, schedule.lr(0, ctx))
     # Horovod: average gradients across ranks with ring-allreduce, one fused allreduce per step.
     optimizer = hvd.DistributedOptimizer(
         optimizer,
@@ -55,9 +80,4 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         backward_passes_per_step=hvd_cfg.backward_passes_per_step,
         op=hvd.Adasum if hvd_cfg.adasum else hvd.Average,
     )
-    optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
-    warmup_steps = int(round(optim_cfg.warmup_epochs * optimizer_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_factor(step, warmup_steps, scaler))
-    return optimizer, scheduler
-
+    return optimizer, schedule

@@ -1,8 +1,10 @@
 """Training state across restarts: rank 0 writes checkpoints, every rank starts from rank 0's state.
 
 On start, rank 0 loads its newest readable checkpoint (or takes its freshly initialised model)
-and broadcasts it, so all ranks begin bit-identical whatever their own initialisation was. Each
-rank's RNG state is gathered into the checkpoint and handed back to the same rank on resume.
+and broadcasts it, so all ranks begin bit-identical whatever their own initialisation was. A
+checkpoint holds what an exact resume needs: model, optimizer, the position in the epoch (in
+samples, so a resized job carries on too), and each rank's RNG state, handed back to the same
+rank. The LR schedule is a function of the step, so it needs no state of its own.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from hvd_runtime.torch.context import Context
 
 @dataclass
 class TrainState:
-    epoch: int = 0          # the next epoch to run
-    step: int = 0           # batches trained so far, over all epochs
+    epoch: int = 0              # the epoch in progress (or the next to run)
+    step: int = 0               # batches trained so far, over all epochs
+    samples_in_epoch: int = 0   # samples of this epoch's order already trained, over all ranks
     run_id: str | None = None   # the tracking run this training belongs to
 
 
@@ -48,13 +51,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def snapshot(model: nn.Module, optimizer, scheduler, state: TrainState, rng_states=None) -> dict:
+def state_fields(state) -> dict:
+    """The TrainState fields of `state` (a TrainState, or Horovod's elastic state holding them)."""
+    return {name: getattr(state, name) for name in TrainState.__dataclass_fields__}
+
+
+def snapshot(model: nn.Module, optimizer, state, rng_states=None) -> dict:
     return {"model": _to_cpu(model.state_dict()), "optimizer": _to_cpu(optimizer.state_dict()),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "state": asdict(state), "rng": rng_states}
+            "state": state_fields(state), "rng": rng_states}
 
 
-def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, scheduler, ctx: Context,
+def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
                          resume: bool = True) -> TrainState:
     """Load rank 0's latest checkpoint (if any) into every rank; return where training stands."""
     import horovod.torch as hvd
@@ -64,28 +71,26 @@ def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, sc
         found = store.load_latest(lambda p: torch.load(p, map_location="cpu", weights_only=False)) if resume else None
         if found:
             path, payload = found
-            print(f"resuming from {path}: epoch {payload['state']['epoch']}, step {payload['state']['step']}",
-                  flush=True)
+            where = payload["state"]
+            print(f"resuming from {path}: epoch {where['epoch']}, step {where['step']}", flush=True)
         else:
-            payload = snapshot(model, optimizer, scheduler, TrainState())
+            payload = snapshot(model, optimizer, TrainState())
     # Horovod: every rank starts from rank 0's weights, optimizer state and position.
     payload = hvd.broadcast_object(payload, root_rank=0, name="initial_state")
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
-    if scheduler is not None and payload["scheduler"] is not None:
-        scheduler.load_state_dict(payload["scheduler"])
     rngs = payload.get("rng")
     if rngs and len(rngs) == ctx.size:
         set_rng_state(rngs[ctx.rank])
     return TrainState(**payload["state"])
 
 
-def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, scheduler, state: TrainState):
+def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, state):
     """Called by every rank (the RNG states are gathered); only rank 0 writes."""
     import horovod.torch as hvd
 
     rngs = hvd.allgather_object(rng_state(), name="rng_states")
     if not store.is_writer:
         return None
-    payload = snapshot(model, optimizer, scheduler, state, rngs)
+    payload = snapshot(model, optimizer, state, rngs)
     return store.save(state.step, lambda path: torch.save(payload, path))

@@ -27,6 +27,20 @@ def test_shuffle_changes_with_epoch_but_not_with_rank_view():
     assert not set(a) & set(other)
 
 
+@pytest.mark.parametrize("size_before, size_after", [(2, 2), (2, 1), (1, 3), (4, 2)])
+def test_resuming_after_consumed_samples_continues_the_epoch(size_before, size_after):
+    """A job stopped after k steps (or resized by an elastic reset) sees exactly the rest."""
+    n, batch, steps_done = 101, 4, 5
+    consumed = steps_done * batch * size_before
+    before = [shard_indices(n, r, size_before, 2, 9, shuffle=True, pad=True)[:steps_done * batch]
+              for r in range(size_before)]
+    after = [shard_indices(n, r, size_after, 2, 9, shuffle=True, pad=True, consumed=consumed)
+             for r in range(size_after)]
+    done, rest = set(np.concatenate(before)), set(np.concatenate(after))
+    assert len(done) == consumed and not done & rest
+    assert done | rest == set(range(n))
+
+
 def test_batch_count_matches_padded_shard():
     assert batch_count(1437, 2, 32) == 23
     assert batch_count(1437, 2, 32, drop_last=True) == 22

@@ -1,0 +1,155 @@
+"""Fault tolerance of generated torch projects, proven by killing processes.
+
+- elastic: SIGKILL one of two workers mid-epoch; the job finishes on the survivor with exit 0,
+  and its step count shows that no committed step was lost and none was done twice;
+- full restart: kill a whole job mid-epoch, start it again; it ends where an uninterrupted run ends;
+- corrupt checkpoint: truncate the newest checkpoint; the next start falls back to the previous one.
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import horovodrun_path, run_horovod
+from hvd_runtime.config import DataConfig
+from hvd_runtime.data import load_dataset
+
+pytestmark = pytest.mark.slow
+N_TRAIN = len(load_dataset(DataConfig(), seed=42).train)
+
+
+def generate(out: Path, *flags: str) -> Path:
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--output", str(out), *flags], check=True)
+    return out / "proj"
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Job:
+    """A horovodrun job in its own process group, its output collected line by line as it comes."""
+
+    def __init__(self, args: list[str], cwd: Path):
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        self.proc = subprocess.Popen([horovodrun_path(), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> tuple[float, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for stamp, line in list(self.lines):
+                if re.search(pattern, line):
+                    return stamp, line
+            if self.proc.poll() is not None and not self.reader.is_alive():
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"no line matching {pattern!r}:\n{self.output[-4000:]}")
+
+    def finish(self, timeout: float = 300) -> int:
+        code = self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.finish()
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+
+def worker_pid(rank: int) -> int:
+    """The training process that horovodrun started as `rank`, found by its environment."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"HOROVOD_RANK={rank}".encode() in environ and b"train.py" in cmdline and b"python" in cmdline:
+            return int(pid)
+    raise AssertionError(f"no training process with rank {rank}")
+
+
+def test_elastic_job_survives_a_killed_worker(tmp_path):
+    project = generate(tmp_path, "--elastic")
+    epochs, batch, commit_every = 6, 8, 5
+    job = Job(["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", "./discover_hosts.sh",
+               "--network-interface", "lo", "--gloo", sys.executable, "train.py", "--train.epochs", str(epochs),
+               "--train.batch_size", str(batch), "--horovod.elastic_commit_every", str(commit_every),
+               "--run_dir", str(tmp_path / "run"), "--checkpoint.dir", str(tmp_path / "ckpt")], cwd=project)
+    job.wait_for(r"epoch\s+1\s+step")
+    os.kill(worker_pid(1), signal.SIGKILL)  # mid-epoch 2: epoch lines come right after an epoch ends
+    killed_at = time.monotonic()
+    recovered_at, reset = job.wait_for(r"elastic reset: 1 rank\(s\) now")
+    assert job.finish() == 0, job.output[-4000:]
+    print(f"recovered {recovered_at - killed_at:.1f}s after the kill")
+
+    epoch, step, consumed = map(int, re.search(r"epoch (\d+), step (\d+), (\d+) samples", reset).groups())
+    assert step % commit_every == 0 and consumed == step % math.ceil(math.ceil(N_TRAIN / 2) / batch) * batch * 2
+    # From the commit on, one rank trains the rest of that epoch, then whole epochs alone.
+    expected = step + math.ceil((N_TRAIN - consumed) / batch) + (epochs - epoch - 1) * math.ceil(N_TRAIN / batch)
+    history = metrics(tmp_path / "run")
+    assert [m["epoch"] for m in history] == list(range(1, epochs + 1))
+    assert history[-1]["step"] == expected, "a committed step was lost or repeated"
+    assert history[-1]["val_accuracy"] > 0.85
+
+
+def test_full_restart_reaches_the_same_result(tmp_path):
+    project = generate(tmp_path)
+    common = ["--train.epochs", "5", "--checkpoint.every_steps", "10"]
+    run_horovod(2, [sys.executable, "train.py", *common, "--run_dir", str(tmp_path / "a"),
+                    "--checkpoint.dir", str(tmp_path / "a-ckpt")], cwd=project)
+    uninterrupted = metrics(tmp_path / "a")[-1]
+
+    ckpt = tmp_path / "b-ckpt"
+    args = ["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", *common,
+            "--run_dir", str(tmp_path / "b"), "--checkpoint.dir", str(ckpt)]
+    steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / 32)
+    job = Job(args, cwd=project)
+    deadline = time.monotonic() + 240
+    while not any(int(p.stem.split("-")[1]) % steps_per_epoch for p in ckpt.glob("ckpt-*.pt")
+                  if int(p.stem.split("-")[1]) > steps_per_epoch):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-3000:]
+        time.sleep(0.05)
+    job.kill()  # the whole job, mid-epoch, right after a mid-epoch checkpoint
+    assert metrics(tmp_path / "b")[-1]["epoch"] < 5
+
+    resumed = run_horovod(2, args[5:], cwd=project)
+    assert "resuming from" in resumed.stdout
+    final = metrics(tmp_path / "b")[-1]
+    assert final["epoch"] == 5 and final["step"] == uninterrupted["step"]
+    for key in ("val_loss", "val_accuracy"):
+        assert final[key] == pytest.approx(uninterrupted[key], rel=0.01), key
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path):
+    project = generate(tmp_path)
+    args = [sys.executable, "train.py", "--train.epochs", "2", "--run_dir", str(tmp_path / "run"),
+            "--checkpoint.dir", str(tmp_path / "ckpt")]
+    run_horovod(2, args, cwd=project)
+    newest, previous = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"), reverse=True)[:2]
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+
+    again = run_horovod(2, [*args[:3], "3", *args[4:]], cwd=project)
+    assert "could not be read" in again.stderr + again.stdout
+    assert f"resuming from {previous}" in again.stdout
+    assert [m["epoch"] for m in metrics(tmp_path / "run")][-2:] == [2, 3]
