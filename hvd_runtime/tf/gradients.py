@@ -9,8 +9,11 @@ calls `.ref()`, which Keras 3 variables do not have. So the allreduce is its own
 compression and reduction options), and local variables are recognised by identity.
 
 A local variable's gradient is used as this rank computed it. For a private per-rank variable
-that is the gradient of this rank's loss; for a shard reached through `hvd.allgather`, Horovod's
-allgather gradient already averages over ranks, so it is the gradient of the mean loss.
+that is the gradient of this rank's loss. For a model-parallel shard whose output every rank
+gathers with `hvd.allgather` (all ranks computing the same loss), Horovod's allgather gradient
+averages the ranks' identical output gradients, so the shard's gradient is exact. Replicated
+layers *before* such a shard would each see only their own shard's share and need a sum, not an
+average: put sharded layers first, as with sharded embedding tables.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import tensorflow as tf
 
@@ -25,11 +26,13 @@ def allreduce_sums(sums: dict[str, tf.Tensor], count) -> dict[str, float]:
     return {name: float(totals[i] / totals[-1]) for i, name in enumerate(sums)}
 
 
-def train_epoch(step: TrainStep, batches: ShardedBatches, ctx: Context, state: TrainState) -> dict[str, float]:
+def train_epoch(step: TrainStep, batches: ShardedBatches, ctx: Context, state: TrainState, log_every: int = 0,
+                on_log: Callable[[dict[str, float], int], None] | None = None) -> dict[str, float]:
     """Train one epoch (state.epoch), advancing state.step; return averaged loss and accuracy.
 
     With backward_passes_per_step = k the epoch is trimmed to a multiple of k, so no
     half-accumulated step is left over; every rank trims the same way.
+    Every `log_every` steps, the batch loss averaged over ranks goes to `on_log(metrics, step)`.
     """
     batches.set_epoch(state.epoch)
     k = step.k
@@ -44,6 +47,8 @@ def train_epoch(step: TrainStep, batches: ShardedBatches, ctx: Context, state: T
         correct += float(right)
         seen += n
         state.step += 1
+        if log_every and on_log and state.step % log_every == 0:
+            on_log(allreduce_sums({"step_train_loss": loss}, 1.0), state.step)
     # Horovod: average over all ranks, not just this one.
     return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen)
 

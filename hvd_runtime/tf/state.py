@@ -76,7 +76,8 @@ def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context,
     """
     import horovod.tensorflow as hvd
 
-    optimizer.build(model.trainable_variables)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
     meta = {"state": asdict(TrainState()), "rng": None}
     if ctx.is_root:
         found = store.load_latest(_read) if resume else None

@@ -129,8 +129,10 @@ report("sync_batchnorm_uses_global_statistics", diff < TOL, f"max rel diff {diff
 reference = reference_sgd(model_fn(batch_norm=True), [(X, Y)], lr=0.1, momentum=0.0)
 synced = use_sync_batchnorm(model_fn(batch_norm=True))
 TrainStep(synced, make_optimizer(plain, HorovodConfig(), ctx, 1), loss_fn, GradientSync())(halves(X), halves(Y))
-diff = max_rel_diff(synced.trainable_variables, reference.trainable_variables)
-report("sync_batchnorm_step_matches_global_batch", diff < 1e-4, f"max rel diff {diff:.2e}")
+# (The bias before a BatchNorm has a gradient of ~0 and stays at its initial 0: compare with a floor.)
+diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+           for a, b in zip(synced.trainable_variables, reference.trainable_variables))
+report("sync_batchnorm_step_matches_global_batch", diff < 1e-5, f"max abs diff {diff:.2e}")
 stats = max_rel_diff(synced.non_trainable_variables, reference.non_trainable_variables)
 report("sync_batchnorm_moving_stats_match", stats < TOL, f"max rel diff {stats:.2e}")
 
@@ -176,9 +178,10 @@ report("local_variables_differ_shared_identical",
        same_on_all_ranks(body.variables, "body") and not same_on_all_ranks(head.variables, "head"))
 
 
-# 6. Model parallelism: a Dense layer split by output columns, one shard per rank, its outputs
-#    gathered with hvd.allgather. Shards are local variables (their gradient already comes back
-#    through the allgather); one step must equal one step of the whole layer in one process.
+# 6. Model parallelism: the first Dense layer split by output columns, one shard per rank, its
+#    outputs gathered with hvd.allgather; the rest of the model is replicated. Every rank sees the
+#    same batch. Shards are local variables (their gradient comes back through the allgather); one
+#    step must equal one step of the whole model in one process.
 class ColumnShard(keras.layers.Layer):
     """This rank's columns of a wider Dense layer; the full output is gathered from all ranks."""
 
@@ -191,25 +194,26 @@ class ColumnShard(keras.layers.Layer):
         part = tf.matmul(x, self.kernel) + self.bias          # (batch, columns of this rank)
         return tf.transpose(hvd.allgather(tf.transpose(part), name=f"{self.name}.gather"))
 
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], self.kernel.shape[1] * hvd.size())
+
 
 keras.utils.set_random_seed(11)
-ref_body = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh")])
-full = keras.layers.Dense(4)
-reference = keras.Sequential([ref_body, full])
-reference(X)
+full = keras.layers.Dense(8, activation="tanh")
+reference = keras.Sequential([keras.Input((6,)), full, keras.layers.Dense(3)])
 kernel, bias = (np.asarray(v) for v in full.variables)
-keras.utils.set_random_seed(11)
-body = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh")])
 shard = ColumnShard(np.split(kernel, 2, axis=1)[R], np.split(bias, 2)[R])
-model = keras.Sequential([body, shard])
-model(X)
+model = keras.Sequential([keras.Input((6,)), shard, keras.layers.Activation("tanh"), keras.layers.Dense(3)])
+model.layers[-1].set_weights(reference.layers[-1].get_weights())
 reference_sgd(reference, [(X, Y)], lr=0.1, momentum=0.0)
 step = TrainStep(model, keras.optimizers.SGD(0.1), loss_fn, GradientSync(local_variables=shard.trainable_variables))
-step(X, Y)  # model parallel: every rank sees the same batch
+step(X, Y)
+moved = float(np.abs(np.asarray(shard.kernel) - np.split(kernel, 2, axis=1)[R]).max())
 ref_kernel, ref_bias = (np.split(np.asarray(v), 2, axis=-1)[R] for v in full.variables)
-diff = max(max_rel_diff(body.variables, ref_body.variables),
+diff = max(max_rel_diff(model.layers[-1].variables, reference.layers[-1].variables),
            max_rel_diff(shard.variables, [ref_kernel, ref_bias]))
-report("model_parallel_shards_match_full_layer", diff < TOL, f"max rel diff {diff:.2e}")
+report("model_parallel_shards_match_full_layer", diff < TOL and moved > 1e-3,
+       f"max rel diff {diff:.2e}, shard moved by {moved:.2e}")
 
 # 7. Metrics over uneven shards: global sums / global count, not a mean of means.
 values = np.arange(5.0) if R == 0 else np.arange(5.0, 7.0)
@@ -225,7 +229,10 @@ with tempfile.TemporaryDirectory() as tmp:
     state = restore_or_broadcast(CheckpointStore(tmp, is_writer=R == 0), model, opt, ctx)
 report("broadcast_makes_ranks_identical",
        same_on_all_ranks(model.variables + opt.variables, "init") and state.epoch == 0)
-lrs = [float(opt.learning_rate(s)) for s in range(6)]
+lrs = []
+for s in range(6):  # the optimizer's own iteration count drives the schedule
+    opt.iterations.assign(s)
+    lrs.append(float(opt.learning_rate))
 expected_lrs = [0.1, 0.125, 0.15, 0.175, 0.2, 0.2]
 report("lr_warms_up_to_world_size_times_lr", np.allclose(lrs, expected_lrs, atol=1e-7), f"{lrs}")
 

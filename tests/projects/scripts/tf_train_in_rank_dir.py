@@ -1,0 +1,33 @@
+"""Run a generated TensorFlow project's train() with each rank in its own working directory.
+
+Relative paths (checkpoints/, runs/) then land in rankN/, so a test can see exactly what each
+rank wrote. At the end, rank 0 records a digest of every rank's model variables.
+usage: horovodrun ... python tf_train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+project, ranks_dir, overrides = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
+workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
+workdir.mkdir(parents=True, exist_ok=True)
+os.chdir(workdir)
+sys.path.insert(0, str(project))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import train  # noqa: E402
+
+model, metrics = train.train(train.load_config(train.CONFIG_FILE, overrides))
+
+import horovod.tensorflow as hvd  # noqa: E402
+
+# Float variables only: integer ones are per-rank dropout seed states, meant to differ.
+weights = b"".join(np.asarray(v).tobytes() for v in model.variables if "float" in str(v.dtype))
+digests = hvd.allgather_object(hashlib.sha256(weights).hexdigest())
+if hvd.rank() == 0:
+    (ranks_dir / "digests.json").write_text(json.dumps(digests))

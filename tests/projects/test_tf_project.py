@@ -1,0 +1,62 @@
+"""A freshly generated tensorflow/data project trains under horovodrun -np 2, resumes, and runs its own tests."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_horovod
+
+pytest.importorskip("tensorflow", reason="TensorFlow is not installed: the TF project is not tested here")
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gen")
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "tfdemo", "--framework", "tensorflow",
+                    "--output", str(out)], check=True)
+    return out / "tfdemo"
+
+
+def metrics(ranks: Path) -> list[dict]:
+    return [json.loads(line) for line in (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
+
+
+def files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.timeout(900)
+def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
+    ranks = tmp_path / "ranks"
+    launch = [sys.executable, str(SCRIPTS / "tf_train_in_rank_dir.py"), str(project), str(ranks)]
+
+    first = run_horovod(2, [*launch, "--train.epochs", "4"], cwd=project, timeout=400)
+    history = metrics(ranks)
+    assert [m["epoch"] for m in history] == [1, 2, 3, 4]
+    assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"], "the loss should fall"
+    assert len(set(json.loads((ranks / "digests.json").read_text()))) == 1, "ranks' weights differ"
+    assert files_under(ranks / "rank1") == [], "rank 1 must not write anything"
+    assert len(list((ranks / "rank0" / "checkpoints").glob("ckpt-*.pkl"))) == 3  # keep = 3
+    assert "resuming" not in first.stdout
+
+    second = run_horovod(2, [*launch, "--train.epochs", "12"], cwd=project, timeout=400)
+    assert "resuming from" in second.stdout and "epoch 4" in second.stdout
+    history = metrics(ranks)
+    assert [m["epoch"] for m in history] == list(range(1, 13)), "epochs go on from where they stopped"
+    assert history[4]["step"] > history[3]["step"]
+    assert history[-1]["val_accuracy"] >= 0.90
+    assert len(set(json.loads((ranks / "digests.json").read_text()))) == 1
+    assert files_under(ranks / "rank1") == []
+
+
+@pytest.mark.timeout(600)
+def test_generated_project_tests_pass(project):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project,
+                          capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout
