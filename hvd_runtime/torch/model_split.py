@@ -33,6 +33,18 @@ def split_devices(stages: int, local_rank: int = 0, local_size: int = 1) -> list
     return [torch.device("cpu")] * stages
 
 
+def _local() -> tuple[int, int]:
+    """(local rank, local size) under Horovod, else (0, 1): workers on a host share its GPUs."""
+    try:
+        import horovod.torch as hvd
+
+        if hvd.is_initialized():
+            return hvd.local_rank(), hvd.local_size()
+    except ImportError:
+        pass
+    return 0, 1
+
+
 class ModelSplit(nn.Module):
     """The model's blocks in `stages` groups, each on its device; forward moves activations along."""
 
@@ -43,7 +55,7 @@ class ModelSplit(nn.Module):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         plan = plan_stages(model, stages, partition, sample)
-        devices = [torch.device(d) for d in devices] if devices is not None else split_devices(stages)
+        devices = [torch.device(d) for d in devices] if devices is not None else split_devices(stages, *_local())
         if len(devices) != stages:
             raise ValueError(f"got {len(devices)} devices for {stages} stages: give one device per stage")
         self.plan, self.devices, self.micro_batches = plan, devices, micro_batches

@@ -18,7 +18,7 @@ from helpers import run_horovod
 from hvd_runtime.partition import PartitionError
 from hvd_runtime.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims
-from hvd_runtime.torch.model_split import ModelSplit
+from hvd_runtime.torch.model_split import ModelSplit, split_devices
 from hvd_runtime.torch.pipeline import micro_batch_sizes
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvdgen.cli import main as cli
@@ -102,6 +102,30 @@ def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
             assert rel(p - before[name], ref.state_dict()[name] - before[name]) < TOL, name
     with pytest.raises(ValueError, match="got 1 devices for 2 stages"):
         ModelSplit(make_model(), stages=2, devices=["cpu"])
+
+
+def test_split_devices_fall_back_to_the_cpu_without_enough_gpus():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 4:
+        assert split_devices(2, local_rank=1, local_size=2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    else:
+        assert split_devices(2, local_rank=1, local_size=2) == [torch.device("cpu")] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="Requires: [GPUs>=2]")
+def test_model_split_over_two_gpus_matches_the_unsplit_model():
+    torch.manual_seed(0)
+    x, y = torch.randn(10, FEATURES), torch.randint(0, CLASSES, (10,))
+    ref = make_model()
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    split = ModelSplit(make_model(), stages=2, devices=["cuda:0", "cuda:1"], micro_batches=2)
+    assert split.output_device == torch.device("cuda", 1)
+    loss = F.cross_entropy(split(x.cuda(0)), y.to(split.output_device))
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-4)   # GPU kernels may use TF32
+    grad = split.stages[0][0].weight.grad.cpu()
+    assert rel(grad, ref[0].weight.grad) < 1e-3
 
 
 # -- real horovodrun jobs -----------------------------------------------------------------------
