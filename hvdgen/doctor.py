@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import click
 
@@ -23,6 +24,12 @@ def parse_check_build(text: str) -> dict[str, dict[str, bool]]:
         elif item and current is not None:
             current[item.group(2)] = item.group(1) == "X"
     return sections
+
+
+def horovodrun_path() -> str | None:
+    """horovodrun of this interpreter's environment (its bin dir need not be on PATH), else PATH's."""
+    beside = Path(sys.executable).with_name("horovodrun")
+    return str(beside) if beside.exists() else shutil.which("horovodrun")
 
 
 def _version(dist: str) -> str | None:
@@ -60,7 +67,7 @@ def run_doctor() -> int:
     if not torch and not tf:
         problems.append("no framework installed: pip install 'hvdgen[torch]'")
 
-    horovodrun = shutil.which("horovodrun")
+    horovodrun = horovodrun_path()
     if _version("horovod") is None or horovodrun is None:
         click.echo("horovod      not installed")
         problems.append("horovod is missing: run hvdgen install-horovod")

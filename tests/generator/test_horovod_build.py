@@ -69,12 +69,21 @@ def test_doctor_reports_the_build():
     assert "frameworks   PyTorch" in proc.stdout and "controllers  Gloo" in proc.stdout
 
 
-def test_doctor_fails_without_horovodrun_and_says_what_to_do():
-    env = dict(os.environ, PATH="/usr/bin:/bin")
-    proc = subprocess.run([sys.executable, "-m", "hvdgen", "doctor"], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert proc.returncode == 1
-    assert "hvdgen install-horovod" in proc.stderr
+def test_doctor_fails_without_horovod_and_says_what_to_do(tmp_path):
+    """A fresh environment that has hvdgen (and click) but no framework and no Horovod."""
+    import click
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    only_click = tmp_path / "site"
+    only_click.mkdir()
+    (only_click / "click").symlink_to(Path(click.__file__).parent)
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PATH="/usr/bin:/bin", PYTHONPATH=f"{repo}{os.pathsep}{only_click}")
+    proc = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-m", "hvdgen", "doctor"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "horovod is missing: run hvdgen install-horovod" in proc.stderr
+    assert "no framework installed" in proc.stderr
 
 
 def test_parse_check_build_reads_horovodrun_output():

@@ -1,0 +1,110 @@
+"""One horovodrun rank of the data-parallel benchmark: train a few epochs, report samples/s.
+
+    horovodrun -np 2 -H localhost:2 --gloo python bench/dp_worker.py --loop ours
+    horovodrun -np 2 -H localhost:2 --gloo python bench/dp_worker.py --loop reference
+
+`ours` is the generated project's loop (hvd_runtime.torch); `reference` is written the way
+Horovod's official PyTorch example is: a DataLoader over a TensorDataset with a
+DistributedSampler, hvd.DistributedOptimizer, and parameters broadcast from rank 0. Both train
+the same MLP on the same synthetic data with the same per-rank batch size and one thread per
+rank. The first epoch warms up; the rest are timed between barriers. Rank 0 prints one
+`BENCH {...}` JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import horovod.torch as hvd  # noqa: E402
+
+from hvd_runtime.config import DataConfig, HorovodConfig, OptimConfig  # noqa: E402
+from hvd_runtime.data import load_dataset  # noqa: E402
+
+
+def make_model(features: int, classes: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
+                         nn.Linear(128, classes))
+
+
+def barrier() -> None:
+    hvd.allreduce(torch.zeros(1), name="barrier")
+
+
+def run_ours(dataset, model, args) -> float:
+    from hvd_runtime.torch import ShardedBatches, TrainState, init_horovod, make_optimizer, train_epoch
+
+    ctx = init_horovod(seed=0, threads_per_rank=1)
+    batches = ShardedBatches(dataset.train, args.batch_size, ctx.rank, ctx.size, seed=0)
+    optim_cfg = OptimConfig(name="sgd", lr=0.01, momentum=0.9, scale_lr=True, warmup_epochs=0)
+    optimizer, schedule = make_optimizer(model, optim_cfg, HorovodConfig(), ctx, len(batches))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    state = TrainState()
+    loss_fn = nn.CrossEntropyLoss()
+    train_epoch(model, batches, optimizer, schedule, loss_fn, ctx, state)  # warm-up
+    barrier()
+    started = time.perf_counter()
+    for _ in range(args.epochs):
+        train_epoch(model, batches, optimizer, schedule, loss_fn, ctx, state)
+    barrier()
+    return time.perf_counter() - started
+
+
+def run_reference(dataset, model, args) -> float:
+    hvd.init()
+    torch.set_num_threads(1)
+    train_set = torch.utils.data.TensorDataset(torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y))
+    sampler = torch.utils.data.distributed.DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank())
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    def epoch(number: int) -> None:
+        model.train()
+        sampler.set_epoch(number)
+        for data, target in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(data), target)
+            loss.backward()
+            optimizer.step()
+
+    epoch(0)  # warm-up
+    barrier()
+    started = time.perf_counter()
+    for number in range(1, args.epochs + 1):
+        epoch(number)
+    barrier()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--loop", choices=["ours", "reference"], required=True)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=20000)
+    args = parser.parse_args()
+    dataset = load_dataset(DataConfig(source="synthetic", synthetic_samples=args.samples, synthetic_features=64,
+                                      synthetic_classes=10, val_fraction=0.05))
+    model = make_model(64, 10)
+    seconds = (run_ours if args.loop == "ours" else run_reference)(dataset, model, args)
+    if hvd.rank() == 0:
+        samples = args.epochs * len(dataset.train)
+        print("BENCH " + json.dumps({"loop": args.loop, "np": hvd.size(), "seconds": seconds,
+                                     "samples_per_s": samples / seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
