@@ -3,7 +3,7 @@
     python -m hvd_runtime.tracking.replay runs/latest/mlflow-spool --uri http://mlflow.example:5000
 
 Each segment continues its run when that server has the run id, else becomes a new run in the
-same experiment (tagged with the original id). A spool that was sent in full is renamed to
+same experiment (tagged with the original id). A spool that was sent in full moves to the end of
 spool.replayed.jsonl, so running the command twice does not log everything twice.
 """
 
@@ -42,7 +42,9 @@ def replay(path: str | Path, uri: str, experiment: str | None = None) -> list[st
             # a new run whose job never reported how it ended: do not leave it RUNNING forever
             sink.apply(run_id, [{"kind": "end", "status": "KILLED", "end_time": records.now_ms()}])
         run_ids.append(run_id)
-    file.rename(file.with_name(REPLAYED_FILE))
+    with file.with_name(REPLAYED_FILE).open("a", encoding="utf-8") as done:  # a history, never overwritten
+        done.write(file.read_text(encoding="utf-8"))
+    file.unlink()
     return run_ids
 
 

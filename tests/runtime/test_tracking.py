@@ -221,6 +221,7 @@ def test_a_rejected_record_is_dropped_alone_and_the_run_goes_on(tmp_path, caplog
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_replay_into_a_store_that_has_the_run_continues_it(tmp_path):
     from hvd_runtime.tracking import records
