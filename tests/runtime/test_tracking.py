@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import subprocess
@@ -242,3 +243,34 @@ def test_replay_into_a_store_that_has_the_run_continues_it(tmp_path):
     run = only_run(client, "back")
     assert run.info.run_id == run_id and run.info.status == "FINISHED"   # not reopened, not renamed
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_replay_that_stops_part_way_resumes_where_it_stopped(tmp_path):
+    from hvd_runtime.tracking import records
+    from hvd_runtime.tracking.spool import Spool
+
+    head = [{"kind": "run", "experiment": "partial", "run_id": None, "run_name": "x", "tags": {}, "start_time": 0},
+            records.params({"world_size": "2"})]
+    spool = Spool(tmp_path / "spool", lambda: head)
+    spool.write([records.metrics({"loss": 1.0}, step=0), records.end("FINISHED")])
+    lines = spool.path.read_text().splitlines()   # an artifact that is not there (yet) stops the replay
+    lines.insert(3, json.dumps(records.artifact("late.txt")))
+    spool.path.write_text("\n".join(lines) + "\n")
+    uri = f"sqlite:///{tmp_path / 'target.db'}"
+    command = [sys.executable, "-m", "hvd_runtime.tracking.replay", str(spool.directory), "--uri", uri]
+
+    stopped = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 1 and "replay stopped" in stopped.stderr
+    ((header, left),) = list(read_segments(spool.path))
+    assert header["run_id"] and [r["kind"] for r in left] == ["artifact", "end"]
+
+    (spool.directory / "late.txt").write_text("here now")
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client = MlflowClient(uri)
+    run = only_run(client, "partial")
+    assert run.info.run_id == header["run_id"] and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0]   # sent once
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["late.txt"]
