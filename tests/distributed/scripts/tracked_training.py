@@ -107,9 +107,9 @@ def main() -> None:
         assert "mlflow" not in sys.modules, "a rank other than 0 imported mlflow"
     split = args.pause_at_step + 1 if args.pause_at_step >= 0 else 0
     before, after = step_seconds[:split], step_seconds[split:]
-    print(f"rank {hvd.rank()} finished run_id={tracker.run_id} mean step ms: "
-          f"before pause {1000 * sum(before) / max(len(before), 1):.1f}, after {1000 * sum(after) / max(len(after), 1):.1f}; "
-          f"close {closed_in:.2f} s", flush=True)
+    mean_ms = [1000 * sum(part) / max(len(part), 1) for part in (before, after)]
+    print(f"rank {hvd.rank()} finished run_id={tracker.run_id} mean step ms: before pause {mean_ms[0]:.1f}, "
+          f"after {mean_ms[1]:.1f}; close {closed_in:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
