@@ -274,3 +274,28 @@ def test_a_replay_that_stops_part_way_resumes_where_it_stopped(tmp_path):
     assert run.info.run_id == header["run_id"] and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0]   # sent once
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["late.txt"]
+
+
+@pytest.mark.timeout(300)
+def test_a_full_queue_spools_instead_of_blocking_the_loop(tmp_path):
+    from hvd_runtime.tracking import records
+    from hvd_runtime.tracking.sender import Sender
+    from hvd_runtime.tracking.spool import Spool
+
+    hung = HungServer()             # the sender is stuck opening the run, so nothing leaves the queue
+    problems: list[str] = []
+    header = {"kind": "run", "experiment": "full", "run_id": None, "tags": {}, "start_time": 0}
+    sender = Sender(hung.uri, header, records.params({}), None, problems.append, queue_size=3)
+    sender.spool = Spool(tmp_path / "spool", sender.segment_head)
+    try:
+        sender.start()
+        began = time.monotonic()
+        for step in range(10):
+            sender.submit(records.metrics({"loss": 1.0}, step))
+        took = time.monotonic() - began
+        ((_, items),) = list(read_segments(sender.spool.path))   # read while the sender is still stuck
+    finally:
+        hung.close()
+    assert took < 0.5
+    assert problems and "behind" in problems[0]
+    assert [r["step"] for r in items if r["kind"] == "metrics"] == list(range(3, 10))
