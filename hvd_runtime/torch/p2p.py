@@ -19,6 +19,7 @@ each side posts its sends without waiting, and the step ends with `wait_sends()`
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -165,6 +166,19 @@ class TorchDistLink(Link):
         self._pending.clear()
 
 
+def _reachable_address() -> str:
+    """This host's address on the route to horovodrun's rendezvous server, which every rank reaches.
+
+    gethostname() alone may resolve to a loopback alias (127.0.1.1) that other hosts cannot reach.
+    """
+    target = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if target:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))   # UDP: no packet is sent, the kernel only picks the route
+            return s.getsockname()[0]
+    return socket.gethostbyname(socket.gethostname())
+
+
 def init_torch_distributed() -> None:
     """Start a gloo process group beside Horovod: rank 0 picks a port and tells the others."""
     import horovod.torch as hvd
@@ -177,7 +191,7 @@ def init_torch_distributed() -> None:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        addr = socket.gethostbyname(socket.gethostname())
+        addr = _reachable_address()
     addr, port = hvd.broadcast_object((addr, port), root_rank=0, name="pp.rendezvous")
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
 
