@@ -111,7 +111,8 @@ class PipelineEngine:
                         stats = self._stats(loss, out, ys[i], sizes[i])
                         sums = stats if sums is None else sums + stats
                         out = loss * (sizes[i] / total)
-                    outputs[i] = out
+                    if train or not dims.is_last:      # evaluation keeps nothing on the last stage
+                        outputs[i] = out
                     peak = max(peak, len(outputs))
             elif op is Op.SEND_ACT:
                 with rec.span("send", i):

@@ -19,6 +19,7 @@ from hvd_runtime.partition import PartitionError
 from hvd_runtime.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims
 from hvd_runtime.torch.model_split import ModelSplit, split_devices
+from hvd_runtime.torch.p2p import _header, _read_header
 from hvd_runtime.torch.pipeline import micro_batch_sizes
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvdgen.cli import main as cli
@@ -58,6 +59,18 @@ def test_micro_batch_sizes_follow_tensor_split():
     assert micro_batch_sizes(10, 4) == [len(c) for c in torch.arange(10).tensor_split(4)] == [3, 3, 2, 2]
     with pytest.raises(PipelineConfigError, match="micro_batches 5 exceeds the batch size 4"):
         micro_batch_sizes(4, 5)
+
+
+@pytest.mark.parametrize("t", [torch.randn(3, 4, 5), torch.arange(7), torch.ones(2, 3, dtype=torch.bfloat16),
+                               torch.zeros(0, 4), torch.tensor(2.5)])
+def test_p2p_header_describes_dtype_and_shape(t):
+    dtype, shape = _read_header(_header(t))
+    assert dtype == t.dtype and shape == tuple(t.shape)
+
+
+def test_p2p_header_refuses_too_many_dims():
+    with pytest.raises(ValueError, match="cannot send a tensor of 9 dims between stages: at most 8"):
+        _header(torch.zeros([1] * 9))
 
 
 def test_stages_keep_the_model_names_and_cover_it():
