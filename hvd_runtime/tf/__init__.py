@@ -8,13 +8,13 @@ used: on Keras 3 its optimizer wrapper is silently bypassed and its callbacks fa
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
-from hvd_runtime.tf.loop import allreduce_sums, evaluate, train_epoch
+from hvd_runtime.tf.loop import Every, allreduce_sums, evaluate, train_epoch
 from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer
 from hvd_runtime.tf.state import TrainState, checkpoint_store, restore_or_broadcast, save_checkpoint
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm
 
-__all__ = ["Context", "GradientAccumulator", "GradientSync", "ShardedBatches", "SyncBatchNormalization",
+__all__ = ["Context", "Every", "GradientAccumulator", "GradientSync", "ShardedBatches", "SyncBatchNormalization",
            "TrainState", "TrainStep", "WarmupSchedule", "allreduce_sums", "checkpoint_store", "evaluate",
            "init_horovod", "make_optimizer", "restore_or_broadcast", "save_checkpoint", "train_epoch",
            "use_sync_batchnorm"]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import tensorflow as tf
 
@@ -12,6 +13,14 @@ from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.state import TrainState
 from hvd_runtime.tf.step import TrainStep
+
+
+@dataclass(frozen=True)
+class Every:
+    """Run `action()` after every `steps` training steps (0 = never), on every rank at once."""
+
+    steps: int
+    action: Callable[[], object]
 
 
 def allreduce_sums(sums: dict[str, tf.Tensor], count) -> dict[str, float]:
@@ -23,22 +32,29 @@ def allreduce_sums(sums: dict[str, tf.Tensor], count) -> dict[str, float]:
 
     stacked = tf.stack([*(tf.cast(v, tf.float64) for v in sums.values()), tf.cast(count, tf.float64)])
     totals = hvd.allreduce(stacked, op=hvd.Sum, name="metric_sums").numpy()
+    if totals[-1] == 0:  # an epoch resumed at its very end trained nothing
+        return {name: float("nan") for name in sums}
     return {name: float(totals[i] / totals[-1]) for i, name in enumerate(sums)}
 
 
 def train_epoch(step: TrainStep, batches: ShardedBatches, ctx: Context, state: TrainState, log_every: int = 0,
-                on_log: Callable[[dict[str, float], int], None] | None = None) -> dict[str, float]:
-    """Train one epoch (state.epoch), advancing state.step; return averaged loss and accuracy.
+                on_log: Callable[[dict[str, float], int], None] | None = None,
+                every: Sequence[Every] = ()) -> dict[str, float]:
+    """Train the rest of epoch `state.epoch`; return loss and accuracy averaged over ranks.
 
+    `state` advances as it goes: `step`, and `samples_in_epoch`, from which a resumed job
+    continues; at the end of the epoch `epoch` moves on and `samples_in_epoch` returns to 0.
     With backward_passes_per_step = k the epoch is trimmed to a multiple of k, so no
-    half-accumulated step is left over; every rank trims the same way.
-    Every `log_every` steps, the batch loss averaged over ranks goes to `on_log(metrics, step)`.
+    half-accumulated step is left over; every rank trims the same way, and `every` hooks (a
+    mid-epoch checkpoint) run only between optimizer steps. Every `log_every` steps, the batch
+    loss averaged over ranks goes to `on_log(metrics, step)`.
     """
-    batches.set_epoch(state.epoch)
     k = step.k
-    usable = max(k, len(batches) - len(batches) % k)
+    steps = batches.steps(state.samples_in_epoch)
+    usable = steps - steps % k
     loss_sum = correct = seen = 0.0
-    for i, (x, y) in enumerate(progress(batches, enabled=ctx.is_root, desc=f"epoch {state.epoch}", total=usable)):
+    batch_iter = batches.batches(state.epoch, state.samples_in_epoch)
+    for i, (x, y) in enumerate(progress(batch_iter, enabled=ctx.is_root, desc=f"epoch {state.epoch}", total=usable)):
         if i >= usable:
             break
         loss, right = step(x, y, apply=(i + 1) % k == 0)
@@ -47,8 +63,14 @@ def train_epoch(step: TrainStep, batches: ShardedBatches, ctx: Context, state: T
         correct += float(right)
         seen += n
         state.step += 1
+        state.samples_in_epoch += batches.samples_per_step
         if log_every and on_log and state.step % log_every == 0:
             on_log(allreduce_sums({"step_train_loss": loss}, 1.0), state.step)
+        for hook in every:
+            if hook.steps and state.step % hook.steps == 0 and (i + 1) % k == 0:
+                hook.action()
+    state.epoch += 1
+    state.samples_in_epoch = 0
     # Horovod: average over all ranks, not just this one.
     return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen)
 

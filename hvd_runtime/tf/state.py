@@ -23,8 +23,9 @@ SUFFIX = "pkl"
 
 @dataclass
 class TrainState:
-    epoch: int = 0          # the next epoch to run
-    step: int = 0           # batches trained so far, over all epochs
+    epoch: int = 0              # the epoch in progress (or the next to run)
+    step: int = 0               # batches trained so far, over all epochs
+    samples_in_epoch: int = 0   # samples of this epoch's order already trained, over all ranks
     run_id: str | None = None   # the tracking run this training belongs to
 
 

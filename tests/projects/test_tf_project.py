@@ -53,6 +53,17 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
     assert len(set(json.loads((ranks / "digests.json").read_text()))) == 1
     assert files_under(ranks / "rank1") == []
 
+    # Tracking: one MLflow run in rank 0's embedded store, continued by the resumed job.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{ranks / 'rank0' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tfdemo").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.data.params["world_size"] == "2"
+    logged_epochs = [m.value for m in client.get_metric_history(run.info.run_id, "epoch")]
+    assert sorted(logged_epochs) == list(range(1, 13)), "each epoch logged once, all in the same run"
+
 
 @pytest.mark.timeout(600)
 def test_generated_project_tests_pass(project):

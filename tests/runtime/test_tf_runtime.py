@@ -21,8 +21,8 @@ def split(n: int) -> Split:
     return Split(np.arange(n, dtype=np.float32).reshape(n, 1), np.arange(n, dtype=np.int64))
 
 
-def labels(batches: ShardedBatches, start: int = 0) -> list[int]:
-    return [int(v) for _, y in batches.dataset(start) for v in y.numpy()]
+def labels(batches: ShardedBatches, epoch: int = 0, consumed: int = 0) -> list[int]:
+    return [int(v) for _, y in batches.batches(epoch, consumed) for v in y.numpy()]
 
 
 def test_uneven_training_shards_take_the_same_number_of_steps_and_cover_everything():
@@ -43,12 +43,11 @@ def test_evaluation_shards_are_disjoint_and_see_every_sample_once():
 
 def test_epochs_reshuffle_identically_on_every_rank_and_resume_mid_epoch():
     a, b = ShardedBatches(split(40), 5, 0, 2, seed=3), ShardedBatches(split(40), 5, 0, 2, seed=3)
-    first = labels(a)
-    a.set_epoch(1)
-    b.set_epoch(1)
-    assert labels(a) == labels(b) != first
-    assert labels(a, start=2) == labels(a)[10:]
-    assert [x.numpy()[:, 0].tolist() for x, _ in a.dataset()][0] == labels(a)[:5]  # x rows follow y
+    assert labels(a, epoch=1) == labels(b, epoch=1) != labels(a, epoch=0)
+    # Two steps done: 2 steps x 5 per rank x 2 ranks = 20 samples of the epoch's order consumed.
+    assert a.samples_per_step == 10 and a.steps(20) == 2
+    assert labels(a, epoch=1, consumed=20) == labels(a, epoch=1)[10:]
+    assert [x.numpy()[:, 0].tolist() for x, _ in a.batches(1)][0] == labels(a, epoch=1)[:5]  # x rows follow y
 
 
 def test_warmup_ramps_from_one_rank_lr_to_scaled_lr_then_stays():
