@@ -67,6 +67,16 @@ class HorovodConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """model-split and pipeline only: how the model is cut into stages."""
+
+    stages: int = 2                 # model-split: devices per worker; pipeline: ranks per replica (-np = stages x replicas)
+    micro_batches: int = 4          # each batch is cut into this many micro-batches
+    schedule: str = "1f1b"          # pipeline: gpipe | 1f1b (same bubble; 1f1b holds <= stages micro-batches)
+    partition: str = "params"       # params | time | block names or indices where stages 2.. start, e.g. "3" or "2,4"
+
+
+@dataclass
 class CheckpointConfig:
     dir: str = "checkpoints"        # written by rank 0 only; the latest is resumed on start
     keep: int = 3                   # how many recent checkpoints to keep
@@ -90,6 +100,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -155,6 +166,13 @@ def _merge(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         merged[key] = _merge(merged.get(key) or {}, value) if isinstance(value, dict) else value
     return merged
+
+
+def partition_spec(text: str) -> str | list:
+    """'params' | 'time' stay as they are; '3,fc2' becomes [3, 'fc2'] (indices or block names)."""
+    if text in ("params", "time"):
+        return text
+    return [int(part) if part.strip().isdigit() else part.strip() for part in text.split(",") if part.strip()]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RunConfig):

@@ -9,6 +9,8 @@ STRATEGIES = ("data", "model-split", "pipeline")
 AVAILABLE = {
     ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",
     ("tensorflow", "data"): "Keras 3 custom loop, one grouped allreduce of gradients per step",
+    ("torch", "model-split"): "stages on one worker's devices, micro-batched; Horovod data parallel across workers",
+    ("torch", "pipeline"): "stages on ranks, GPipe or 1F1B micro-batches; stages x replicas with process sets",
 }
 
 

@@ -43,16 +43,25 @@ def list_cmd() -> None:
 @click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split or pipeline.")
 @click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Directory in which the project folder NAME is created.")
+@click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
+@click.option("--micro-batches", type=int, default=None, help="model-split / pipeline: micro-batches per batch [4].")
+@click.option("--schedule", default=None, help="pipeline: gpipe or 1f1b [1f1b].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
-def new_cmd(name: str, framework: str, strategy: str, elastic: bool, output: Path, dry_run: bool,
-            force: bool) -> None:
+def new_cmd(name: str, framework: str, strategy: str, stages: int | None, micro_batches: int | None,
+            schedule: str | None, elastic: bool, output: Path, dry_run: bool, force: bool) -> None:
     """Generate a training project NAME."""
+    from hvdgen.errors import HvdgenError
     from hvdgen.render import generate
     from hvdgen.spec import ProjectSpec
 
-    spec = ProjectSpec(name=name, framework=framework, strategy=strategy, elastic=elastic)
+    staged = {"stages": stages, "micro_batches": micro_batches, "schedule": schedule}
+    given = {k: v for k, v in staged.items() if v is not None}
+    if given and strategy == "data":
+        flag = "--" + next(iter(given)).replace("_", "-")
+        raise HvdgenError(f"{flag} applies to --strategy model-split or pipeline, not data: drop it or pick one")
+    spec = ProjectSpec(name=name, framework=framework, strategy=strategy, elastic=elastic, **given)
     target = output / name
     written = generate(spec, target, force=force, dry_run=dry_run)
     if dry_run:

@@ -1,7 +1,8 @@
 """Render the templates for a ProjectSpec into a temporary tree, check it, then move it into place.
 
-Templates live in `templates/base` (every project) and `templates/<framework>` (framework files
-that override or add to base). Files ending in `.j2` are rendered by a sandboxed Jinja with
+Templates live in `templates/base` (every project), `templates/<framework>` (framework files
+that override or add to base) and, where a strategy needs a different file, in
+`templates/<framework>-<strategy>`. Files ending in `.j2` are rendered by a sandboxed Jinja with
 StrictUndefined, so a typo in a template fails loudly; others are copied as they are. User strings
 reach templates only as data.
 """
@@ -31,8 +32,10 @@ ONLY_WHEN = {
 
 
 def _layers(spec: ProjectSpec) -> list[Path]:
+    """base, then the framework's files, then (if any) the files one strategy replaces."""
     root = templates_dir()
-    return [root / "base", root / spec.framework]
+    layers = [root / "base", root / spec.framework, root / f"{spec.framework}-{spec.strategy}"]
+    return [layer for layer in layers if layer.is_dir()]
 
 
 def template_files(spec: ProjectSpec) -> dict[str, Path]:
@@ -47,7 +50,8 @@ def template_files(spec: ProjectSpec) -> dict[str, Path]:
 
 
 def _environment(spec: ProjectSpec) -> SandboxedEnvironment:
-    env = SandboxedEnvironment(loader=jinja2.FileSystemLoader([str(p) for p in _layers(spec)]),
+    # The most specific layer first: a strategy's train.py.j2 wins over the framework's.
+    env = SandboxedEnvironment(loader=jinja2.FileSystemLoader([str(p) for p in reversed(_layers(spec))]),
                                undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                trim_blocks=True, lstrip_blocks=True)
     env.filters["yaml"] = lambda value: yaml.safe_dump(value, default_flow_style=True).strip()

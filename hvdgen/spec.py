@@ -12,6 +12,7 @@ from hvdgen import __version__, catalog
 from hvdgen.errors import HvdgenError
 
 SPEC_FILE = ".hvdgen.yaml"
+SCHEDULES = ("gpipe", "1f1b")
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
 
@@ -43,6 +44,9 @@ class ProjectSpec:
     framework: str = "torch"
     strategy: str = "data"
     elastic: bool = False  # Horovod elastic: survive lost workers (hvd.elastic.run, host discovery)
+    stages: int = 2        # model-split: devices per worker; pipeline: ranks per pipeline
+    micro_batches: int = 4
+    schedule: str = "1f1b"
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
 
@@ -56,6 +60,16 @@ class ProjectSpec:
             offered = ", ".join(f"{f}/{s}" for f, s in catalog.AVAILABLE)
             raise HvdgenError(f"{self.framework}/{self.strategy} is not available in hvdgen {__version__}: "
                               f"choose one of {offered} (see hvdgen list)")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise HvdgenError(f"--stages must be an integer of at least 2, got {self.stages!r}: e.g. --stages 2")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise HvdgenError(f"--micro-batches must be a positive integer, got {self.micro_batches!r}: "
+                              "e.g. --micro-batches 4")
+        if self.schedule not in SCHEDULES:
+            raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.elastic and self.strategy == "pipeline":
+            raise HvdgenError("--elastic works with the data and model-split strategies: a pipeline cannot lose "
+                              "a stage; drop --elastic or use --strategy data")
 
     @property
     def package(self) -> str:

@@ -62,15 +62,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
-    """hvd.init(), pin this rank to its local GPU (or share the CPU), seed with seed + rank.
+def pin_device(seed: int = 0, threads_per_rank: int = 0) -> torch.device:
+    """After hvd.init(): this rank's GPU (by local rank), or the CPU with its share of the cores.
 
-    Seeds differ per rank so dropout and augmentation differ; the model itself is made identical
-    by broadcasting rank 0's weights, and data order comes from a seed shared by all ranks.
+    Seeds differ per rank (seed + rank) so dropout and augmentation differ; the model itself is
+    made identical by broadcasting rank 0's weights, and data order comes from a shared seed.
     """
     import horovod.torch as hvd
 
-    hvd.init()
     if torch.cuda.is_available():
         torch.cuda.set_device(hvd.local_rank())
         device = torch.device("cuda", hvd.local_rank())
@@ -78,4 +77,12 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(hvd.local_size(), threads_per_rank))
     seed_everything(seed + hvd.rank())
-    return Context(device)
+    return device
+
+
+def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
+    """hvd.init(), then pin_device: the start of every data-parallel job."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    return Context(pin_device(seed, threads_per_rank))

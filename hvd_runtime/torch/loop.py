@@ -29,7 +29,7 @@ def allreduce_sums(sums: dict[str, torch.Tensor], count: torch.Tensor) -> dict[s
     """
     import horovod.torch as hvd
 
-    stacked = torch.stack([*(v.double() for v in sums.values()), count.double()]).cpu()
+    stacked = torch.stack([*(v.double().cpu() for v in sums.values()), count.double().cpu()])
     totals = hvd.allreduce(stacked, op=hvd.Sum, name="metric_sums")
     if totals[-1] == 0:  # an epoch resumed at its very end trained nothing
         return {name: float("nan") for name in sums}
@@ -53,49 +53,48 @@ def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, schedule: 
     k = backward_passes_per_step
     steps = batches.steps(state.samples_in_epoch)
     usable = steps - steps % k
-    loss_sum = torch.zeros((), device=ctx.device)
-    correct = torch.zeros((), device=ctx.device)
-    seen = torch.zeros((), device=ctx.device)
+    # Totals stay tensors on the output's device: no host sync per step.
+    loss_sum, correct, seen = torch.zeros(()), torch.zeros(()), 0
     optimizer.zero_grad()
     batch_iter = batches.batches(state.epoch, state.samples_in_epoch)
     for i, (x, y) in enumerate(progress(batch_iter, enabled=ctx.is_root, desc=f"epoch {state.epoch}", total=usable)):
         if i >= usable:
             break
         out = model(x)
+        y = y.to(out.device, non_blocking=True)  # a split model answers on its last stage's device
         loss = loss_fn(out, y)
         (loss / k).backward()
         if (i + 1) % k == 0:
-            schedule.apply(optimizer, state.step // k, ctx)
+            schedule.apply(optimizer, state.step // k, ctx.size, ctx.local_size)
             # Horovod: step() waits for the allreduced gradients, then applies them.
             optimizer.step()
             optimizer.zero_grad()
-        loss_sum += loss.detach() * len(y)
-        correct += (out.detach().argmax(dim=1) == y).sum()
+        loss_sum = loss_sum.to(out.device) + loss.detach() * len(y)
+        correct = correct.to(out.device) + (out.detach().argmax(dim=1) == y).sum()
         seen += len(y)
         state.step += 1
         state.samples_in_epoch += batches.samples_per_step
         if log_every and on_log and state.step % log_every == 0:
-            on_log(allreduce_sums({"step_train_loss": loss.detach()}, torch.ones((), device=ctx.device)), state.step)
+            on_log(allreduce_sums({"step_train_loss": loss.detach()}, torch.ones(())), state.step)
         for hook in every:
             if hook.steps and state.step % hook.steps == 0 and (i + 1) % k == 0:
                 hook.action()
     state.epoch += 1
     state.samples_in_epoch = 0
     # Horovod: average over all ranks, not just this one.
-    return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen)
+    return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, torch.tensor(seen))
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: ShardedBatches, loss_fn, ctx: Context) -> dict[str, float]:
     """Loss and accuracy over the whole validation set, each sample counted once on one rank."""
     model.eval()
-    loss_sum = torch.zeros((), device=ctx.device)
-    correct = torch.zeros((), device=ctx.device)
-    seen = torch.zeros((), device=ctx.device)
+    loss_sum, correct, seen = torch.zeros(()), torch.zeros(()), 0
     for x, y in batches:
         out = model(x)
-        loss_sum += loss_fn(out, y) * len(y)
-        correct += (out.argmax(dim=1) == y).sum()
+        y = y.to(out.device, non_blocking=True)
+        loss_sum = loss_sum.to(out.device) + loss_fn(out, y) * len(y)
+        correct = correct.to(out.device) + (out.argmax(dim=1) == y).sum()
         seen += len(y)
     # Horovod: shards are uneven, so sum totals and counts over ranks before dividing.
-    return allreduce_sums({"val_loss": loss_sum, "val_accuracy": correct}, seen)
+    return allreduce_sums({"val_loss": loss_sum, "val_accuracy": correct}, torch.tensor(seen))

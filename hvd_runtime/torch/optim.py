@@ -17,15 +17,15 @@ OPTIMIZERS = {
 }
 
 
-def lr_scaler(ctx: Context, scale_lr: bool, adasum: bool, nccl_built: bool) -> float:
+def lr_scaler(size: int, local_size: int, scale_lr: bool, adasum: bool, nccl_built: bool) -> float:
     """Why the LR grows: averaging over N ranks makes the effective batch N times larger.
 
     Adasum combines gradients adaptively, so it only needs the local (NCCL) scaling, as
     Horovod documents; on CPU it needs none.
     """
     if adasum:
-        return float(ctx.local_size) if nccl_built else 1.0
-    return float(ctx.size) if scale_lr else 1.0
+        return float(local_size) if nccl_built else 1.0
+    return float(size) if scale_lr else 1.0
 
 
 def warmup_factor(step: int, warmup_steps: int, scaler: float) -> float:
@@ -50,28 +50,40 @@ class WarmupSchedule:
     nccl_built: bool
     warmup_steps: int
 
-    def lr(self, optimizer_step: int, ctx: Context) -> float:
-        scaler = lr_scaler(ctx, self.scale_lr, self.adasum, self.nccl_built)
+    def lr(self, optimizer_step: int, size: int, local_size: int = 1) -> float:
+        """`size`: ranks that average gradients (the world, or a pipeline's replicas)."""
+        scaler = lr_scaler(size, local_size, self.scale_lr, self.adasum, self.nccl_built)
         return self.base_lr * scaler * warmup_factor(optimizer_step, self.warmup_steps, scaler)
 
-    def apply(self, optimizer, optimizer_step: int, ctx: Context) -> None:
-        lr = self.lr(optimizer_step, ctx)
+    def apply(self, optimizer, optimizer_step: int, size: int, local_size: int = 1) -> None:
+        lr = self.lr(optimizer_step, size, local_size)
         for group in optimizer.param_groups:
             group["lr"] = lr
+
+
+def make_schedule(optim_cfg, hvd_cfg, steps_per_epoch: int) -> WarmupSchedule:
+    import horovod.torch as hvd
+
+    optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
+    return WarmupSchedule(optim_cfg.lr, optim_cfg.scale_lr, hvd_cfg.adasum, hvd.nccl_built(),
+                          int(round(optim_cfg.warmup_epochs * optimizer_steps)))
+
+
+def plain_optimizer(params, optim_cfg, lr: float):
+    """The framework optimizer named in the config, before any Horovod wrapping."""
+    if optim_cfg.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optim.name {optim_cfg.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[optim_cfg.name](params, optim_cfg, lr)
 
 
 def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int):
     """Build the optimizer, wrap it for Horovod, and return it with its LR schedule."""
     import horovod.torch as hvd
 
-    if optim_cfg.name not in OPTIMIZERS:
-        raise ValueError(f"unknown optim.name {optim_cfg.name!r}: choose one of {', '.join(OPTIMIZERS)}")
     if hvd_cfg.backward_passes_per_step < 1:
         raise ValueError("horovod.backward_passes_per_step must be at least 1")
-    optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
-    schedule = WarmupSchedule(optim_cfg.lr, optim_cfg.scale_lr, hvd_cfg.adasum, hvd.nccl_built(),
-                              int(round(optim_cfg.warmup_epochs * optimizer_steps)))
-    optimizer = OPTIMIZERS[optim_cfg.name](model.parameters(), optim_cfg, schedule.lr(0, ctx))
+    schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch)
+    optimizer = plain_optimizer(model.parameters(), optim_cfg, schedule.lr(0, ctx.size, ctx.local_size))
     # Horovod: average gradients across ranks with ring-allreduce, one fused allreduce per step.
     optimizer = hvd.DistributedOptimizer(
         optimizer,

@@ -98,3 +98,25 @@ def test_cli_starts_without_importing_frameworks():
 
 def test_version():
     assert run("--version").output.strip().endswith(__version__)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--stages", "3"], "--stages applies to --strategy model-split or pipeline"),
+    (["--strategy", "pipeline", "--stages", "1"], "--stages must be an integer of at least 2"),
+    (["--strategy", "pipeline", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
+    (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    (["--strategy", "pipeline", "--elastic"], "--elastic works with the data and model-split"),
+])
+def test_stage_options_are_validated(tmp_path, args, fragment):
+    result = run("new", "proj", "--output", str(tmp_path), *args)
+    assert result.exit_code != 0
+    assert fragment in result.output and len(result.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stage_options_reach_the_config(tmp_path):
+    result = run("new", "proj", "--output", str(tmp_path), "--strategy", "pipeline", "--stages", "3",
+                 "--micro-batches", "8", "--schedule", "gpipe")
+    assert result.exit_code == 0, result.output
+    config = yaml.safe_load((tmp_path / "proj" / "config.yaml").read_text())
+    assert config["parallel"] == {"stages": 3, "micro_batches": 8, "schedule": "gpipe", "partition": "params"}

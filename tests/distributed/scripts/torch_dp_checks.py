@@ -118,7 +118,7 @@ with tempfile.TemporaryDirectory() as tmp:
 weights = hvd.allgather_object(model.weight.detach().clone())
 lrs = []
 for step in range(5):
-    schedule.apply(opt, step, ctx)
+    schedule.apply(opt, step, ctx.size)
     lrs.append(opt.param_groups[0]["lr"])
 report("broadcast_makes_ranks_identical", torch.equal(weights[0], weights[1]) and state.epoch == 0)
 expected_lrs = [0.1, 0.125, 0.15, 0.175, 0.2]

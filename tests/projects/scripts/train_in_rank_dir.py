@@ -21,6 +21,8 @@ import horovod.torch as hvd  # noqa: E402
 import train  # noqa: E402
 
 model, metrics = train.train(train.load_config(train.CONFIG_FILE, overrides))
+if os.environ.get("SKIP_DIGEST"):  # pipeline ranks hold different stages
+    sys.exit(0)
 state = model.state_dict()
 digest = hashlib.sha256(b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))).hexdigest()
 digests = hvd.allgather_object(digest)

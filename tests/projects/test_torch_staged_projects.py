@@ -1,0 +1,46 @@
+"""Generated model-split and pipeline projects train under horovodrun and only rank 0 writes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_horovod
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+pytestmark = pytest.mark.slow
+
+
+def files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("strategy, np, extra", [
+    ("model-split", 2, []),
+    ("pipeline", 2, ["--parallel.schedule", "gpipe"]),
+    ("pipeline", 2, []),                       # 1f1b, the default
+    ("pipeline", 4, []),                       # 2 stages x 2 replicas
+])
+def test_staged_project_trains(tmp_path, strategy, np, extra):
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--strategy", strategy, "--output", str(tmp_path)],
+                   check=True)
+    project, ranks = tmp_path / "proj", tmp_path / "ranks"
+    epochs = 8 if np == 2 else 3
+    env = {"SKIP_DIGEST": "1"} if strategy == "pipeline" else {}
+    proc = run_horovod(np, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
+                            "--train.epochs", str(epochs), *extra], cwd=project, env=env, timeout=600)
+    history = [json.loads(line) for line in (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == list(range(1, epochs + 1))
+    if np == 2:
+        assert history[-1]["val_accuracy"] >= 0.90
+    else:
+        assert history[-1]["train_loss"] < history[0]["train_loss"]
+    for other in range(1, np):
+        assert files_under(ranks / f"rank{other}") == [], f"rank {other} wrote files"
+    if strategy == "pipeline":
+        assert (ranks / "rank0" / "runs" / "latest" / "timeline.png").stat().st_size > 0
+        assert "pipeline bubble: measured" in proc.stdout
+    else:
+        assert len(set(json.loads((ranks / "digests.json").read_text()))) == 1
