@@ -138,6 +138,21 @@ def measured_bubble(tl: Timeline, skip_first: bool = True) -> float:
     return sum(step_bubble(tl, s) for s in steps) / len(steps)
 
 
+def peak_in_flight(tl: Timeline, step: int) -> dict[int, int]:
+    """Per rank: most micro-batches whose forward had run and backward had not (activations held)."""
+    peaks = {}
+    for rank, events in tl.step_events(step):
+        live = peak = 0
+        for e in sorted(events, key=lambda e: e["start"]):
+            if e["kind"] == "forward":
+                live += 1
+                peak = max(peak, live)
+            elif e["kind"] == "backward":
+                live -= 1
+        peaks[rank["rank"]] = peak
+    return peaks
+
+
 def plot_timeline(tl: Timeline, path: str | Path, step: int | None = None) -> Path:
     """Draw one step as the familiar pipeline picture: a row per stage, a box per micro-batch."""
     import matplotlib

@@ -19,8 +19,8 @@ from hvdgen.errors import HvdgenError
               help="PNG to write (default: RUN_DIR/timeline.png).")
 def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     """Draw a pipeline run's timeline and print its measured bubble against (p-1)/(m+p-1)."""
-    from hvd_runtime.schedule import bubble_fraction
-    from hvd_runtime.timeline import load_timeline, measured_bubble, plot_timeline, step_bubble
+    from hvd_runtime.schedule import SCHEDULES, bubble_fraction, theory_peak_in_flight
+    from hvd_runtime.timeline import load_timeline, measured_bubble, peak_in_flight, plot_timeline, step_bubble
 
     try:
         tl = load_timeline(run_dir)
@@ -36,5 +36,12 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     which = f"step {step}" if step is not None else "mean over steps after the first"
     click.echo(f"measured bubble {shown:.3f} ({which})")
     click.echo(f"theory   bubble {bubble_fraction(p, m):.3f} = (p-1)/(m+p-1)")
+    shown_step = step if step is not None else tl.steps[-1]
+    peaks = peak_in_flight(tl, shown_step)
+    stages = {r["rank"]: r["stage"] for r in tl.ranks}
+    held = ", ".join(f"stage {stages[r]}: {n}" for r, n in sorted(peaks.items(), key=lambda kv: (stages[kv[0]], kv[0])))
+    theory = (f" (theory: at most {theory_peak_in_flight(meta['schedule'], p, m)})"
+              if meta.get("schedule") in SCHEDULES else "")
+    click.echo(f"micro-batches in flight, step {shown_step}: {held}{theory}")
     png = plot_timeline(tl, out or run_dir / "timeline.png", step)
     click.echo(f"wrote {png}")

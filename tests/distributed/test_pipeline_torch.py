@@ -204,6 +204,7 @@ def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path):
     result = CliRunner().invoke(cli, ["timeline", str(run)])
     assert result.exit_code == 0, result.output
     assert "theory   bubble 0.200" in result.output and (run / "timeline.png").exists()
+    assert "micro-batches in flight, step 2: stage 0: 2, stage 1: 1 (theory: at most 2)" in result.output
 
 
 @pytest.mark.slow

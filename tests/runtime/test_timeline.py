@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from hvd_runtime.schedule import Op, build_schedule, bubble_fraction, simulate
-from hvd_runtime.timeline import (TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline,
-                                  step_bubble)
+from hvd_runtime.timeline import (TimelineRecorder, load_timeline, measured_bubble, peak_in_flight, plot_timeline,
+                                  save_timeline, step_bubble)
 from hvdgen.cli import main
 
 KIND = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_ACT: "send", Op.SEND_GRAD: "send",
@@ -57,6 +57,13 @@ def test_idle_fills_every_gap_so_each_row_covers_the_step(tmp_path):
     assert last[0]["end"] - last[0]["start"] == pytest.approx(2e-3, rel=0.05)
 
 
+@pytest.mark.parametrize("name,m,peaks", [("gpipe", 4, {0: 4, 1: 4, 2: 4}), ("1f1b", 4, {0: 3, 1: 2, 2: 1}),
+                                          ("1f1b", 2, {0: 2, 1: 2, 2: 1})])
+def test_peak_in_flight_read_from_the_events(tmp_path, name, m, peaks):
+    save_timeline(tmp_path, simulated_records(name, 3, m, steps=1), {"schedule": name, "stages": 3, "micro_batches": m})
+    assert peak_in_flight(load_timeline(tmp_path), 0) == peaks
+
+
 def test_recorder_spans_and_disabled_recorder(tmp_path):
     rec = TimelineRecorder(rank=0, stage=0)
     with rec.span("forward", 3):
@@ -85,6 +92,7 @@ def test_cli_prints_measured_and_theory_and_writes_png(tmp_path):
     measured = float(result.output.split("measured bubble ")[1].split()[0])
     assert measured == pytest.approx(0.2, abs=0.01)
     assert "theory   bubble 0.200 = (p-1)/(m+p-1)" in result.output
+    assert "micro-batches in flight, step 2: stage 0: 2, stage 1: 1 (theory: at most 2)" in result.output
     assert (tmp_path / "timeline.png").exists()
     result = CliRunner().invoke(main, ["timeline", str(tmp_path), "--step", "1", "-o", str(tmp_path / "s1.png")])
     assert result.exit_code == 0 and "(step 1)" in result.output and (tmp_path / "s1.png").exists()
