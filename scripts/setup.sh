@@ -2,15 +2,31 @@
 # Set up everything hvdgen needs on a fresh machine, idempotently: a virtualenv in .venv,
 # the frameworks, hvdgen itself, and Horovod built for those frameworks (cached in
 # ~/.cache/hvdgen, so a second run takes seconds). Sourced by demo.sh and test.sh.
+#
+# HVDGEN_FRAMEWORKS picks the frameworks: "torch" (the default) or "torch tensorflow".
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HVDGEN_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
+FRAMEWORKS="${HVDGEN_FRAMEWORKS:-torch}"
 # torch 2.13.0's CPU build; override TORCH_SPEC for another build (e.g. a CUDA one on GPU machines).
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+TF_SPEC="${TF_SPEC:-tensorflow==2.21.0}"
 
 step() { printf '\n==> %s\n' "$*"; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    echo "need root for: $*" >&2; return 1; fi
+}
+
+if [[ " $FRAMEWORKS " == *" tensorflow "* ]] && ! { [ -e /usr/include/highwayhash/arch_specific.h ] && [ -e /usr/include/farmhash.h ]; }; then
+  # TensorFlow's pip headers include highwayhash and farmhash headers that TF does not ship.
+  step "installing libhighwayhash-dev and libfarmhash-dev (needed to build Horovod for TensorFlow)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libhighwayhash-dev libfarmhash-dev >/dev/null
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   step "creating virtualenv $VENV"
@@ -19,10 +35,15 @@ fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 
-step "installing frameworks and hvdgen"
+step "installing frameworks ($FRAMEWORKS) and hvdgen"
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "$TORCH_SPEC"
-python -m pip install --quiet -e "$ROOT[torch,build,test]"
+extras="torch,build,test"
+if [[ " $FRAMEWORKS " == *" tensorflow "* ]]; then
+  python -m pip install --quiet "$TF_SPEC"
+  extras="$extras,tensorflow"
+fi
+python -m pip install --quiet -e "$ROOT[$extras]"
 
 step "building and installing Horovod (cached after the first run)"
 hvdgen install-horovod

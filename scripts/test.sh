@@ -3,6 +3,8 @@
 # generator and runtime tests, real horovodrun jobs, generated projects trained end to end.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Both frameworks: the suite generates and trains TensorFlow projects too.
+export HVDGEN_FRAMEWORKS="${HVDGEN_FRAMEWORKS:-torch tensorflow}"
 source "$ROOT/scripts/setup.sh"
 
 cd "$ROOT"
