@@ -43,7 +43,8 @@ class PipelineEngine:
     """Runs one stage's part of the schedule each step, then averages its gradients over dp."""
 
     def __init__(self, stage: torch.nn.Module, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
-                 micro_batches: int = 4, metrics_fn=None, timeline: bool = False, device=None):
+                 micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
+                 device=None):
         import horovod.torch as hvd
 
         self.hvd, self.stage, self.dims = hvd, stage, dims
@@ -54,6 +55,7 @@ class PipelineEngine:
                              if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)]
         self.device = torch.device(device) if device else next(stage.parameters(), torch.empty(0)).device
         self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline)
+        self.timeline, self.timeline_steps = timeline, timeline_steps   # record the first steps only: bounded memory
         self.steps = 0
         self.peak_in_flight = 0     # most micro-batches holding activations at once, last step
         self._act_shapes: dict[int, tuple] = {}    # micro-batch size -> (shape, dtype) seen on the way in
@@ -178,6 +180,7 @@ class PipelineEngine:
         self.stage.train()
         self.optimizer.zero_grad(set_to_none=False)
         self.recorder.step = self.steps
+        self.recorder.enabled = self.timeline and self.steps < self.timeline_steps
         sums = self._run(self.actions, xs, ys, sizes, n, train=True)
         if self.dims.dp_set is not None:
             params = [p for p in self.stage.parameters() if p.requires_grad]
@@ -209,7 +212,7 @@ class PipelineEngine:
         return self._report(sums, "pp.eval_report")
 
     def save_timeline(self, run_dir) -> None:
-        """Gather every rank's timeline to rank 0, which writes run_dir/timeline.json."""
+        """Gather every rank's timeline to rank 0, which writes run_dir/timeline.json. Call on every rank."""
         records = self.hvd.allgather_object(self.recorder.record(), name="pp.timeline")
         if self.hvd.rank() == 0:
             meta = {"schedule": self.schedule, "stages": self.dims.stages, "replicas": self.dims.replicas,
