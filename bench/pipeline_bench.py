@@ -136,7 +136,7 @@ def write_report(rows: list[dict], load: tuple[float, float], png: str) -> str:
         f"Best: {best['schedule']} at m={best['m']}, **{best['speedup_best']:.2f}x** over one process "
         f"(fastest steps; median of per-step ratios {best['speedup']:.2f}x).",
         "",
-        f"Timeline of the last step of 1F1B at m=4 (`hvdgen timeline`):",
+        "Timeline of the last step of 1F1B at m=4 (`hvdgen timeline`):",
         "",
         f"![1F1B, 2 stages, 4 micro-batches]({png})",
         "",
