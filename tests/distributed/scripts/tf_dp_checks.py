@@ -25,8 +25,11 @@ import tensorflow as tf  # noqa: E402
 
 from hvd_runtime.checkpoint import CheckpointStore  # noqa: E402
 from hvd_runtime.config import HorovodConfig, OptimConfig  # noqa: E402
-from hvd_runtime.tf import (GradientSync, SyncBatchNormalization, TrainStep, allreduce_sums,  # noqa: E402
-                            make_optimizer, restore_or_broadcast, save_checkpoint, use_sync_batchnorm)
+from hvd_runtime.data import Split  # noqa: E402
+from hvd_runtime.tf import (Every, GradientSync, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
+                            TrainState, allreduce_sums, checkpoint_store, make_optimizer, restore_or_broadcast,
+                            save_checkpoint, train_epoch, use_sync_batchnorm)
+from hvd_runtime.config import CheckpointConfig  # noqa: E402
 
 assert ctx.size == 2, "run with -np 2"
 R = ctx.rank
@@ -243,3 +246,51 @@ try:
 except ValueError as exc:
     refused = "MPI" in str(exc)
 report("adasum_on_gloo_refused_clearly", refused)
+
+
+# 10. A job stopped after a mid-epoch checkpoint and resumed (fresh, differently initialised
+#     processes) ends where an uninterrupted job ends: weights, momentum, step and epoch.
+class Stop(Exception):
+    pass
+
+
+data = Split(rng.normal(size=(40, 6)).astype(np.float32), rng.integers(0, 3, size=40).astype(np.int64))
+
+
+def job(seed):
+    model = model_fn(seed=seed)
+    opt = make_optimizer(sgd, HorovodConfig(), ctx, steps_per_epoch=5)
+    return model, opt, TrainStep(model, opt, loss_fn, GradientSync())
+
+
+batches = ShardedBatches(data, 4, R, 2, seed=1)
+model, opt, step = job(seed=123)
+with tempfile.TemporaryDirectory() as tmp:
+    store = checkpoint_store(CheckpointConfig(dir=tmp), ctx)
+    straight = restore_or_broadcast(store, model, opt, ctx)
+    for _ in range(2):
+        train_epoch(step, batches, ctx, straight)
+    expected = [np.asarray(v) for v in model.variables + opt.variables]
+
+    model, opt, step = job(seed=123)
+    stopped = restore_or_broadcast(store, model, opt, ctx)
+
+    def save_and_stop():
+        save_checkpoint(store, model, opt, stopped)
+        raise Stop
+
+    try:
+        while stopped.epoch < 2:
+            train_epoch(step, batches, ctx, stopped, every=[Every(7, save_and_stop)])  # step 7: mid epoch 1
+    except Stop:
+        pass
+    model, opt, step = job(seed=999 + R)
+    resumed = restore_or_broadcast(store, model, opt, ctx)
+    at = (resumed.epoch, resumed.step, resumed.samples_in_epoch)
+    while resumed.epoch < 2:
+        train_epoch(step, batches, ctx, resumed)
+    written = len(store.paths())
+diff = max_rel_diff(model.variables + opt.variables, expected)
+report("mid_epoch_resume_matches_uninterrupted",
+       at == (1, 7, 16) and resumed.step == straight.step == 10 and diff < TOL and written == (1 if R == 0 else 0),
+       f"resumed at (epoch, step, samples) {at}, max rel diff {diff:.2e}")
