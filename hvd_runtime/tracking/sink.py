@@ -77,9 +77,9 @@ class MlflowSink:
             return self.client.get_experiment_by_name(name).experiment_id
 
     def _run_exists(self, run_id: str) -> bool:
+        """False for a deleted run too: it takes no more data, so the job starts a new one."""
         try:
-            self.client.get_run(run_id)
-            return True
+            return self.client.get_run(run_id).info.lifecycle_stage != "deleted"
         except MlflowException as exc:  # anything but "no such run" (e.g. no server) must propagate
             if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 return False

@@ -299,3 +299,17 @@ def test_a_full_queue_spools_instead_of_blocking_the_loop(tmp_path):
     assert took < 0.5
     assert problems and "behind" in problems[0]
     assert [r["step"] for r in items if r["kind"] == "metrics"] == list(range(3, 10))
+
+
+@pytest.mark.timeout(600)
+def test_a_deleted_run_is_not_resumed(tmp_path):
+    with start("deleted") as tracker:
+        first = tracker.run_id
+    client = MlflowClient(settings.embedded_uri(tmp_path))
+    client.delete_run(first)
+    with start("deleted", run_id=first) as tracker:
+        tracker.log_metrics({"loss": 1.0}, step=0)
+        second = tracker.run_id
+    assert second != first
+    assert client.get_run(second).data.tags["hvd_runtime.original_run_id"] == first
+    assert [m.step for m in client.get_metric_history(second, "loss")] == [0]
