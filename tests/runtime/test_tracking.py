@@ -296,7 +296,7 @@ def test_a_full_queue_spools_instead_of_blocking_the_loop(tmp_path):
         ((_, items),) = list(read_segments(sender.spool.path))   # read while the sender is still stuck
     finally:
         hung.close()
-    assert took < 0.5
+    assert took < 3        # seven fsynced spool writes, against a server that would hold each call 5 s
     assert problems and "behind" in problems[0]
     assert [r["step"] for r in items if r["kind"] == "metrics"] == list(range(3, 10))
 
