@@ -32,6 +32,8 @@ class TrainStep:
         with tf.GradientTape() as tape:
             logits = self.model(x, training=True)
             loss = self.loss_fn(y, logits)
+            if self.model.losses:  # kernel regularizers and add_loss() terms, as model.fit adds them
+                loss = loss + tf.add_n(self.model.losses)
         grads = tape.gradient(loss, self.variables)
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=-1), tf.cast(y, tf.int64)), tf.float64))
         return loss, correct, grads

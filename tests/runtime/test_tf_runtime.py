@@ -100,3 +100,43 @@ def test_checkpoint_that_does_not_fit_the_model_names_the_fix(tmp_path):
 def test_cpu_threads_share_the_cores_between_local_ranks():
     assert cpu_threads(local_size=1, requested=3) == 3
     assert cpu_threads(local_size=10_000) == 1
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """Horovod as a job of one process (no horovodrun): every collective is the identity."""
+    hvd = pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed: run hvdgen install-horovod")
+    hvd.init()
+    assert hvd.size() == 1
+    return hvd
+
+
+@pytest.mark.parametrize("shape", [(16, 5), (4, 3, 3, 5)])
+def test_sync_batchnorm_on_one_rank_is_keras_batchnorm(one_rank, shape):
+    x = np.random.default_rng(1).normal(2.0, 3.0, size=shape).astype(np.float32)
+    plain, synced = keras.layers.BatchNormalization(momentum=0.5), SyncBatchNormalization(momentum=0.5)
+    out_plain, out_synced = plain(x, training=True), synced(x, training=True)
+    assert np.allclose(out_synced, out_plain, atol=1e-5)
+    assert np.allclose(synced.moving_mean, plain.moving_mean, atol=1e-5)
+    assert np.allclose(synced.moving_variance, plain.moving_variance, rtol=1e-4)
+
+
+def test_train_step_matches_a_plain_keras_step_with_regularization(one_rank):
+    from hvd_runtime.tf.gradients import GradientSync
+    from hvd_runtime.tf.step import TrainStep
+
+    def model_fn():
+        keras.utils.set_random_seed(4)
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_regularizer=keras.regularizers.L2(0.5))])
+
+    x = np.random.default_rng(2).normal(size=(8, 3)).astype(np.float32)
+    y = np.arange(8, dtype=np.int64) % 2
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference, model = model_fn(), model_fn()
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, reference(x, training=True)) + tf.add_n(reference.losses)
+    grads = tape.gradient(loss, reference.trainable_variables)
+    keras.optimizers.SGD(0.1).apply_gradients(zip(grads, reference.trainable_variables))
+    TrainStep(model, keras.optimizers.SGD(0.1), loss_fn, GradientSync())(x, y)
+    for a, b in zip(model.variables, reference.variables):
+        assert np.allclose(a, b, atol=1e-6)
