@@ -1,12 +1,14 @@
 """hvd_runtime for TensorFlow / Keras 3: what a data-parallel train.py calls, one concern per module.
 
 Built on `horovod.tensorflow` (collectives) and plain Keras 3 (model, optimizer), with the
-gradient allreduce as an explicit step in a custom loop. `horovod.tensorflow.keras` is not
-used: on Keras 3 its optimizer wrapper is silently bypassed and its callbacks fail.
+gradient allreduce as an explicit step in a custom loop (or, for `model.fit`, wrapped around the
+optimizer's apply_gradients). `horovod.tensorflow.keras` is not used: on Keras 3 its optimizer
+wrapper is silently bypassed and its callbacks fail.
 """
 
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context, init_horovod
+from hvd_runtime.tf.fit import AverageMetrics, BroadcastVariables, distribute_fit
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
 from hvd_runtime.tf.loop import Every, allreduce_sums, evaluate, train_epoch
 from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer
@@ -14,7 +16,7 @@ from hvd_runtime.tf.state import TrainState, checkpoint_store, restore_or_broadc
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm
 
-__all__ = ["Context", "Every", "GradientAccumulator", "GradientSync", "ShardedBatches", "SyncBatchNormalization",
-           "TrainState", "TrainStep", "WarmupSchedule", "allreduce_sums", "checkpoint_store", "evaluate",
-           "init_horovod", "make_optimizer", "restore_or_broadcast", "save_checkpoint", "train_epoch",
-           "use_sync_batchnorm"]
+__all__ = ["AverageMetrics", "BroadcastVariables", "Context", "Every", "GradientAccumulator", "GradientSync",
+           "ShardedBatches", "SyncBatchNormalization", "TrainState", "TrainStep", "WarmupSchedule", "allreduce_sums",
+           "checkpoint_store", "distribute_fit", "evaluate", "init_horovod", "make_optimizer", "restore_or_broadcast",
+           "save_checkpoint", "train_epoch", "use_sync_batchnorm"]

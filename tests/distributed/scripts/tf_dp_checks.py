@@ -26,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 from hvd_runtime.checkpoint import CheckpointStore  # noqa: E402
 from hvd_runtime.config import HorovodConfig, OptimConfig  # noqa: E402
 from hvd_runtime.data import Split  # noqa: E402
-from hvd_runtime.tf import (Every, GradientSync, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
+from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, Every, GradientSync, distribute_fit, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
                             TrainState, allreduce_sums, checkpoint_store, make_optimizer, restore_or_broadcast,
                             save_checkpoint, train_epoch, use_sync_batchnorm)
 from hvd_runtime.config import CheckpointConfig  # noqa: E402
@@ -294,3 +294,23 @@ diff = max_rel_diff(model.variables + opt.variables, expected)
 report("mid_epoch_resume_matches_uninterrupted",
        at == (1, 7, 16) and resumed.step == straight.step == 10 and diff < TOL and written == (1 if R == 0 else 0),
        f"resumed at (epoch, step, samples) {at}, max rel diff {diff:.2e}")
+
+
+# 11. model.fit (Keras 3's own train step, with the allreduce wrapped around apply_gradients) on
+#     each rank's half of every global batch, from differently initialised ranks, equals plain
+#     fit on the global batches in one process; the epoch's logged loss is averaged over ranks.
+fit_x = rng.normal(size=(32, 6)).astype(np.float32)
+fit_y = rng.integers(0, 3, size=32).astype(np.int64)
+reference = model_fn(seed=500)  # rank 0's initialisation, which the broadcast hands to every rank
+reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss_fn)
+reference.fit(fit_x, fit_y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+mine = np.concatenate([halves(fit_x[:16]), halves(fit_x[16:])]), np.concatenate([halves(fit_y[:16]), halves(fit_y[16:])])
+model = model_fn(seed=500 + R)
+model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=loss_fn)
+distribute_fit(model, GradientSync())
+history = model.fit(*mine, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[AverageMetrics(), BroadcastVariables()])
+diff = max_rel_diff(model.variables, reference.variables)
+losses = hvd.allgather_object(history.history["loss"], name="fit_losses")
+report("fit_matches_global_batch_reference", diff < TOL and same_on_all_ranks(model.variables, "fit")
+       and losses[0] == losses[1], f"max rel diff {diff:.2e}")
