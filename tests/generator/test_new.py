@@ -106,6 +106,7 @@ def test_version():
     (["--strategy", "pipeline", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
     (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
     (["--strategy", "pipeline", "--elastic"], "--elastic works with the data and model-split"),
+    (["--framework", "tensorflow", "--elastic"], "--elastic is available for torch projects"),
 ])
 def test_stage_options_are_validated(tmp_path, args, fragment):
     result = run("new", "proj", "--output", str(tmp_path), *args)
