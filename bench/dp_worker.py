@@ -44,7 +44,7 @@ def barrier() -> None:
 def run_ours(dataset, model, args) -> float:
     from hvd_runtime.torch import ShardedBatches, TrainState, init_horovod, make_optimizer, train_epoch
 
-    ctx = init_horovod(seed=0, threads_per_rank=1)
+    ctx = init_horovod(seed=0, threads_per_rank=1, cycle_time_ms=args.cycle_time_ms)
     batches = ShardedBatches(dataset.train, args.batch_size, ctx.rank, ctx.size, seed=0)
     optim_cfg = OptimConfig(name="sgd", lr=0.01, momentum=0.9, scale_lr=True, warmup_epochs=0)
     optimizer, schedule = make_optimizer(model, optim_cfg, HorovodConfig(), ctx, len(batches))
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--cycle-time-ms", type=float, default=0.0, help="ours: horovod.cycle_time_ms")
     args = parser.parse_args()
     dataset = load_dataset(DataConfig(source="synthetic", synthetic_samples=args.samples, synthetic_features=64,
                                       synthetic_classes=10, val_fraction=0.05))

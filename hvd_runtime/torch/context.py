@@ -80,9 +80,18 @@ def pin_device(seed: int = 0, threads_per_rank: int = 0) -> torch.device:
     return device
 
 
-def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
+def set_cycle_time(cycle_time_ms: float) -> None:
+    """Horovod's background loop wakes every HOROVOD_CYCLE_TIME ms to negotiate and launch
+    collectives; every step waits for it. Read at hvd.init, so this must come first. An explicit
+    HOROVOD_CYCLE_TIME in the environment wins; 0 keeps Horovod's default."""
+    if cycle_time_ms > 0:
+        os.environ.setdefault("HOROVOD_CYCLE_TIME", str(cycle_time_ms))
+
+
+def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0) -> Context:
     """hvd.init(), then pin_device: the start of every data-parallel job."""
     import horovod.torch as hvd
 
+    set_cycle_time(cycle_time_ms)
     hvd.init()
     return Context(pin_device(seed, threads_per_rank))
