@@ -7,12 +7,14 @@ TF, controllers) combination and keeps the wheel in the user's cache, so the sec
 `hvdgen install-horovod` takes seconds and a wheel is never used against a framework it was not
 built for (that fails with a version mismatch at import).
 
-TensorFlow's pip headers include `highwayhash/arch_specific.h` and `farmhash.h` without putting
-them on its include path. TF ships its own copies under `include/external/`, so the build adds
-those folders (the exact versions TF was compiled with) and needs no system packages; with a TF
-that lacks them, Debian's libhighwayhash-dev and libfarmhash-dev serve. When neither is found the
-command stops before the long build with the one-line apt command. It never runs apt itself: a
-Python tool installing system packages as a side effect would surprise whoever owns the machine.
+Some of TensorFlow's pip headers include `highwayhash/arch_specific.h` and `farmhash.h` without
+putting them on its include path (through the XLA headers; with xla_mpi_ops.cc left out, TF
+2.21's op source no longer reaches them). TF ships its own copies under `include/external/`, so
+the build adds those folders (the versions TF was compiled with) and needs no system packages;
+with a TF that lacks them, Debian's libhighwayhash-dev and libfarmhash-dev serve. When neither is
+found the command stops before the long build with the one-line apt command. It never runs apt
+itself: a Python tool installing system packages as a side effect would surprise whoever owns
+the machine.
 """
 
 from __future__ import annotations
