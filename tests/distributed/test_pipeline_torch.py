@@ -185,6 +185,20 @@ def test_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_pipeline_after_hvd_init_adds_process_sets_dynamically(tmp_path):
+    out = tmp_path / "result.json"
+    args = [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "gpipe", "--micro-batches", "2",
+            "--p2p", "alltoall", "--hvd-init-first", "--out", str(out)]
+    run_horovod(4, args, cwd=tmp_path, timeout=280, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    check_against_reference(json.loads(out.read_text()), 4, 2, "gpipe", 2)
+    # without dynamic process sets, the job stops at start-up and says what to do
+    failed = run_horovod(4, args, cwd=tmp_path, timeout=280, check=False)
+    assert failed.returncode != 0
+    assert "Horovod is already initialised: call init_pipeline() instead of hvd.init()" in failed.stdout + failed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path):
     out, run = tmp_path / "result.json", tmp_path / "run"
     run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "1f1b", "--micro-batches", "4",

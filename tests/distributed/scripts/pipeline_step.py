@@ -46,10 +46,13 @@ def main():
     ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
     ap.add_argument("--out", required=True)
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--hvd-init-first", action="store_true", help="call hvd.init() before init_pipeline")
     ap.add_argument("--watchdog", type=float, default=120, help="seconds before a hung rank dumps its stack and exits")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
 
+    if args.hvd_init_first:
+        hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
     dims = init_pipeline(stages=args.stages, p2p=args.p2p, threads=1)
     g = torch.Generator().manual_seed(7)
     global_batch = args.batch * dims.replicas
