@@ -7,19 +7,15 @@ checkpoint artifact, log_model at the end), then reads the server back with Mlfl
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from helpers import run_horovod
+from helpers import MlflowServer, run_horovod
 
 mlflow = pytest.importorskip("mlflow")
 torch = pytest.importorskip("torch")
@@ -29,50 +25,6 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "tracked_training.py"
 STEPS_PER_EPOCH = 8          # 256 samples / 2 ranks / batch 16, as in the script
 WARNING_MARK = "training continues, unsent tracking data goes to"
 JOB_TIMEOUT = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MlflowServer:
-    """`mlflow server` on a free localhost port: sqlite backend and artifacts under `root`."""
-
-    def __init__(self, root: Path):
-        root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.log = root / "server.log"
-        cmd = [str(Path(sys.executable).with_name("mlflow")), "server",
-               "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-               "--artifacts-destination", str(root / "artifacts"),
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        with self.log.open("w") as log:
-            # its own process group: the server forks uvicorn workers, and kill() must stop them all
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self._wait_until_up(timeout=180)
-
-    def _wait_until_up(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mlflow server exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        self.kill()
-        pytest.fail(f"mlflow server not up after {timeout} s:\n{self.log.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,46 @@
+"""A freshly generated project, trained under horovodrun -np 2, tracked to a real `mlflow server`."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import MlflowServer, run_horovod
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("strategy", ["data", "pipeline"])
+def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
+    import mlflow
+    from mlflow import MlflowClient
+
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "tracked", "--strategy", strategy,
+                    "--output", str(tmp_path)], check=True)
+    project = tmp_path / "tracked"
+    server = MlflowServer(tmp_path / "server")
+    try:
+        run_horovod(2, [sys.executable, "train.py", "--train.epochs", "3", "--train.log_every", "5"], cwd=project,
+                    env={"MLFLOW_TRACKING_URI": server.uri}, timeout=600)
+        client = MlflowClient(server.uri)
+        experiment = client.get_experiment_by_name("tracked")
+        runs = client.search_runs([experiment.experiment_id])
+        assert len(runs) == 1, "one run per job, not one per rank"
+        run = runs[0]
+        assert run.data.params["world_size"] == "2" and run.data.params["strategy"] == strategy
+        for key in ("epoch", "val_accuracy", "step_train_loss"):
+            history = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+            assert history and len(history) == len(set(history)), f"{key} logged more than once per step"
+        assert len(client.get_metric_history(run.info.run_id, "epoch")) == 3
+        assert not (project / "mlflow.db").exists(), "the server, not the embedded store, got the run"
+
+        models = client.search_logged_models(experiment_ids=[experiment.experiment_id])
+        assert [m.source_run_id for m in models] == [run.info.run_id]
+        mlflow.set_tracking_uri(server.uri)
+        model = mlflow.pyfunc.load_model(f"models:/{models[0].model_id}")
+        scores = np.asarray(model.predict(np.random.rand(4, 64).astype(np.float32)))
+        assert scores.shape == (4, 10)
+    finally:
+        mlflow.set_tracking_uri(None)
+        server.kill()
