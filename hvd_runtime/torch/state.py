@@ -10,7 +10,7 @@ rank. The LR schedule is a function of the step, so it needs no state of its own
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
