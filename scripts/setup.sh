@@ -16,18 +16,6 @@ TF_SPEC="${TF_SPEC:-tensorflow==2.21.0}"
 
 step() { printf '\n==> %s\n' "$*"; }
 
-as_root() {
-  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
-    echo "need root for: $*" >&2; return 1; fi
-}
-
-if [[ " $FRAMEWORKS " == *" tensorflow "* ]] && ! { [ -e /usr/include/highwayhash/arch_specific.h ] && [ -e /usr/include/farmhash.h ]; }; then
-  # TensorFlow's pip headers include highwayhash and farmhash headers that TF does not ship.
-  step "installing libhighwayhash-dev and libfarmhash-dev (needed to build Horovod for TensorFlow)"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libhighwayhash-dev libfarmhash-dev >/dev/null
-fi
-
 if [ ! -x "$VENV/bin/python" ]; then
   step "creating virtualenv $VENV"
   "$PYTHON" -m venv "$VENV"
