@@ -12,8 +12,24 @@ import os
 import re
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+@dataclass
+class TrainState:
+    """Where training stands: what a checkpoint must carry besides the weights to resume exactly."""
+
+    epoch: int = 0              # the epoch in progress (or the next to run)
+    step: int = 0               # batches trained so far, over all epochs
+    samples_in_epoch: int = 0   # samples of this epoch's order already trained, over all ranks
+    run_id: str | None = None   # the tracking run this training belongs to
+
+
+def state_fields(state) -> dict:
+    """The TrainState fields of `state` (a TrainState, or Horovod's elastic state holding them)."""
+    return {name: getattr(state, name) for name in TrainState.__dataclass_fields__}
+
 
 _NAME = re.compile(r"ckpt-(\d{9})\.(\w+)$")
 

@@ -145,7 +145,37 @@ def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int, shuffle: 
     return order[rank::size]
 
 
-def batch_count(n: int, size: int, batch_size: int, drop_last: bool = False) -> int:
-    """Training steps per epoch for a padded shard of ceil(n / size) samples."""
-    per_rank = math.ceil(n / size)
-    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+class EpochShards:
+    """This rank's share of every epoch, in batches: the arithmetic both frameworks' batchers share.
+
+    Progress through an epoch is counted in samples consumed across all ranks, which is what a
+    resumed or resized (elastic) job needs to carry on exactly where the epoch stopped.
+    """
+
+    def __init__(self, samples: int, batch_size: int, rank: int, size: int, *, seed: int = 0, train: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch size must be at least 1, got {batch_size}")
+        self.samples, self.batch_size, self.seed, self.train = samples, batch_size, seed, train
+        self.rank, self.size = rank, size
+
+    def reshard(self, rank: int, size: int) -> None:
+        """After an elastic reset: this process's new rank in a job of a new size."""
+        self.rank, self.size = rank, size
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples of the epoch's order one step consumes, over all ranks."""
+        return self.batch_size * self.size
+
+    def steps(self, consumed: int = 0) -> int:
+        """Steps left in an epoch of which `consumed` samples are done (the same on every rank)."""
+        return math.ceil(math.ceil(max(0, self.samples - consumed) / self.size) / self.batch_size)
+
+    def indices(self, epoch: int, consumed: int = 0) -> np.ndarray:
+        return shard_indices(self.samples, self.rank, self.size, epoch, self.seed,
+                             shuffle=self.train, pad=self.train, consumed=consumed)
+
+    def __len__(self) -> int:
+        if self.train:
+            return self.steps()
+        return math.ceil(len(self.indices(0)) / self.batch_size)

@@ -6,8 +6,9 @@ thread pools are fixed at that moment, and changing them later raises.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from hvd_runtime.scaling import cpu_threads
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,6 @@ class Context:
     @property
     def is_root(self) -> bool:
         return self.rank == 0
-
-
-def cpu_threads(local_size: int, requested: int = 0) -> int:
-    """Cores shared evenly by the ranks on this host: oversubscribed threads slow every rank."""
-    if requested > 0:
-        return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_size))
 
 
 def seed_everything(seed: int) -> None:

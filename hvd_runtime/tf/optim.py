@@ -9,18 +9,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from hvd_runtime.scaling import lr_scaler
 from hvd_runtime.tf.context import Context
-
-
-def lr_scaler(size: int, local_size: int, scale_lr: bool, adasum: bool, gpu_allreduce: bool) -> float:
-    """Why the LR grows: averaging over N ranks makes the effective batch N times larger.
-
-    Adasum combines gradients adaptively, so it needs only the local (GPU) scaling, as Horovod
-    documents; on CPU it needs none.
-    """
-    if adasum:
-        return float(local_size) if gpu_allreduce else 1.0
-    return float(size) if scale_lr else 1.0
 
 
 @keras.saving.register_keras_serializable(package="hvd_runtime")

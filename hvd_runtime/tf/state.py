@@ -10,23 +10,15 @@ from __future__ import annotations
 
 import pickle
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.checkpoint import CheckpointStore
+from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.tf.context import Context
 
 SUFFIX = "pkl"
-
-
-@dataclass
-class TrainState:
-    epoch: int = 0              # the epoch in progress (or the next to run)
-    step: int = 0               # batches trained so far, over all epochs
-    samples_in_epoch: int = 0   # samples of this epoch's order already trained, over all ranks
-    run_id: str | None = None   # the tracking run this training belongs to
 
 
 def rng_state() -> dict:

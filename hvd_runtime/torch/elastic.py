@@ -16,7 +16,7 @@ from torch import nn
 
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context
-from hvd_runtime.torch.state import TrainState, state_fields
+from hvd_runtime.checkpoint import TrainState, state_fields
 
 
 def make_elastic_state(model: nn.Module, optimizer, state: TrainState, ctx: Context,

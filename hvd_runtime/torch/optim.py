@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hvd_runtime.scaling import lr_scaler, warmup_factor
 from hvd_runtime.torch.context import Context
 
 OPTIMIZERS = {
@@ -15,25 +16,6 @@ OPTIMIZERS = {
     "adam": lambda params, cfg, lr: torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay),
     "adamw": lambda params, cfg, lr: torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay),
 }
-
-
-def lr_scaler(size: int, local_size: int, scale_lr: bool, adasum: bool, nccl_built: bool) -> float:
-    """Why the LR grows: averaging over N ranks makes the effective batch N times larger.
-
-    Adasum combines gradients adaptively, so it only needs the local (NCCL) scaling, as
-    Horovod documents; on CPU it needs none.
-    """
-    if adasum:
-        return float(local_size) if nccl_built else 1.0
-    return float(size) if scale_lr else 1.0
-
-
-def warmup_factor(step: int, warmup_steps: int, scaler: float) -> float:
-    """Multiplier on the scaled LR: ramps linearly from 1/scaler (the one-rank LR) to 1."""
-    if warmup_steps <= 0 or scaler == 1.0 or step >= warmup_steps:
-        return 1.0
-    start = 1.0 / scaler
-    return start + (1.0 - start) * step / warmup_steps
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hvd_runtime.checkpoint import CheckpointStore
-from hvd_runtime.torch.state import TrainState, _to_cpu, rng_state, set_rng_state, state_fields
+from hvd_runtime.checkpoint import CheckpointStore, TrainState, state_fields
+from hvd_runtime.torch.state import _to_cpu, rng_state, set_rng_state
 
 
 def _gather_stages(stage: nn.Module, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:

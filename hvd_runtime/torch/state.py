@@ -10,22 +10,12 @@ rank. The LR schedule is a function of the step, so it needs no state of its own
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
 
-from hvd_runtime.checkpoint import CheckpointStore
+from hvd_runtime.checkpoint import CheckpointStore, TrainState, state_fields
 from hvd_runtime.torch.context import Context
-
-
-@dataclass
-class TrainState:
-    epoch: int = 0              # the epoch in progress (or the next to run)
-    step: int = 0               # batches trained so far, over all epochs
-    samples_in_epoch: int = 0   # samples of this epoch's order already trained, over all ranks
-    run_id: str | None = None   # the tracking run this training belongs to
 
 
 def _to_cpu(obj):
@@ -49,11 +39,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def state_fields(state) -> dict:
-    """The TrainState fields of `state` (a TrainState, or Horovod's elastic state holding them)."""
-    return {name: getattr(state, name) for name in TrainState.__dataclass_fields__}
 
 
 def snapshot(model: nn.Module, optimizer, state, rng_states=None) -> dict:

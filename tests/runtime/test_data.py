@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from hvd_runtime.config import DataConfig
-from hvd_runtime.data import batch_count, load_dataset, load_image_folder, load_npz, shard_indices
+from hvd_runtime.data import EpochShards, load_dataset, load_image_folder, load_npz, shard_indices
 
 
 @pytest.mark.parametrize("n, size", [(10, 3), (1797, 2), (7, 4), (8, 8), (5, 8)])
@@ -41,9 +41,12 @@ def test_resuming_after_consumed_samples_continues_the_epoch(size_before, size_a
     assert done | rest == set(range(n))
 
 
-def test_batch_count_matches_padded_shard():
-    assert batch_count(1437, 2, 32) == 23
-    assert batch_count(1437, 2, 32, drop_last=True) == 22
+def test_epoch_shards_count_steps_of_the_padded_shard():
+    shards = EpochShards(1437, 32, rank=1, size=2)
+    assert shards.steps() == len(shards) == 23 == -(-len(shards.indices(0)) // 32)
+    assert shards.steps(consumed=64 * 20) == 3       # 157 samples left: 79 per rank
+    shards.reshard(0, 1)
+    assert shards.steps(consumed=64 * 20) == 5 and shards.samples_per_step == 32
 
 
 def test_digits_loads_offline_and_is_scaled():

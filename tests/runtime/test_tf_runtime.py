@@ -10,9 +10,10 @@ keras = pytest.importorskip("keras")
 
 from hvd_runtime.data import Split  # noqa: E402
 from hvd_runtime.tf.batches import ShardedBatches  # noqa: E402
-from hvd_runtime.tf.context import cpu_threads  # noqa: E402
+from hvd_runtime.scaling import cpu_threads  # noqa: E402
 from hvd_runtime.tf.gradients import GradientAccumulator  # noqa: E402
-from hvd_runtime.tf.optim import WarmupSchedule, lr_scaler  # noqa: E402
+from hvd_runtime.scaling import lr_scaler  # noqa: E402
+from hvd_runtime.tf.optim import WarmupSchedule  # noqa: E402
 from hvd_runtime.tf.state import _assign  # noqa: E402
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm  # noqa: E402
 

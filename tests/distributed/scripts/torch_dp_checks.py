@@ -4,7 +4,6 @@ Each check compares what the ranks do together against one process doing the sam
 global batch, and prints `OK <name>` on rank 0 when it holds.
 """
 
-import copy
 import sys
 import tempfile
 import warnings

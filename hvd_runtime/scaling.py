@@ -1,0 +1,38 @@
+"""How a job's size changes the work of each rank: CPU threads per rank, and the learning rate.
+
+Framework-free: the torch and TF runtimes both call these, so both scale the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def cpu_threads(local_size: int, requested: int = 0) -> int:
+    """Cores shared evenly by the ranks on this host: oversubscribed threads slow every rank."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_size))
+
+
+def lr_scaler(size: int, local_size: int, scale_lr: bool, adasum: bool, gpu_allreduce: bool) -> float:
+    """Why the LR grows: averaging over N ranks makes the effective batch N times larger.
+
+    Adasum combines gradients adaptively, so it needs only the local (GPU) scaling, as Horovod
+    documents; on CPU it needs none.
+    """
+    if adasum:
+        return float(local_size) if gpu_allreduce else 1.0
+    return float(size) if scale_lr else 1.0
+
+
+def warmup_factor(step: int, warmup_steps: int, scaler: float) -> float:
+    """Multiplier on the scaled LR: ramps linearly from 1/scaler (the one-rank LR) to 1.
+
+    Starting at the full scaled LR from random weights often diverges (Goyal et al., 2017).
+    """
+    if warmup_steps <= 0 or scaler == 1.0 or step >= warmup_steps:
+        return 1.0
+    start = 1.0 / scaler
+    return start + (1.0 - start) * step / warmup_steps
