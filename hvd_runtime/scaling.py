@@ -1,4 +1,4 @@
-"""How a job's size changes the work of each rank: CPU threads per rank, and the learning rate.
+"""How a job's size changes the work of each rank: CPU threads, Horovod's cycle, the learning rate.
 
 Framework-free: the torch and TF runtimes both call these, so both scale the same way.
 """
@@ -14,6 +14,14 @@ def cpu_threads(local_size: int, requested: int = 0) -> int:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_size))
+
+
+def set_cycle_time(cycle_time_ms: float) -> None:
+    """Horovod's background loop wakes every HOROVOD_CYCLE_TIME ms to negotiate and launch
+    collectives; every step waits for it. Read at hvd.init, so this must come first. An explicit
+    HOROVOD_CYCLE_TIME in the environment wins; 0 keeps Horovod's default."""
+    if cycle_time_ms > 0:
+        os.environ.setdefault("HOROVOD_CYCLE_TIME", str(cycle_time_ms))
 
 
 def lr_scaler(size: int, local_size: int, scale_lr: bool, adasum: bool, gpu_allreduce: bool) -> float:

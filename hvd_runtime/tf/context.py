@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hvd_runtime.scaling import cpu_threads
+from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0) -> 
     return "CPU:0"
 
 
-def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
+def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0) -> Context:
     """hvd.init(), pin this rank's device, seed with seed + rank.
 
     Seeds differ per rank so dropout differs; the model itself is made identical by broadcasting
@@ -61,6 +61,7 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0) -> Context:
     """
     import horovod.tensorflow as hvd
 
+    set_cycle_time(cycle_time_ms)
     hvd.init()
     device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank)
     seed_everything(seed + hvd.rank())

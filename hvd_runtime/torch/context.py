@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hvd_runtime.scaling import cpu_threads
+from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
 
 @dataclass(frozen=True)
@@ -72,14 +71,6 @@ def pin_device(seed: int = 0, threads_per_rank: int = 0) -> torch.device:
         torch.set_num_threads(cpu_threads(hvd.local_size(), threads_per_rank))
     seed_everything(seed + hvd.rank())
     return device
-
-
-def set_cycle_time(cycle_time_ms: float) -> None:
-    """Horovod's background loop wakes every HOROVOD_CYCLE_TIME ms to negotiate and launch
-    collectives; every step waits for it. Read at hvd.init, so this must come first. An explicit
-    HOROVOD_CYCLE_TIME in the environment wins; 0 keeps Horovod's default."""
-    if cycle_time_ms > 0:
-        os.environ.setdefault("HOROVOD_CYCLE_TIME", str(cycle_time_ms))
 
 
 def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0) -> Context:
