@@ -13,7 +13,7 @@ import yaml
 
 from hvdgen.errors import HvdgenError
 from hvdgen.k8s import kustomize
-from hvdgen.k8s.mpijob import build_checkpoint_claim, build_mpijob
+from hvdgen.k8s.mpijob import build_checkpoint_claim, build_mpijob, slots_per_worker
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.k8s.readme import readme
 from hvdgen.k8s.validate import object_problems
@@ -30,7 +30,23 @@ def options_of(spec: ProjectSpec) -> K8sOptions:
     """The recorded k8s answers; an elastic project launches elastically unless told otherwise."""
     answers = dict(getattr(spec, "k8s", None) or {})
     answers.setdefault("elastic", bool(getattr(spec, "elastic", False)))
+    if spec.strategy == "pipeline":
+        answers.setdefault("workers", spec.stages)  # one pipeline of CPU workers, one stage each
     return K8sOptions.from_answers(answers)
+
+
+def check_pipeline_grid(spec: ProjectSpec, opts: K8sOptions) -> None:
+    """A pipeline's -np must be stages x replicas, in every overlay."""
+    if spec.strategy != "pipeline":
+        return
+    overlays = [("cpu", 1)] + ([("gpu", slots_per_worker(spec.strategy, opts.gpus_per_worker))]
+                                if opts.gpus_per_worker else [])
+    for overlay, slots in overlays:
+        np = opts.workers * slots
+        if np % spec.stages:
+            fit = next(w for w in range(opts.workers, opts.workers + spec.stages + 1) if (w * slots) % spec.stages == 0)
+            raise HvdgenError(f"the {overlay} job would run -np {np} ({opts.workers} workers x {slots} slots), not a "
+                              f"multiple of the pipeline's {spec.stages} stages: use e.g. --workers {fit}")
 
 
 def to_yaml(obj: dict, version: str) -> str:
@@ -49,6 +65,7 @@ def variants(spec: ProjectSpec, opts: K8sOptions) -> dict[str, list[dict]]:
 def k8s_files(spec: ProjectSpec, opts: K8sOptions | None = None) -> dict[str, str]:
     """Relative path under k8s/ -> file text. Raises if any rendered object fails validation."""
     opts = opts or options_of(spec)
+    check_pipeline_grid(spec, opts)
     rendered = variants(spec, opts)
     check_objects(rendered)
     job, claim = rendered["cpu"]

@@ -173,3 +173,19 @@ def test_an_elastic_project_gets_an_elastic_job(tmp_path):
     assert run("k8s", "--project", str(tmp_path / "demo"), "--no-elastic").exit_code == 0
     job = yaml.safe_load((tmp_path / "demo/k8s/base/mpijob.yaml").read_text())
     assert "--hostfile" in job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_pipeline_jobs_run_whole_pipelines(tmp_path):
+    """-np must be stages x replicas: a 3-stage pipeline gets 3 workers, and 4 are refused."""
+    from click.testing import CliRunner
+
+    from hvdgen.cli import main
+
+    runner = CliRunner()
+    made = runner.invoke(main, ["new", "pp", "--strategy", "pipeline", "--stages", "3", "--output", str(tmp_path)])
+    assert made.exit_code == 0, made.output
+    job = yaml.safe_load((tmp_path / "pp" / "k8s" / "base" / "mpijob.yaml").read_text())
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 3
+    refused = runner.invoke(main, ["k8s", "--project", str(tmp_path / "pp"), "--workers", "4"])
+    assert refused.exit_code != 0
+    assert "not a multiple of the pipeline's 3 stages: use e.g. --workers 6" in refused.output
