@@ -176,12 +176,36 @@ def partition_spec(text: str) -> str | list:
     return [int(part) if part.strip().isdigit() else part.strip() for part in text.split(",") if part.strip()]
 
 
+# Settings with a fixed set of values: checked at start-up, before any rank does work.
+CHOICES = {
+    "data.source": ("digits", "npz", "image_folder", "synthetic"),
+    "optim.name": ("sgd", "adam", "adamw"),
+    "parallel.schedule": ("gpipe", "1f1b"),
+}
+AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
+                "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches")
+
+
+def check_values(config) -> None:
+    flat = flatten(config)
+    for key, allowed in CHOICES.items():
+        if key in flat and flat[key] not in allowed:
+            raise ConfigError(f"{key} is {flat[key]!r}: choose one of {', '.join(allowed)}")
+    for key in AT_LEAST_ONE:
+        if key in flat and flat[key] < 1:
+            raise ConfigError(f"{key} must be at least 1, got {flat[key]}")
+    if flat.get("data.source") in ("npz", "image_folder") and not flat.get("data.path"):
+        raise ConfigError(f"data.source {flat['data.source']} needs data.path: e.g. --data.path my_data.npz")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RunConfig):
     """Read `path` (if given), apply `overrides`, validate against `cls`."""
     data = {}
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
-    return _build(cls, _merge(data, parse_overrides(overrides or [])))
+    config = _build(cls, _merge(data, parse_overrides(overrides or [])))
+    check_values(config)
+    return config
 
 
 def to_dict(config) -> dict:

@@ -67,3 +67,15 @@ def test_generated_project_tests_pass(project):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "3 passed" in proc.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--optim.name", "lamb"], "config error: optim.name is 'lamb': choose one of sgd, adam, adamw"),
+    (["--train.epoch", "3"], "config error: unknown config key train.epoch"),
+])
+def test_bad_config_stops_with_one_line(project, tmp_path, override, message):
+    proc = subprocess.run([sys.executable, str(project / "train.py"), *override], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [message]
+    assert list(tmp_path.iterdir()) == [], "nothing written"

@@ -26,6 +26,10 @@ def test_ints_are_accepted_for_floats_and_lists_are_typed():
     (["--model.hidden", "[1, x]"], "model.hidden[1] must be int"),
     (["--trian.epochs", "3"], "unknown config key trian"),
     (["--train.epochs"], "cannot read override"),
+    (["--optim.name", "lamb"], "optim.name is 'lamb': choose one of sgd, adam, adamw"),
+    (["--data.source", "csv"], "data.source is 'csv': choose one of"),
+    (["--data.source", "npz"], "data.source npz needs data.path"),
+    (["--train.batch_size", "0"], "train.batch_size must be at least 1"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
