@@ -71,7 +71,8 @@ def test_generated_project_tests_pass(project):
 
 @pytest.mark.parametrize("override, message", [
     (["--optim.name", "lamb"], "config error: optim.name is 'lamb': choose one of sgd, adam, adamw"),
-    (["--train.epoch", "3"], "config error: unknown config key train.epoch"),
+    (["--train.epoch", "3"], "config error: unknown config key train.epoch: valid keys are batch_size, epochs, "
+                             "eval_batch_size, log_every"),
 ])
 def test_bad_config_stops_with_one_line(project, tmp_path, override, message):
     proc = subprocess.run([sys.executable, str(project / "train.py"), *override], cwd=tmp_path,
