@@ -6,8 +6,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 
 cd "$ROOT"
-step "generating ./demo"
-hvdgen new demo --force
+step "generating ./demo (afresh: the demo trains from scratch every time)"
+rm -rf demo
+hvdgen new demo
 cd demo
 step "training: horovodrun -np 2 -H localhost:2 --gloo python train.py"
 horovodrun -np 2 -H localhost:2 --gloo python train.py "$@"
