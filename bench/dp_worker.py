@@ -31,10 +31,10 @@ from hvd_runtime.config import DataConfig, HorovodConfig, OptimConfig  # noqa: E
 from hvd_runtime.data import load_dataset  # noqa: E402
 
 
-def make_model(features: int, classes: int) -> nn.Sequential:
+def make_model(features: int, classes: int, width: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(),
-                         nn.Linear(128, classes))
+    return nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, classes))
 
 
 def barrier() -> None:
@@ -95,11 +95,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--width", type=int, default=1024, help="hidden width of the MLP")
     parser.add_argument("--cycle-time-ms", type=float, default=0.0, help="ours: horovod.cycle_time_ms")
     args = parser.parse_args()
     dataset = load_dataset(DataConfig(source="synthetic", synthetic_samples=args.samples, synthetic_features=64,
                                       synthetic_classes=10, val_fraction=0.05))
-    model = make_model(64, 10)
+    model = make_model(64, 10, args.width)
     seconds = (run_ours if args.loop == "ours" else run_reference)(dataset, model, args)
     if hvd.rank() == 0:
         samples = args.epochs * len(dataset.train)
