@@ -1,4 +1,4 @@
-"""Run a generated torch project's train() with each rank in its own working directory.
+"""Run a generated project's train() with each rank in its own working directory.
 
 Relative paths (checkpoints/, runs/, mlflow.db) then land in rankN/, so a test can see exactly
 what each rank wrote. At the end, rank 0 records a digest of every rank's parameters.
@@ -16,15 +16,25 @@ workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
 workdir.mkdir(parents=True, exist_ok=True)
 os.chdir(workdir)
 sys.path.insert(0, str(project))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import horovod.torch as hvd  # noqa: E402
+import numpy as np  # noqa: E402
+
 import train  # noqa: E402
 
 model, metrics = train.train(train.load_config(train.CONFIG_FILE, overrides))
 if os.environ.get("SKIP_DIGEST"):  # pipeline ranks hold different stages
     sys.exit(0)
-state = model.state_dict()
-digest = hashlib.sha256(b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))).hexdigest()
-digests = hvd.allgather_object(digest)
+if hasattr(model, "state_dict"):
+    import horovod.torch as hvd
+
+    state = model.state_dict()
+    weights = b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))
+else:
+    import horovod.tensorflow as hvd
+
+    # Float variables only: integer ones are per-rank dropout seed states, meant to differ.
+    weights = b"".join(np.asarray(v).tobytes() for v in model.variables if "float" in str(v.dtype))
+digests = hvd.allgather_object(hashlib.sha256(weights).hexdigest())
 if hvd.rank() == 0:
     (ranks_dir / "digests.json").write_text(json.dumps(digests))
