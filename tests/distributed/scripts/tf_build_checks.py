@@ -4,8 +4,8 @@ Collectives in float32, float16 and int32; process sets; and Horovod's own Distr
 fed the `tf.Variable` behind each Keras 3 variable. Prints `OK <name>` on rank 0 per check.
 """
 
+import checks  # beside this script: report()
 import os
-import sys
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,11 +23,7 @@ R = hvd.rank()
 
 
 def report(name: str, ok: bool, detail: str = "") -> None:
-    oks = hvd.allgather_object(bool(ok), name=f"ok_{name}")
-    if R == 0:
-        print(("OK " if all(oks) else "FAIL ") + name + (f" ({detail})" if detail else ""), flush=True)
-    if not all(oks):
-        sys.exit(1)
+    checks.report(hvd, name, ok, detail)
 
 
 for dtype in (tf.float32, tf.float16, tf.int32):

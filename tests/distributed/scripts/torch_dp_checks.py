@@ -4,7 +4,7 @@ Each check compares what the ranks do together against one process doing the sam
 global batch, and prints `OK <name>` on rank 0 when it holds.
 """
 
-import sys
+import checks  # beside this script: report()
 import tempfile
 import warnings
 
@@ -42,11 +42,7 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
 
 
 def report(name: str, ok: bool, detail: str = "") -> None:
-    oks = hvd.allgather_object(bool(ok), name=f"ok_{name}")
-    if R == 0:
-        print(("OK " if all(oks) else "FAIL ") + name + (f" ({detail})" if detail else ""), flush=True)
-    if not all(oks):
-        sys.exit(1)
+    checks.report(hvd, name, ok, detail)
 
 
 # 1. One DistributedOptimizer step on two half-batches == one plain step on the whole batch.
