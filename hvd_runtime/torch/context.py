@@ -11,6 +11,13 @@ import torch
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
 
+def _hvd():
+    """horovod.torch, imported on first use so that importing this module stays cheap."""
+    import horovod.torch as hvd
+
+    return hvd
+
+
 @dataclass(frozen=True)
 class Context:
     """Where this process's tensors live, and who it is in the job.
@@ -22,27 +29,19 @@ class Context:
 
     @property
     def rank(self) -> int:
-        import horovod.torch as hvd
-
-        return hvd.rank()
+        return _hvd().rank()
 
     @property
     def size(self) -> int:
-        import horovod.torch as hvd
-
-        return hvd.size()
+        return _hvd().size()
 
     @property
     def local_rank(self) -> int:
-        import horovod.torch as hvd
-
-        return hvd.local_rank()
+        return _hvd().local_rank()
 
     @property
     def local_size(self) -> int:
-        import horovod.torch as hvd
-
-        return hvd.local_size()
+        return _hvd().local_size()
 
     @property
     def is_root(self) -> bool:
