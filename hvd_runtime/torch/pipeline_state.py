@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState, state_fields
-from hvd_runtime.torch.state import _to_cpu, rng_state, set_rng_state
+from hvd_runtime.torch.state import _to_cpu, load_latest, rng_state, set_rng_state
 
 
 def _gather_stages(stage: nn.Module, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:
@@ -40,13 +40,7 @@ def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, 
     """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage."""
     import horovod.torch as hvd
 
-    payload = None
-    if hvd.rank() == 0 and resume:
-        found = store.load_latest(lambda p: torch.load(p, map_location="cpu", weights_only=False))
-        if found:
-            path, payload = found
-            print(f"resuming from {path}: epoch {payload['state']['epoch']}, step {payload['state']['step']}",
-                  flush=True)
+    payload = load_latest(store) if hvd.rank() == 0 and resume else None
     payload = hvd.broadcast_object(payload, root_rank=0, name="pp.restore")
     if payload is None:
         return TrainState()

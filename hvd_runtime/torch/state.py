@@ -46,6 +46,17 @@ def snapshot(model: nn.Module, optimizer, state, rng_states=None) -> dict:
             "state": state_fields(state), "rng": rng_states}
 
 
+def load_latest(store: CheckpointStore) -> dict | None:
+    """The newest readable checkpoint's payload (on CPU), announced on stdout; None if there is none."""
+    found = store.load_latest(lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    if found is None:
+        return None
+    path, payload = found
+    where = payload["state"]
+    print(f"resuming from {path}: epoch {where['epoch']}, step {where['step']}", flush=True)
+    return payload
+
+
 def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
                          resume: bool = True) -> TrainState:
     """Load rank 0's latest checkpoint (if any) into every rank; return where training stands."""
@@ -53,13 +64,7 @@ def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ct
 
     payload = None
     if ctx.is_root:
-        found = store.load_latest(lambda p: torch.load(p, map_location="cpu", weights_only=False)) if resume else None
-        if found:
-            path, payload = found
-            where = payload["state"]
-            print(f"resuming from {path}: epoch {where['epoch']}, step {where['step']}", flush=True)
-        else:
-            payload = snapshot(model, optimizer, TrainState())
+        payload = (load_latest(store) if resume else None) or snapshot(model, optimizer, TrainState())
     # Horovod: every rank starts from rank 0's weights, optimizer state and position.
     payload = hvd.broadcast_object(payload, root_rank=0, name="initial_state")
     model.load_state_dict(payload["model"])
