@@ -15,7 +15,7 @@ Framework-free: blocks are given as names and costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class PartitionError(ValueError):
@@ -124,3 +124,22 @@ def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: 
     else:
         bounds = _balanced_bounds([float(c) for c in costs], stages)
     return Partition(tuple(names), tuple(float(c) for c in costs), tuple(bounds))
+
+
+def plan_partition(names: Sequence[str], stages: int, by, param_costs: Callable[[], Sequence[float]],
+                   time_costs: Callable[[], Sequence[float]] | None = None) -> Partition:
+    """by="params", by="time", split points (names or indices), or a ready Partition.
+
+    Costs come from callables so that only the chosen one is measured (timing runs the model).
+    """
+    if isinstance(by, Partition):
+        return by
+    if isinstance(by, str) and by in ("params", "time"):
+        if by == "time":
+            if time_costs is None:
+                raise PartitionError("partition by='time' needs sample=<a batch of inputs> to time each block")
+            return partition(names, time_costs(), stages)
+        return partition(names, param_costs(), stages)
+    if isinstance(by, str):
+        raise PartitionError(f"partition {by!r} is unknown: use 'params', 'time', or split points like ['4']")
+    return partition(names, param_costs(), stages, split=list(by))

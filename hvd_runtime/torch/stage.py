@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hvd_runtime.partition import Partition, PartitionError, partition
+from hvd_runtime.partition import Partition, PartitionError, plan_partition
 
 
 def named_blocks(model) -> list[tuple[str, nn.Module]]:
@@ -65,17 +65,8 @@ def time_costs(model, sample: torch.Tensor, repeats: int = 3) -> list[float]:
 def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch.Tensor | None = None) -> Partition:
     """Partition the model's blocks: by="params", by="time" (needs sample), or split points (names/indices)."""
     names = [n for n, _ in named_blocks(model)]
-    if isinstance(by, Partition):
-        return by
-    if isinstance(by, str) and by in ("params", "time"):
-        if by == "time":
-            if sample is None:
-                raise PartitionError("partition by='time' needs sample=<a batch of inputs> to time each block")
-            return partition(names, time_costs(model, sample), stages)
-        return partition(names, param_costs(model), stages)
-    if isinstance(by, str):
-        raise PartitionError(f"partition {by!r} is unknown: use 'params', 'time', or split points like ['4']")
-    return partition(names, param_costs(model), stages, split=list(by))
+    timing = (lambda: time_costs(model, sample)) if sample is not None else None
+    return plan_partition(names, stages, by, lambda: param_costs(model), timing)
 
 
 class Stage(nn.Sequential):

@@ -1,0 +1,212 @@
+"""What a pipeline stage does each step, whatever the framework: walk the schedule, talk to neighbours.
+
+`PipelineEngineBase` runs this rank's list of schedule actions (hvd_runtime.schedule): receive an
+activation, forward a micro-batch, send it on; receive its gradient, backward, send the input's
+gradient back. It records the timeline, counts micro-batches in flight, and reports the loss and
+metrics once, sample-weighted over the last stage's dp replicas, to every rank.
+
+A framework subclass supplies the tensor work: `_forward`, `_backward`, splitting a batch into
+micro-batches, zeroing and applying gradients, and a sum-allreduce of a float64 vector. Its
+`hvd` is horovod.torch or horovod.tensorflow; their object collectives are the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank, micro_batch_sizes
+from hvd_runtime.schedule import Op, build_schedule
+from hvd_runtime.timeline import TimelineRecorder, save_timeline
+
+
+class PipelineEngineBase:
+    """Runs one stage's part of the schedule each step; subclasses do the tensor work."""
+
+    def __init__(self, hvd, dims: PipelineRank, schedule: str, micro_batches: int, metrics_fn=None,
+                 timeline: bool = False, timeline_steps: int = 20):
+        self.hvd, self.dims, self.metrics_fn = hvd, dims, metrics_fn
+        self.schedule, self.micro_batches = schedule, micro_batches
+        self.actions = build_schedule(schedule, dims.stages, micro_batches)[dims.stage]
+        self.forward_only = [a for a in build_schedule("gpipe", dims.stages, micro_batches)[dims.stage]
+                             if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)]
+        self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline)
+        self.timeline, self.timeline_steps = timeline, timeline_steps   # record the first steps only: bounded memory
+        self.steps = 0
+        self.peak_in_flight = 0     # most micro-batches holding activations at once, last step
+        self._act_shapes: dict[int, tuple] = {}    # micro-batch size -> (shape, dtype) seen on the way in
+        self._act_sent: set[int] = set()            # micro-batch sizes whose shape the next stage knows
+        self._metric_names: list[str] | None = None
+        self._names_synced = False
+
+    # -- framework hooks ----------------------------------------------------------------------------
+    def _forward(self, i: int, inp, y, weight: float, train: bool):
+        """Run the stage on micro-batch i; on the last stage also the loss. Returns (output, mean loss or None).
+
+        When training, keep what `_backward(i, ...)` needs; the last stage backpropagates
+        `weight x loss` so the micro-batches add up to the whole batch's mean.
+        """
+        raise NotImplementedError
+
+    def _backward(self, i: int, grad):
+        """Backpropagate micro-batch i (grad None on the last stage); return its input's gradient."""
+        raise NotImplementedError
+
+    def _split_batch(self, t, sizes: list[int]) -> list:
+        raise NotImplementedError
+
+    def _begin_step(self) -> None:
+        """Zero gradients before the first backward of a step."""
+
+    def _finish_step(self) -> None:
+        """Average this stage's gradients over its dp replicas and apply them."""
+        raise NotImplementedError
+
+    def _allreduce_sum(self, values: np.ndarray, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _set_training(self, train: bool) -> None:
+        """Switch train/eval modes where the framework keeps them on the model."""
+
+    @staticmethod
+    def _count(t) -> int:
+        return int(t.shape[0])
+
+    # -- messages -------------------------------------------------------------------------------
+    def _recv_act(self, i: int, size: int):
+        known = self._act_shapes.get(size)
+        t = self.dims.prev.recv(f"act{i}", *(known or (None, None)))
+        self._act_shapes[size] = (tuple(t.shape), t.dtype)
+        return t
+
+    def _send_act(self, i: int, size: int, out) -> None:
+        self.dims.next.send(out, f"act{i}", shape_known=size in self._act_sent)
+        self._act_sent.add(size)
+
+    def _wait_sends(self) -> None:
+        for link in (self.dims.prev, self.dims.next):
+            if link is not None:
+                link.wait_sends()
+
+    # -- one pass over the schedule ---------------------------------------------------------------
+    def _run(self, actions, xs, ys, sizes, total: int, train: bool) -> np.ndarray:
+        """Walk this stage's actions; return [loss sum, samples, metric sums...] (zeros off the last stage)."""
+        dims, rec = self.dims, self.recorder
+        inputs: dict[int, object] = {}
+        outputs: dict[int, object] = {}
+        grads: dict[int, object] = {}
+        in_flight: set[int] = set()
+        sums, peak = None, 0
+        for a in actions:
+            i, op = a.micro_batch, a.op
+            if op is Op.RECV_ACT:
+                with rec.span("recv", i):
+                    inputs[i] = self._recv_act(i, sizes[i])
+            elif op is Op.FORWARD:
+                with rec.span("forward", i):
+                    inp = xs[i] if dims.is_first else inputs.pop(i)
+                    y = ys[i] if dims.is_last else None
+                    out, loss = self._forward(i, inp, y, sizes[i] / total, train)
+                    if dims.is_last:
+                        stats = self._stats(loss, out, y, sizes[i])
+                        sums = stats if sums is None else sums + stats
+                    else:
+                        outputs[i] = out
+                    if train or not dims.is_last:
+                        in_flight.add(i)
+                    peak = max(peak, len(in_flight))
+            elif op is Op.SEND_ACT:
+                with rec.span("send", i):
+                    self._send_act(i, sizes[i], outputs[i] if train else outputs.pop(i))
+                    if not train:
+                        in_flight.discard(i)
+            elif op is Op.RECV_GRAD:
+                with rec.span("recv", i):
+                    out = outputs.pop(i)
+                    grads[i] = dims.next.recv(f"grad{i}", tuple(out.shape), out.dtype)
+            elif op is Op.BACKWARD:
+                with rec.span("backward", i):
+                    grads[i] = self._backward(i, grads.pop(i, None))
+                    in_flight.discard(i)
+            elif op is Op.SEND_GRAD:
+                with rec.span("send", i):
+                    dims.prev.send(grads.pop(i), f"grad{i}", shape_known=True)
+        self._wait_sends()
+        if train:
+            self.peak_in_flight = peak
+        return sums if sums is not None else self._zero_sums()
+
+    def _zero_sums(self) -> np.ndarray:
+        return np.zeros(2 + len(self._metric_names or []), dtype=np.float64)
+
+    def _stats(self, loss, out, y, n: int) -> np.ndarray:
+        values = [float(loss) * n, float(n)]
+        if self.metrics_fn is not None:
+            metrics = self._metrics(out, y)
+            if self._metric_names is None:
+                self._metric_names = sorted(metrics)
+            values += [float(metrics[k]) * n for k in self._metric_names]
+        return np.asarray(values, dtype=np.float64)
+
+    def _metrics(self, out, y) -> dict[str, float]:
+        return self.metrics_fn(out, y)
+
+    def _split(self, x, y, batch_size):
+        n = batch_size or (self._count(x) if x is not None else self._count(y) if y is not None else None)
+        if n is None:
+            raise PipelineConfigError("train_step/evaluate need x, y or batch_size= on every stage")
+        if self.dims.is_first and x is None:
+            raise PipelineConfigError(f"stage 0 (rank {self.dims.rank}) needs the inputs x")
+        if self.dims.is_last and y is None:
+            raise PipelineConfigError(f"the last stage (rank {self.dims.rank}) needs the targets y")
+        sizes = micro_batch_sizes(n, self.micro_batches)
+        xs = self._split_batch(x, sizes) if x is not None else None
+        ys = self._split_batch(y, sizes) if y is not None else None
+        return xs, ys, sizes, n
+
+    def _report(self, sums: np.ndarray, name: str) -> tuple[float, dict[str, float]]:
+        """Sample-weighted means over the last stage's replicas, delivered to every rank."""
+        if not self._names_synced:
+            # only the last stage has seen the metrics; every rank needs their names once
+            names = self._metric_names if self.dims.is_last else None
+            self._metric_names = self.hvd.broadcast_object(names or [], root_rank=self.dims.last_stage_root,
+                                                           name="pp.metric_names")
+            self._names_synced = True
+            sums = np.concatenate([sums, np.zeros(2 + len(self._metric_names) - len(sums))])
+        total = self._allreduce_sum(sums, name)
+        n = total[1]
+        return float(total[0] / n), {k: float(total[2 + j] / n) for j, k in enumerate(self._metric_names)}
+
+    # -- public -------------------------------------------------------------------------------------
+    def train_step(self, x=None, y=None, batch_size: int | None = None) -> tuple[float, dict[str, float]]:
+        """One optimizer step over the batch; returns (loss, metrics) averaged over dp, on every rank."""
+        xs, ys, sizes, n = self._split(x, y, batch_size)
+        self._set_training(True)
+        self._begin_step()
+        self.recorder.step = self.steps
+        self.recorder.enabled = self.timeline and self.steps < self.timeline_steps
+        sums = self._run(self.actions, xs, ys, sizes, n, train=True)
+        self._finish_step()
+        self.steps += 1
+        return self._report(sums, "pp.train_report")
+
+    def evaluate(self, batches) -> tuple[float, dict[str, float]]:
+        """Forward-only passes over (x, y) batches; sample-weighted (loss, metrics) over dp, on every rank."""
+        self._set_training(False)
+        sums, recording = None, self.recorder.enabled
+        self.recorder.enabled = False     # the timeline shows training steps only
+        try:
+            for x, y in batches:
+                xs, ys, sizes, n = self._split(x, y, None)
+                s = self._run(self.forward_only, xs, ys, sizes, n, train=False)
+                sums = s if sums is None else sums + s
+        finally:
+            self.recorder.enabled = recording
+        return self._report(sums if sums is not None else self._zero_sums(), "pp.eval_report")
+
+    def save_timeline(self, run_dir) -> None:
+        """Gather every rank's timeline to rank 0, which writes run_dir/timeline.json. Call on every rank."""
+        records = self.hvd.allgather_object(self.recorder.record(), name="pp.timeline")
+        if self.hvd.rank() == 0:
+            meta = {"schedule": self.schedule, "stages": self.dims.stages, "replicas": self.dims.replicas,
+                    "micro_batches": self.micro_batches}
+            save_timeline(run_dir, records, meta)
