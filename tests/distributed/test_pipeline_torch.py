@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from helpers import run_horovod
+from pipeline_checks import TOL, check_against_reference
 from hvd_runtime.partition import PartitionError
 from hvd_runtime.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims
@@ -28,7 +29,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_step import CLASSES, FEATURES, make_model, rel  # noqa: E402
 
-TOL = 1e-5
 ALL_BLOCKS = [str(i) for i in range(7)]
 
 
@@ -155,24 +155,6 @@ PIPELINE_CASES = [
 ]
 
 
-def check_against_reference(results, np, stages, schedule, m):
-    assert sorted(r["rank"] for r in results) == list(range(np))
-    for r in results:
-        # activations held at once: GPipe all m, 1F1B at most p - stage
-        assert r["peak_in_flight"] == (m if schedule == "gpipe" else min(m, stages - r["stage"]))
-        for got, want in zip(r["losses"], r["ref_losses"]):
-            assert abs(got - want) <= TOL * abs(want), (r["rank"], r["losses"], r["ref_losses"])
-        assert r["accs"] == pytest.approx(r["ref_accs"], abs=1e-6)
-        assert abs(r["val_loss"] - r["ref_val_loss"]) <= TOL * abs(r["ref_val_loss"])
-        worst = max(r["update_err"].items(), key=lambda kv: kv[1])
-        assert worst[1] < TOL, f"rank {r['rank']}: parameter {worst[0]} update off by {worst[1]:.2e} (relative)"
-    # every block of the model was compared, on every replica
-    for replica in {r["replica"] for r in results}:
-        blocks = [b for r in sorted(results, key=lambda r: r["stage"]) if r["replica"] == replica for b in r["blocks"]]
-        assert blocks == ALL_BLOCKS
-        assert len({r["stage"] for r in results if r["replica"] == replica}) == stages
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("np_,stages,schedule,m,p2p,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
@@ -180,7 +162,7 @@ def test_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m
     out = tmp_path / "result.json"
     run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule", schedule,
                       "--micro-batches", str(m), "--p2p", p2p, "--out", str(out)], cwd=tmp_path, timeout=280)
-    check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m)
+    check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m, ALL_BLOCKS)
 
 
 @pytest.mark.slow
@@ -190,7 +172,7 @@ def test_pipeline_after_hvd_init_adds_process_sets_dynamically(tmp_path):
     args = [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "gpipe", "--micro-batches", "2",
             "--p2p", "alltoall", "--hvd-init-first", "--out", str(out)]
     run_horovod(4, args, cwd=tmp_path, timeout=280, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
-    check_against_reference(json.loads(out.read_text()), 4, 2, "gpipe", 2)
+    check_against_reference(json.loads(out.read_text()), 4, 2, "gpipe", 2, ALL_BLOCKS)
     # without dynamic process sets, the job stops at start-up and says what to do
     failed = run_horovod(4, args, cwd=tmp_path, timeout=280, check=False)
     assert failed.returncode != 0
@@ -204,7 +186,7 @@ def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path):
     run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "1f1b", "--micro-batches", "4",
                     "--steps", "3", "--partition", "4", "--out", str(out), "--run-dir", str(run)], cwd=tmp_path, timeout=280)
     results = json.loads(out.read_text())
-    check_against_reference(results, 2, 2, "1f1b", 4)
+    check_against_reference(results, 2, 2, "1f1b", 4, ALL_BLOCKS)
     assert [r["blocks"] for r in results] == [["0", "1", "2", "3"], ["4", "5", "6"]]
     tl = load_timeline(run)
     assert tl.meta == {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4}

@@ -1,0 +1,161 @@
+"""Pipeline-parallel training over Horovod on TensorFlow: stages on ranks, micro-batches, dp replicas.
+
+    from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline
+
+    ctx, dims = init_pipeline(stages=2, seed=0)       # Horovod init with the pipeline's process sets
+    stage = build_stage(model, dims)                    # this rank's layers of the unchanged model
+    engine = PipelineEngine(stage, dims, loss_fn, keras.optimizers.SGD(0.1), schedule="1f1b", micro_batches=4)
+    loss, metrics = engine.train_step(x, y)             # same numbers on every rank
+
+Each micro-batch's forward runs under its own `tf.GradientTape`, kept until the schedule reaches
+its backward: `tape.gradient(output, [input, *variables], output_gradients=grad_from_next_stage)`
+gives the gradient to send back and this micro-batch's share of the variables' gradients, which
+add up over the step. Then the stage's gradients are averaged over its dp replicas (a Horovod
+process set) and applied. Data: shard by replica, as in hvd_runtime.torch.pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_runtime.partition import Partition, PartitionError
+from hvd_runtime.pipeline_engine import PipelineEngineBase
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.tf.context import Context, init_horovod
+from hvd_runtime.tf.stage import Stage, plan_stages
+from hvd_runtime.tf.stage import build_stage as _stage_of_plan
+
+__all__ = ["PipelineConfigError", "PipelineDims", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
+           "replica_context"]
+
+
+def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0,
+                  cycle_time_ms: float = 0.0) -> tuple[Context, PipelineRank]:
+    """Initialise Horovod with the grid's process sets (dp per stage, neighbour pairs) and link neighbours."""
+    import horovod.tensorflow as hvd
+
+    from hvd_runtime.tf.p2p import AlltoallLink
+
+    world = int(os.environ.get("HOROVOD_SIZE", "0")) or 1
+    dims = PipelineDims(world=world, stages=stages)
+    wanted = dims.process_set_ranks(pairs=True)
+    sets = [hvd.ProcessSet(r) for r in wanted]
+    ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets)
+    if ctx.size != dims.world:
+        raise PipelineConfigError(f"Horovod started {ctx.size} ranks but HOROVOD_SIZE said {world}: launch with horovodrun")
+    me = PipelineRank(dims=dims, rank=ctx.rank, p2p="alltoall", _sets={tuple(r): s for r, s in zip(wanted, sets)})
+    if dims.replicas > 1:
+        me.dp_set = me.process_set(dims.stage_ranks(me.stage))
+    if not me.is_first:
+        me.prev = AlltoallLink(me.rank, me.rank - 1, me.process_set(dims.pair_ranks(me.stage - 1, me.replica)))
+    if not me.is_last:
+        me.next = AlltoallLink(me.rank, me.rank + 1, me.process_set(dims.pair_ranks(me.stage, me.replica)))
+    return ctx, me
+
+
+def replica_context(ctx: Context, dims: PipelineRank) -> Context:
+    """The data-parallel view of this rank: its replica among `replicas`, for LR scaling and sharding."""
+    return Context(dims.replica, dims.replicas, ctx.local_rank // dims.stages,
+                   max(1, ctx.local_size // dims.stages), ctx.device)
+
+
+def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "params", sample=None) -> Stage:
+    """This rank's stage of `model`, cut the same way on every rank (a timed plan comes from rank 0)."""
+    plan = plan_stages(model, dims.stages, partition, sample)
+    if partition == "time":
+        import horovod.tensorflow as hvd
+
+        plan = hvd.broadcast_object(plan, root_rank=0, name="pp.partition")
+    if plan.stages != dims.stages:
+        raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {dims.stages}")
+    return _stage_of_plan(model, dims.stage, plan)
+
+
+def stage_state_variables(stage: Stage, optimizer) -> list:
+    """What replicas of one stage must hold identically: float stage variables and the optimizer's."""
+    return [v for v in stage.variables if "float" in str(v.dtype)] + list(optimizer.variables)
+
+
+class PipelineEngine(PipelineEngineBase):
+    """Runs one stage's part of the schedule each step, then averages its gradients over dp."""
+
+    def __init__(self, stage: Stage, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
+                 micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20):
+        import horovod.tensorflow as hvd
+
+        super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
+        self.stage, self.loss_fn, self.optimizer = stage, loss_fn, optimizer
+        self.variables = list(stage.trainable_variables)
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        self._saved: dict[int, tuple] = {}    # micro-batch -> (tape, input, output to backpropagate)
+        self._grads: list = []
+        self._sync_replicas()
+
+    def _sync_replicas(self) -> None:
+        """Start every replica of this stage from replica 0's variables and optimizer state."""
+        if self.dims.dp_set is None:
+            return
+        root = self.dims.dims.rank_of(self.dims.stage, 0)
+        self.hvd.broadcast_variables([v.value for v in stage_state_variables(self.stage, self.optimizer)],
+                                     root_rank=root, process_set=self.dims.dp_set)
+
+    # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
+    def _forward(self, i, inp, y, weight, train):
+        if not train:
+            out = self.stage(inp, training=False)
+            loss = self.loss_fn(y, out) if self.dims.is_last else None
+            return out, (float(loss) if loss is not None else None)
+        with tf.GradientTape() as tape:
+            tape.watch(inp)
+            out = self.stage(inp, training=True)
+            loss = None
+            if self.dims.is_last:
+                loss = self.loss_fn(y, out)
+                if self.stage.losses:      # regularisation terms, as Keras adds them to the loss
+                    loss = loss + tf.add_n(self.stage.losses)
+                target = loss * weight
+            else:
+                target = out
+        self._saved[i] = (tape, inp, target)
+        return out, (float(loss) if loss is not None else None)
+
+    def _backward(self, i, grad):
+        tape, inp, target = self._saved.pop(i)
+        first = self.dims.is_first
+        sources = self.variables if first else [inp, *self.variables]
+        grads = tape.gradient(target, sources, output_gradients=None if grad is None else grad)
+        var_grads = grads if first else grads[1:]
+        self._grads = [g if acc is None else (acc if g is None else acc + g)
+                       for acc, g in zip(self._grads, var_grads)]
+        if first:
+            return None
+        return grads[0] if grads[0] is not None else tf.zeros_like(inp)
+
+    def _metrics(self, out, y):
+        return self.metrics_fn(out, y)
+
+    def _split_batch(self, t, sizes):
+        return tf.split(t, sizes, axis=0)
+
+    def _begin_step(self):
+        self._grads = [None] * len(self.variables)
+
+    def _finish_step(self):
+        grads = [g if g is not None else tf.zeros_like(v) for g, v in zip(self._grads, self.variables)]
+        if self.dims.dp_set is not None:
+            # Horovod: average this stage's gradients over its dp replicas only
+            grads = self.hvd.grouped_allreduce(grads, op=self.hvd.Average, name="pp.grads",
+                                               process_set=self.dims.dp_set)
+        self.optimizer.apply_gradients(zip(grads, self.variables))
+        self._grads = []
+
+    def _allreduce_sum(self, values, name):
+        return self.hvd.allreduce(tf.constant(values, tf.float64), op=self.hvd.Sum, name=name).numpy()
+
+    @staticmethod
+    def _count(t) -> int:
+        return int(np.shape(t)[0])

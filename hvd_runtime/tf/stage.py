@@ -1,0 +1,97 @@
+"""Stages cut from an unchanged Keras model: runs of its own layers, shared, not copied.
+
+The user's model is a `keras.Sequential` (or a list of layers), each layer passing one tensor to
+the next. A stage is the layers of `[start, stop)`; it owns nothing, so its variables are the
+model's own objects, and training a stage trains the model. Blocks are named by layer name, and
+split points may be given by name or by index (`model.layers` order, Input excluded).
+
+    plan = plan_stages(model, stages=2, by="params")          # or by="time", sample=x
+    stage = build_stage(model, 1, plan)                       # layers of stage 1
+    y = stage(x, training=True); stage.trainable_variables
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import tensorflow as tf
+
+from hvd_runtime.partition import Partition, PartitionError, plan_partition
+
+
+def named_blocks(model) -> list[tuple[str, object]]:
+    """(name, layer) in order, from a keras.Sequential or a list of layers."""
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        return [(layer.name, layer) for layer in model.layers]
+    if isinstance(model, (list, tuple)) and all(isinstance(b, keras.layers.Layer) for b in model):
+        return [(layer.name, layer) for layer in model]
+    raise PartitionError(f"cannot split a {type(model).__name__}: give a keras.Sequential or a list of layers "
+                         f"(e.g. keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(2)]))")
+
+
+def param_costs(model) -> list[int]:
+    """Parameters per block: balances memory, costs nothing to compute."""
+    return [int(layer.count_params()) if layer.built else 0 for _, layer in named_blocks(model)]
+
+
+def time_costs(model, sample, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward per block on `sample`, the fastest of `repeats` runs."""
+    costs, x = [], tf.convert_to_tensor(sample)
+    for _, layer in named_blocks(model):
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                out = layer(x, training=True)
+                total = tf.reduce_sum(tf.cast(out, tf.float32))
+            tape.gradient(total, [x, *layer.trainable_variables])
+            best = min(best, time.perf_counter() - start)
+        costs.append(best)
+        x = layer(x, training=False)
+    return costs
+
+
+def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None) -> Partition:
+    """Partition the model's layers: by="params", by="time" (needs sample), or split points."""
+    names = [n for n, _ in named_blocks(model)]
+    timing = (lambda: time_costs(model, sample)) if sample is not None else None
+    return plan_partition(names, stages, by, lambda: param_costs(model), timing)
+
+
+class Stage:
+    """Layers [start, stop) of a model, called in order; the variables are the model's."""
+
+    def __init__(self, layers: Sequence, index: int, plan: Partition):
+        self.layers, self.index, self.plan = list(layers), index, plan
+
+    def __call__(self, x, training: bool = False):
+        for layer in self.layers:
+            x = layer(x, training=training)
+        return x
+
+    @property
+    def variables(self) -> list:
+        return [v for layer in self.layers for v in layer.variables]
+
+    @property
+    def trainable_variables(self) -> list:
+        return [v for layer in self.layers for v in layer.trainable_variables]
+
+    @property
+    def losses(self) -> list:
+        """Regularisation terms of this stage's layers, as Keras adds them to the loss."""
+        return [loss for layer in self.layers for loss in layer.losses]
+
+
+def build_stage(model, index: int, plan: Partition) -> Stage:
+    """Stage `index` of `plan` over `model`'s layers."""
+    if not 0 <= index < plan.stages:
+        raise PartitionError(f"stage {index} does not exist: the partition has stages 0..{plan.stages - 1}")
+    if list(plan.names) != [n for n, _ in named_blocks(model)]:
+        raise PartitionError("the partition was planned for another model: plan it with plan_stages(model, ...)")
+    start, stop = plan.bounds[index]
+    return Stage([layer for _, layer in named_blocks(model)[start:stop]], index, plan)

@@ -1,0 +1,131 @@
+"""TensorFlow: train a few steps with the pipeline and, in the same process, with the unsplit model.
+
+    horovodrun -np 2 --gloo python tf_pipeline_step.py --stages 2 --schedule 1f1b --micro-batches 4 --out r.json
+
+Every rank computes the single-process reference itself (the whole global batch through the
+whole model, plain SGD) and compares its own stage's variables after the steps, and the reported
+losses and accuracies, with it. Replicas other than 0 build their copy from another seed, so
+the engine's start-up broadcast is what makes them agree. Rank 0 writes all results as JSON
+(the format tests/pipeline_checks.py judges).
+"""
+
+import argparse
+import faulthandler
+import json
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline
+
+FEATURES, CLASSES, WIDTH = 16, 5, 32
+BLOCKS = [f"b{i}" for i in range(7)]
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_model(seed: int = 1234) -> keras.Sequential:
+    """Seven blocks: Dense and tanh in turn, named b0..b6."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((FEATURES,))]
+    for i in range(7):
+        if i % 2:
+            layers.append(keras.layers.Activation("tanh", name=f"b{i}"))
+        else:
+            layers.append(keras.layers.Dense(CLASSES if i == 6 else WIDTH, name=f"b{i}"))
+    return keras.Sequential(layers)
+
+
+def named_variables(layers) -> dict:
+    """'b2/kernel' -> variable: the same key in any model made by make_model."""
+    return {f"{layer.name}/{v.name}": v for layer in layers for v in layer.variables}
+
+
+def accuracy(out, y):
+    return {"accuracy": float(tf.reduce_mean(tf.cast(tf.argmax(out, 1) == tf.cast(y, tf.int64), tf.float32)))}
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def reference(xs, ys, x_val, y_val):
+    """The unsplit model trained in this process: losses, accuracies, val loss, updates."""
+    ref = make_model()
+    before = {k: v.numpy().copy() for k, v in named_variables(ref.layers).items()}
+    opt = keras.optimizers.SGD(0.5)
+    losses, accs = [], []
+    for x, y in zip(xs, ys):
+        with tf.GradientTape() as tape:
+            out = ref(x, training=True)
+            loss = LOSS(y, out)
+        grads = tape.gradient(loss, ref.trainable_variables)
+        opt.apply_gradients(zip(grads, ref.trainable_variables))
+        losses.append(float(loss))
+        accs.append(accuracy(out, y)["accuracy"])
+    updates = {k: v.numpy() - before[k] for k, v in named_variables(ref.layers).items()}
+    return losses, accs, float(LOSS(y_val, ref(x_val, training=False))), updates
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=10, help="per replica")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--watchdog", type=float, default=150, help="seconds before a hung rank dumps its stack and exits")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+
+    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1)
+    rng = np.random.default_rng(7)
+    global_batch = args.batch * dims.replicas
+    xs = [rng.standard_normal((global_batch, FEATURES)).astype("float32") for _ in range(args.steps)]
+    ys = [rng.integers(0, CLASSES, global_batch) for _ in range(args.steps)]
+    x_val = rng.standard_normal((3 * global_batch, FEATURES)).astype("float32")
+    y_val = rng.integers(0, CLASSES, 3 * global_batch)
+    ref_losses, ref_accs, ref_val, ref_updates = reference(xs, ys, x_val, y_val)
+
+    partition = args.partition if args.partition in ("params", "time") else args.partition.split(",")
+    model = make_model(seed=1234 + 1000 * dims.replica)   # replica 0's copy must win
+    stage = build_stage(model, dims, partition=partition, sample=xs[0][:args.batch])
+    before = {k: v.numpy().copy() for k, v in named_variables(stage.layers).items()}
+    engine = PipelineEngine(stage, dims, LOSS, keras.optimizers.SGD(0.5), schedule=args.schedule,
+                            micro_batches=args.micro_batches, metrics_fn=accuracy, timeline=args.run_dir is not None)
+    if dims.replica:
+        # what replica 0 started from: the engine broadcast it over this stage's replicas
+        before = {k: v.numpy().copy() for k, v in named_variables(make_model().layers).items() if k in before}
+    shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
+    losses, accs, peaks = [], [], []
+    for x, y in zip(xs, ys):
+        if dims.is_first or dims.is_last:
+            loss, metrics = engine.train_step(x[shard] if dims.is_first else None, y[shard] if dims.is_last else None)
+        else:
+            loss, metrics = engine.train_step(batch_size=args.batch)
+        losses.append(loss)
+        peaks.append(engine.peak_in_flight)
+        accs.append(metrics["accuracy"])
+    val_shard = slice(dims.replica * 3 * args.batch, (dims.replica + 1) * 3 * args.batch)
+    vx, vy = x_val[val_shard], y_val[val_shard]
+    val_loss, _ = engine.evaluate([(vx[:args.batch], vy[:args.batch]), (vx[args.batch:], vy[args.batch:])])
+    if args.run_dir:
+        engine.save_timeline(args.run_dir)
+
+    update_err = {k: rel(v.numpy() - before[k], ref_updates[k]) for k, v in named_variables(stage.layers).items()}
+    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
+              "blocks": list(stage.plan.stage_names(dims.stage)), "losses": losses, "ref_losses": ref_losses,
+              "accs": accs, "ref_accs": ref_accs, "val_loss": val_loss, "ref_val_loss": ref_val,
+              "peak_in_flight": max(peaks), "update_err": update_err, "size": ctx.size}
+    results = hvd.allgather_object(result)
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""TensorFlow pipeline and model-split: the same numbers as the unsplit model in one process.
+
+Fast tests check stage cutting, the message format and model-split in-process; the slow ones run
+real `horovodrun --gloo` jobs whose every rank compares itself with a single-process reference
+(judged by tests/pipeline_checks.py, the same judgement as for PyTorch).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from helpers import run_horovod
+from hvd_runtime.partition import PartitionError
+from hvd_runtime.timeline import load_timeline
+from hvd_runtime.tf.model_split import ModelSplit
+from hvd_runtime.tf.p2p import decode, encode
+from hvd_runtime.tf.stage import build_stage, plan_stages
+from pipeline_checks import TOL, check_against_reference
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from tf_pipeline_step import BLOCKS, CLASSES, FEATURES, LOSS, make_model, named_variables, reference, rel  # noqa: E402
+
+
+# -- stages, messages, model-split: no Horovod needed --------------------------------------------
+
+def test_stages_share_the_model_layers_and_cover_it():
+    model = make_model()
+    plan = plan_stages(model, 2)
+    stages = [build_stage(model, k, plan) for k in range(2)]
+    assert [layer.name for s in stages for layer in s.layers] == BLOCKS
+    # the stages own nothing: their variables are the model's objects, in the model's order
+    assert [id(v) for s in stages for v in s.variables] == [id(v) for v in model.variables]
+    x = tf.random.normal((6, FEATURES), seed=1)
+    np.testing.assert_allclose(stages[1](stages[0](x)), model(x), rtol=1e-6)
+    assert plan_stages(model, 2, by=["b4"]).bounds == ((0, 4), (4, 7))
+    assert plan_stages(model, 2, by=[2]).bounds == ((0, 2), (2, 7))
+    assert plan_stages(model, 2, by="time", sample=x).stages == 2
+
+
+def test_stage_cutting_refuses_what_it_cannot_split():
+    with pytest.raises(PartitionError, match="cannot split a Functional: give a keras.Sequential"):
+        x = keras.Input((3,))
+        plan_stages(keras.Model(x, keras.layers.Dense(2)(x)), 2)
+    with pytest.raises(PartitionError, match="split block 'nope' is not a block"):
+        plan_stages(make_model(), 2, by=["nope"])
+    with pytest.raises(PartitionError, match="planned for another model"):
+        build_stage(make_model(), 0, plan_stages(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), 1))
+
+
+@pytest.mark.parametrize("t", [tf.random.normal((3, 4, 5)), tf.constant([1, 2, 3], tf.int64),
+                               tf.zeros((0, 7)), tf.constant(2.5, tf.float64)], ids=["f32", "i64", "empty", "scalar"])
+def test_message_carries_dtype_and_shape(t):
+    back = decode(encode(t))
+    assert back.dtype == t.dtype and back.shape == t.shape
+    np.testing.assert_array_equal(back.numpy(), t.numpy())
+
+
+def test_message_refuses_types_it_cannot_carry():
+    with pytest.raises(ValueError, match="cannot send string between stages"):
+        encode(tf.constant(["a"]))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((10, FEATURES)).astype("float32")]
+    ys = [rng.integers(0, CLASSES, 10)]
+    ref_losses, _, _, ref_updates = reference(xs, ys, xs[0], ys[0])
+    model = make_model()
+    split = ModelSplit(model, stages=2, devices=["/CPU:0", "/CPU:0"], micro_batches=micro_batches)
+    before = {k: v.numpy().copy() for k, v in named_variables(model.layers).items()}
+    opt = keras.optimizers.SGD(0.5)
+    with tf.GradientTape() as tape:
+        loss = LOSS(ys[0], split(xs[0], training=True))
+    opt.apply_gradients(zip(tape.gradient(loss, split.trainable_variables), split.trainable_variables))
+    assert float(loss) == pytest.approx(ref_losses[0], rel=TOL)
+    for k, v in named_variables(model.layers).items():
+        assert rel(v.numpy() - before[k], ref_updates[k]) < TOL, k
+    with pytest.raises(ValueError, match="got 1 devices for 2 stages"):
+        ModelSplit(make_model(), stages=2, devices=["/CPU:0"])
+
+
+# -- real horovodrun jobs -----------------------------------------------------------------------
+
+PIPELINE_CASES = [
+    # (np, stages, schedule, micro-batches, what it covers)
+    (2, 2, "gpipe", 4, "pp=2 dp=1, GPipe, uneven micro-batches 3,3,2,2"),
+    (2, 2, "1f1b", 4, "pp=2 dp=1, 1F1B"),
+    (4, 2, "1f1b", 2, "pp=2 dp=2: replicas start from replica 0, gradients averaged per stage"),
+    (4, 4, "1f1b", 4, "pp=4 dp=1: middle stages get only the batch size"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np_,stages,schedule,m,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
+def test_tf_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, what):
+    out = tmp_path / "result.json"
+    run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages),
+                      "--schedule", schedule, "--micro-batches", str(m), "--out", str(out)], cwd=tmp_path, timeout=280)
+    check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m, BLOCKS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tf_pipeline_records_a_timeline(tmp_path):
+    out, run = tmp_path / "result.json", tmp_path / "run"
+    run_horovod(2, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--schedule", "1f1b", "--micro-batches", "4",
+                    "--steps", "3", "--partition", "b4", "--out", str(out), "--run-dir", str(run)],
+                cwd=tmp_path, timeout=280)
+    results = json.loads(out.read_text())
+    check_against_reference(results, 2, 2, "1f1b", 4, BLOCKS)
+    assert [r["blocks"] for r in results] == [BLOCKS[:4], BLOCKS[4:]]
+    tl = load_timeline(run)
+    assert tl.meta == {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4}
+    assert tl.steps == [0, 1, 2]
+    for rank in tl.ranks:
+        kinds = [(e["kind"], e["mb"]) for e in rank["events"] if e["step"] == 1]
+        for kind in ("forward", "backward"):
+            assert sorted(mb for k, mb in kinds if k == kind) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tf_model_split_with_horovod_data_parallel_matches_single_process(tmp_path):
+    out = tmp_path / "result.json"
+    run_horovod(2, [sys.executable, str(SCRIPTS / "tf_model_split_step.py"), "--micro-batches", "3",
+                    "--out", str(out)], cwd=tmp_path, timeout=280)
+    results = json.loads(out.read_text())
+    assert len(results) == 2
+    for r in results:
+        # two stages on two devices of their own, every block in one of them
+        assert r["logical_cpus"] == 2 and r["devices"] == ["/CPU:0", "/CPU:1"]
+        assert [b for stage in r["blocks"] for b in stage] == BLOCKS
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * abs(want)
+        assert sorted(r["update_err"]) == sorted(named_variables(make_model().layers))
+        assert max(r["update_err"].values()) < TOL

@@ -1,0 +1,28 @@
+"""The judgement of a pipeline step run against its single-process reference, for either framework.
+
+The step scripts (tests/distributed/scripts/*pipeline_step.py) write one JSON record per rank:
+its losses, accuracies and validation loss next to the reference's, the relative error of each
+of its parameters' update, its blocks, and the most micro-batches it held at once.
+"""
+
+import pytest
+
+TOL = 1e-5   # relative, fp32
+
+
+def check_against_reference(results, np, stages, schedule, m, all_blocks):
+    assert sorted(r["rank"] for r in results) == list(range(np))
+    for r in results:
+        # activations held at once: GPipe all m, 1F1B at most p - stage
+        assert r["peak_in_flight"] == (m if schedule == "gpipe" else min(m, stages - r["stage"]))
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * abs(want), (r["rank"], r["losses"], r["ref_losses"])
+        assert r["accs"] == pytest.approx(r["ref_accs"], abs=1e-6)
+        assert abs(r["val_loss"] - r["ref_val_loss"]) <= TOL * abs(r["ref_val_loss"])
+        worst = max(r["update_err"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, f"rank {r['rank']}: parameter {worst[0]} update off by {worst[1]:.2e} (relative)"
+    # every block of the model was compared, on every replica
+    for replica in {r["replica"] for r in results}:
+        blocks = [b for r in sorted(results, key=lambda r: r["stage"]) if r["replica"] == replica for b in r["blocks"]]
+        assert blocks == list(all_blocks)
+        assert len({r["stage"] for r in results if r["replica"] == replica}) == stages
