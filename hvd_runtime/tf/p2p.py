@@ -19,12 +19,23 @@ Two facts of horovod.tensorflow shape this module:
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import tensorflow as tf
 
 _HEADER = 10   # int64 words: dtype code, ndim, up to 8 dims
 _DTYPES = [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int64, tf.int32, tf.uint8, tf.int8]
+
+
+class _TracedOnceEach(logging.Filter):
+    """Each message tag's function is traced once, by design; TF's retracing warning would say otherwise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "AlltoallLink._op" not in record.getMessage()
+
+
+tf.get_logger().addFilter(_TracedOnceEach())
 
 
 def encode(t: tf.Tensor) -> tf.Tensor:

@@ -17,6 +17,7 @@ process set) and applied. Data: shard by replica, as in hvd_runtime.torch.pipeli
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
@@ -28,8 +29,8 @@ from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages
 from hvd_runtime.tf.stage import build_stage as _stage_of_plan
 
-__all__ = ["PipelineConfigError", "PipelineDims", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
-           "replica_context"]
+__all__ = ["PipelineConfigError", "PipelineDims", "PipelineEngine", "PipelineRank", "ReplicaContext", "build_stage",
+           "init_pipeline", "replica_context"]
 
 
 def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0,
@@ -56,10 +57,25 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0,
     return ctx, me
 
 
-def replica_context(ctx: Context, dims: PipelineRank) -> Context:
-    """The data-parallel view of this rank: its replica among `replicas`, for LR scaling and sharding."""
-    return Context(dims.replica, dims.replicas, ctx.local_rank // dims.stages,
-                   max(1, ctx.local_size // dims.stages), ctx.device)
+@dataclass(frozen=True)
+class ReplicaContext:
+    """This rank seen as one of the dp replicas: what LR scaling counts (make_optimizer takes it as a Context)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: str
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def replica_context(ctx: Context, dims: PipelineRank) -> ReplicaContext:
+    """The data-parallel view of this rank: its replica among `replicas` (stages do not multiply the batch)."""
+    return ReplicaContext(dims.replica, dims.replicas, ctx.local_rank // dims.stages,
+                          max(1, ctx.local_size // dims.stages), ctx.device)
 
 
 def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "params", sample=None) -> Stage:

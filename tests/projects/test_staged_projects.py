@@ -17,15 +17,18 @@ def files_under(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("strategy, np, extra", [
-    ("model-split", 2, []),
-    ("pipeline", 2, ["--parallel.schedule", "gpipe"]),
-    ("pipeline", 2, []),                       # 1f1b, the default
-    ("pipeline", 4, []),                       # 2 stages x 2 replicas
+@pytest.mark.parametrize("framework, strategy, np, extra", [
+    ("torch", "model-split", 2, []),
+    ("torch", "pipeline", 2, ["--parallel.schedule", "gpipe"]),
+    ("torch", "pipeline", 2, []),                       # 1f1b, the default
+    ("torch", "pipeline", 4, []),                       # 2 stages x 2 replicas
+    ("tensorflow", "model-split", 2, []),               # 2 logical CPU devices per worker
+    ("tensorflow", "pipeline", 2, []),
+    ("tensorflow", "pipeline", 4, ["--parallel.schedule", "gpipe"]),
 ])
-def test_staged_project_trains(tmp_path, strategy, np, extra):
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--strategy", strategy, "--output", str(tmp_path)],
-                   check=True)
+def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,
+                    "--output", str(tmp_path)], check=True)
     project, ranks = tmp_path / "proj", tmp_path / "ranks"
     epochs = 8 if np == 2 else 3
     env = {"SKIP_DIGEST": "1"} if strategy == "pipeline" else {}
