@@ -67,9 +67,6 @@ class ProjectSpec:
                               "e.g. --micro-batches 4")
         if self.schedule not in SCHEDULES:
             raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if self.elastic and self.framework != "torch":
-            raise HvdgenError(f"--elastic is available for torch projects in hvdgen {__version__}, not "
-                              f"{self.framework}: drop --elastic or use --framework torch")
         if self.elastic and self.strategy == "pipeline":
             raise HvdgenError("--elastic works with the data and model-split strategies: a pipeline cannot lose "
                               "a stage; drop --elastic or use --strategy data")

@@ -6,6 +6,8 @@ they are, which is what keeps `model.fit`-era code and Horovod's Keras wrappers 
 
 from __future__ import annotations
 
+import os
+
 import keras
 import tensorflow as tf
 
@@ -19,21 +21,32 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     Starting at the full scaled LR from random weights often diverges (Goyal et al., 2017). The
     step is the optimizer's own iteration count, which checkpoints carry, so a resumed run picks
-    the ramp up where it stopped.
+    the ramp up where it stopped. With `follow` ("size" or "local_size"), the scaler is that
+    Horovod count read inside the step, so after an elastic reset the LR fits the new world.
     """
 
-    def __init__(self, lr: float, scaler: float, warmup_steps: int):
-        self.lr, self.scaler, self.warmup_steps = float(lr), float(scaler), int(warmup_steps)
+    def __init__(self, lr: float, scaler: float, warmup_steps: int, follow: str | None = None):
+        if follow not in (None, "size", "local_size"):
+            raise ValueError(f"WarmupSchedule follow must be None, 'size' or 'local_size', got {follow!r}")
+        self.lr, self.scaler, self.warmup_steps, self.follow = float(lr), float(scaler), int(warmup_steps), follow
+
+    def _scaler(self):
+        import horovod.tensorflow as hvd
+
+        count = hvd.size_op() if self.follow == "size" else hvd.local_size_op()
+        return tf.cast(count, tf.float32)
 
     def __call__(self, step):
-        target = self.lr * self.scaler
-        if self.warmup_steps <= 0 or self.scaler == 1.0:
-            return tf.constant(target, tf.float32)
+        if self.follow is None and (self.warmup_steps <= 0 or self.scaler == 1.0):
+            return tf.constant(self.lr * self.scaler, tf.float32)
+        target = self.lr * (self._scaler() if self.follow else self.scaler)
+        if self.warmup_steps <= 0:
+            return target
         progress = tf.minimum(tf.cast(step, tf.float32) / self.warmup_steps, 1.0)
         return self.lr + (target - self.lr) * progress
 
     def get_config(self):
-        return {"lr": self.lr, "scaler": self.scaler, "warmup_steps": self.warmup_steps}
+        return {"lr": self.lr, "scaler": self.scaler, "warmup_steps": self.warmup_steps, "follow": self.follow}
 
 
 def _decay(cfg) -> float | None:
@@ -46,6 +59,15 @@ OPTIMIZERS = {
     "adam": lambda cfg, lr: keras.optimizers.Adam(lr, weight_decay=_decay(cfg)),
     "adamw": lambda cfg, lr: keras.optimizers.AdamW(lr, weight_decay=cfg.weight_decay),
 }
+
+
+def followed_count(optim_cfg, hvd_cfg, gpu_allreduce: bool) -> str | None:
+    """In an elastic job (horovodrun sets HOROVOD_ELASTIC), the Horovod count lr_scaler scales by."""
+    if os.environ.get("HOROVOD_ELASTIC") != "1":
+        return None
+    if hvd_cfg.adasum:
+        return "local_size" if gpu_allreduce else None
+    return "size" if optim_cfg.scale_lr else None
 
 
 def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int) -> keras.optimizers.Optimizer:
@@ -62,5 +84,6 @@ def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int) -> ke
     gpu_allreduce = hvd.nccl_built() and ctx.device.startswith("GPU")
     scaler = lr_scaler(ctx.size, ctx.local_size, optim_cfg.scale_lr, hvd_cfg.adasum, bool(gpu_allreduce))
     optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
-    schedule = WarmupSchedule(optim_cfg.lr, scaler, int(round(optim_cfg.warmup_epochs * optimizer_steps)))
+    schedule = WarmupSchedule(optim_cfg.lr, scaler, int(round(optim_cfg.warmup_epochs * optimizer_steps)),
+                              follow=followed_count(optim_cfg, hvd_cfg, bool(gpu_allreduce)))
     return OPTIMIZERS[optim_cfg.name](optim_cfg, schedule)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState
+from hvd_runtime.checkpoint import CheckpointStore, TrainState, state_fields
 from hvd_runtime.tf.context import Context
 
 SUFFIX = "pkl"
@@ -44,7 +44,7 @@ def shared_variables(model, optimizer, local_variables=()) -> list:
 def snapshot(model, optimizer, state: TrainState, rng_states=None) -> dict:
     return {"model": [np.asarray(v) for v in model.variables],
             "optimizer": [np.asarray(v) for v in optimizer.variables],
-            "state": asdict(state), "rng": rng_states}
+            "state": state_fields(state), "rng": rng_states}
 
 
 def _assign(variables, arrays, what: str, path: Path) -> None:

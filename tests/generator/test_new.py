@@ -106,13 +106,24 @@ def test_version():
     (["--strategy", "pipeline", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
     (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
     (["--strategy", "pipeline", "--elastic"], "--elastic works with the data and model-split"),
-    (["--framework", "tensorflow", "--elastic"], "--elastic is available for torch projects"),
 ])
 def test_stage_options_are_validated(tmp_path, args, fragment):
     result = run("new", "proj", "--output", str(tmp_path), *args)
     assert result.exit_code != 0
     assert fragment in result.output and len(result.output.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("framework", catalog.FRAMEWORKS)
+def test_elastic_projects_run_under_hvd_elastic(tmp_path, framework):
+    result = run("new", "proj", "--output", str(tmp_path), "--framework", framework, "--elastic")
+    assert result.exit_code == 0, result.output
+    project = tmp_path / "proj"
+    train = (project / "train.py").read_text()
+    compile(train, "train.py", "exec")
+    assert "metrics = run_elastic(fit, make_elastic_state(" in train and "state.commit()" in train
+    assert "--host-discovery-script ./discover_hosts.sh" in (project / "README.md").read_text()
+    assert (project / "discover_hosts.sh").stat().st_mode & 0o111
 
 
 def test_stage_options_reach_the_config(tmp_path):

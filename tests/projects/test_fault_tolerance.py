@@ -1,11 +1,13 @@
-"""Fault tolerance of generated torch projects, proven by killing processes.
+"""Fault tolerance of generated torch and TensorFlow projects, proven by killing processes.
 
 - elastic: SIGKILL one of two workers mid-epoch; the job finishes on the survivor with exit 0,
-  and its step count shows that no committed step was lost and none was done twice;
+  its step count shows that no committed step was lost and none was done twice, and only the
+  rank 0 of the moment wrote checkpoints and metrics;
 - full restart: kill a whole job mid-epoch, start it again; it ends where an uninterrupted run ends;
 - corrupt checkpoint: truncate the newest checkpoint; the next start falls back to the previous one.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -25,6 +27,11 @@ from hvd_runtime.data import load_dataset
 
 pytestmark = pytest.mark.slow
 N_TRAIN = len(load_dataset(DataConfig(), seed=42).train)
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SUFFIX = {"torch": "pt", "tensorflow": "pkl"}
+NO_TF = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                           reason="TensorFlow is not installed: the TF project is not tested here")
+FRAMEWORKS = ["torch", pytest.param("tensorflow", marks=NO_TF)]
 
 
 def generate(out: Path, *flags: str) -> Path:
@@ -33,7 +40,12 @@ def generate(out: Path, *flags: str) -> Path:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def checkpoint_steps(directory: Path, suffix: str) -> list[int]:
+    return sorted(int(p.name.split("-")[1].split(".")[0]) for p in directory.glob(f"ckpt-*.{suffix}"))
 
 
 class Job:
@@ -76,45 +88,78 @@ class Job:
         return "".join(line for _, line in self.lines)
 
 
-def worker_pid(rank: int) -> int:
-    """The training process that horovodrun started as `rank`, found by its environment."""
+def worker_pid(rank: int, marker: str) -> int:
+    """The training process that horovodrun started as `rank`, found by its environment.
+
+    `marker` is an argument of this job's command line only (a temporary path), so that no
+    other job's processes can match.
+    """
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"HOROVOD_RANK={rank}".encode() in environ and b"train.py" in cmdline and b"python" in cmdline:
+        if f"HOROVOD_RANK={rank}".encode() in environ and marker.encode() in cmdline and b"python" in cmdline:
             return int(pid)
     raise AssertionError(f"no training process with rank {rank}")
 
 
-def test_elastic_job_survives_a_killed_worker(tmp_path):
-    project = generate(tmp_path, "--elastic")
+@pytest.mark.parametrize("framework, killed", [
+    ("torch", 1),
+    ("torch", 0),  # the survivor becomes rank 0 and takes over the writing
+    pytest.param("tensorflow", 1, marks=NO_TF),
+    pytest.param("tensorflow", 0, marks=NO_TF),
+])
+def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed):
+    project = generate(tmp_path, "--framework", framework, "--elastic")
     epochs, batch, commit_every = 6, 8, 5
+    ranks = tmp_path / "ranks"  # each rank runs in ranks/rank<N>, where it was started: what it writes stays there
     job = Job(["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", "./discover_hosts.sh",
-               "--network-interface", "lo", "--gloo", sys.executable, "train.py", "--train.epochs", str(epochs),
-               "--train.batch_size", str(batch), "--horovod.elastic_commit_every", str(commit_every),
-               "--run_dir", str(tmp_path / "run"), "--checkpoint.dir", str(tmp_path / "ckpt")], cwd=project)
-    job.wait_for(r"epoch\s+1\s+step")
-    os.kill(worker_pid(1), signal.SIGKILL)  # mid-epoch 2: epoch lines come right after an epoch ends
-    killed_at = time.monotonic()
-    recovered_at, reset = job.wait_for(r"elastic reset: 1 rank\(s\) now")
+               "--network-interface", "lo", "--gloo", sys.executable, str(SCRIPTS / "train_in_rank_dir.py"),
+               str(project), str(ranks), "--train.epochs", str(epochs), "--train.batch_size", str(batch),
+               "--horovod.elastic_commit_every", str(commit_every), "--checkpoint.every_steps", str(commit_every),
+               "--checkpoint.keep", "1000"], cwd=project)
+    steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / batch)
+    mid_epoch = ranks / "rank0" / "checkpoints" / f"ckpt-{steps_per_epoch + 2 * commit_every:09d}.{SUFFIX[framework]}"
+    deadline = time.monotonic() + 240
+    while not mid_epoch.exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-3000:]
+        time.sleep(0.01)
+    os.kill(worker_pid(killed, str(ranks)), signal.SIGKILL)  # early in epoch 2
+    killed_at, killed_wall = time.monotonic(), time.time()
+    reset_at, reset = job.wait_for(r"elastic reset: 1 rank\(s\) now")
     assert job.finish() == 0, job.output[-4000:]
-    print(f"recovered {recovered_at - killed_at:.1f}s after the kill")
 
     epoch, step, consumed = map(int, re.search(r"epoch (\d+), step (\d+), (\d+) samples", reset).groups())
-    assert step % commit_every == 0 and consumed == step % math.ceil(math.ceil(N_TRAIN / 2) / batch) * batch * 2
+    assert step % commit_every == 0 and 0 < consumed == (step - epoch * steps_per_epoch) * batch * 2
     # From the commit on, one rank trains the rest of that epoch, then whole epochs alone.
     expected = step + math.ceil((N_TRAIN - consumed) / batch) + (epochs - epoch - 1) * math.ceil(N_TRAIN / batch)
-    history = metrics(tmp_path / "run")
+    first, survivor = ranks / "rank0", ranks / f"rank{1 - killed}"
+    history = metrics(first / "runs" / "latest") + (metrics(survivor / "runs" / "latest") if killed == 0 else [])
     assert [m["epoch"] for m in history] == list(range(1, epochs + 1))
     assert history[-1]["step"] == expected, "a committed step was lost or repeated"
     assert history[-1]["val_accuracy"] > 0.85
+    if killed == 1:
+        assert not [p for p in (ranks / "rank1").rglob("*") if p.is_file()], "rank 1 must not write anything"
+    else:  # the old rank 1 wrote only once it was rank 0: checkpoints after the commit, epochs after the reset
+        assert min(checkpoint_steps(survivor / "checkpoints", SUFFIX[framework])) > step
+        assert metrics(survivor / "runs" / "latest")[0]["epoch"] == epoch + 1
+    if framework == "tensorflow":  # the LR follows the world size: at 1 rank it is the one-rank LR
+        assert float(re.search(r"lr ([\d.e-]+)", reset).group(1)) == pytest.approx(0.05)
+
+    writer = first if killed == 1 else survivor
+    after = min(s for s in checkpoint_steps(writer / "checkpoints", SUFFIX[framework]) if s > step)
+    assert after == step + commit_every, "training did not go on from the commit"
+    trained_at = (writer / "checkpoints" / f"ckpt-{after:09d}.{SUFFIX[framework]}").stat().st_mtime
+    print(f"{framework}, rank {killed} killed: reset {reset_at - killed_at:.1f}s after the kill; "
+          f"step {after} ({commit_every} steps past the commit) done {trained_at - killed_wall:.1f}s after it")
 
 
-def test_full_restart_reaches_the_same_result(tmp_path):
-    project = generate(tmp_path)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_full_restart_reaches_the_same_result(tmp_path, framework):
+    project = generate(tmp_path, "--framework", framework)
+    suffix = SUFFIX[framework]
     common = ["--train.epochs", "5", "--checkpoint.every_steps", "10"]
     run_horovod(2, [sys.executable, "train.py", *common, "--run_dir", str(tmp_path / "a"),
                     "--checkpoint.dir", str(tmp_path / "a-ckpt")], cwd=project)
@@ -126,8 +171,7 @@ def test_full_restart_reaches_the_same_result(tmp_path):
     steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / 32)
     job = Job(args, cwd=project)
     deadline = time.monotonic() + 240
-    while not any(int(p.stem.split("-")[1]) % steps_per_epoch for p in ckpt.glob("ckpt-*.pt")
-                  if int(p.stem.split("-")[1]) > steps_per_epoch):
+    while not any(s % steps_per_epoch for s in checkpoint_steps(ckpt, suffix) if s > steps_per_epoch):
         assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-3000:]
         time.sleep(0.05)
     job.kill()  # the whole job, mid-epoch, right after a mid-epoch checkpoint
@@ -141,12 +185,13 @@ def test_full_restart_reaches_the_same_result(tmp_path):
         assert final[key] == pytest.approx(uninterrupted[key], rel=0.01), key
 
 
-def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path):
-    project = generate(tmp_path)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, framework):
+    project = generate(tmp_path, "--framework", framework)
     args = [sys.executable, "train.py", "--train.epochs", "2", "--run_dir", str(tmp_path / "run"),
             "--checkpoint.dir", str(tmp_path / "ckpt")]
     run_horovod(2, args, cwd=project)
-    newest, previous = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"), reverse=True)[:2]
+    newest, previous = sorted((tmp_path / "ckpt").glob(f"ckpt-*.{SUFFIX[framework]}"), reverse=True)[:2]
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
 
     again = run_horovod(2, [*args[:3], "3", *args[4:]], cwd=project)
