@@ -20,7 +20,6 @@ of the whole batch, averaged over the dp replicas by Horovod in the stage's proc
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hvd_runtime.pipeline_engine import PipelineEngineBase

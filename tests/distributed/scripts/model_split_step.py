@@ -6,8 +6,6 @@ Every rank also trains the unsplit model on the whole global batch in-process an
 losses and its parameters after the steps. Rank 0 writes all ranks' results as JSON.
 """
 
-import argparse
-import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -17,19 +15,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_driver import parse_args  # noqa: E402
 from pipeline_step import CLASSES, FEATURES, make_model, rel  # noqa: E402
 
 from hvd_runtime.torch.model_split import ModelSplit  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--micro-batches", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=10, help="per worker")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    faulthandler.dump_traceback_later(120, exit=True)
+    args = parse_args(pipeline=False)
     hvd.init()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(7)

@@ -7,9 +7,9 @@ whole model, plain SGD) and compares its own stage's parameters after the steps,
 reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
 """
 
-import argparse
-import faulthandler
 import json
+import sys
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_driver import drive_pipeline, parse_args  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 
@@ -36,20 +39,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--p2p", default="torch")
-    ap.add_argument("--batch", type=int, default=10, help="per replica")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--run-dir", default=None)
-    ap.add_argument("--hvd-init-first", action="store_true", help="call hvd.init() before init_pipeline")
-    ap.add_argument("--watchdog", type=float, default=120, help="seconds before a hung rank dumps its stack and exits")
-    args = ap.parse_args()
-    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    args = parse_args(pipeline=True)
 
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
@@ -77,34 +67,17 @@ def main():
         ref_val = F.cross_entropy(ref(x_val), y_val).item()
 
     # the pipeline: this rank's stage of a fresh copy of the same model
-    partition = args.partition if args.partition in ("params", "time") else args.partition.split(",")
-    stage = build_stage(make_model(), dims, partition=partition, sample=xs[0][: args.batch])
+    stage = build_stage(make_model(), dims, partition=args.partition, sample=xs[0][: args.batch])
     engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(stage.parameters(), lr=0.5),
                             schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=accuracy,
                             timeline=args.run_dir is not None)
-    shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
-    losses, accs, peaks = [], [], []
-    for x, y in zip(xs, ys):
-        # a middle stage needs neither inputs nor targets, only the batch size
-        if dims.is_first or dims.is_last:
-            loss, metrics = engine.train_step(x[shard] if dims.is_first else None, y[shard] if dims.is_last else None)
-        else:
-            loss, metrics = engine.train_step(batch_size=args.batch)
-        losses.append(loss)
-        peaks.append(engine.peak_in_flight)
-        accs.append(metrics["accuracy"])
-    val_shard = slice(dims.replica * 3 * args.batch, (dims.replica + 1) * 3 * args.batch)
-    vx, vy = x_val[val_shard], y_val[val_shard]
-    val_loss, _ = engine.evaluate([(vx[:args.batch], vy[:args.batch]), (vx[args.batch:], vy[args.batch:])])
-    if args.run_dir:
-        engine.save_timeline(args.run_dir)
+    run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 
     after = ref.state_dict()
     update_err = {name: rel(p.detach() - before[name], after[name] - before[name])
                   for name, p in stage.state_dict().items()}
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "blocks": list(stage.plan.stage_names(dims.stage)),
-              "losses": losses, "ref_losses": ref_losses, "accs": accs, "ref_accs": ref_accs,
-              "val_loss": val_loss, "peak_in_flight": max(peaks), "ref_val_loss": ref_val, "update_err": update_err}
+              "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err, **run}
     results = hvd.allgather_object(result)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:

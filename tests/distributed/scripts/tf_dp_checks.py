@@ -27,7 +27,7 @@ from hvd_runtime.checkpoint import CheckpointStore  # noqa: E402
 from hvd_runtime.config import HorovodConfig, OptimConfig  # noqa: E402
 from hvd_runtime.data import Split  # noqa: E402
 from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, Every, GradientSync, distribute_fit, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
-                            TrainState, allreduce_sums, checkpoint_store, make_optimizer, restore_or_broadcast,
+                            allreduce_sums, checkpoint_store, make_optimizer, restore_or_broadcast,
                             save_checkpoint, train_epoch, use_sync_batchnorm)
 from hvd_runtime.config import CheckpointConfig  # noqa: E402
 

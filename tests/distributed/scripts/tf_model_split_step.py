@@ -8,8 +8,6 @@ rank also trains the unsplit model on the whole global batch in-process and comp
 and its variables after the steps. Rank 0 writes all ranks' results as JSON.
 """
 
-import argparse
-import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -19,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_driver import parse_args  # noqa: E402
 from tf_pipeline_step import CLASSES, FEATURES, LOSS, make_model, named_variables, reference, rel  # noqa: E402
 
 import horovod.tensorflow as hvd  # noqa: E402
@@ -27,13 +26,7 @@ from hvd_runtime.tf.model_split import ModelSplit  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--micro-batches", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=10, help="per worker")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    faulthandler.dump_traceback_later(150, exit=True)
+    args = parse_args(pipeline=False)
     ctx = init_horovod(seed=0, threads_per_rank=1, devices_per_rank=2)
     rng = np.random.default_rng(7)
     n = args.batch * ctx.size

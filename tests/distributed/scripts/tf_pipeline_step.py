@@ -9,9 +9,9 @@ the engine's start-up broadcast is what makes them agree. Rank 0 writes all resu
 (the format tests/pipeline_checks.py judges).
 """
 
-import argparse
-import faulthandler
 import json
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -19,6 +19,9 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_driver import drive_pipeline, parse_args  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 BLOCKS = [f"b{i}" for i in range(7)]
@@ -69,18 +72,7 @@ def reference(xs, ys, x_val, y_val):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=10, help="per replica")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--run-dir", default=None)
-    ap.add_argument("--watchdog", type=float, default=150, help="seconds before a hung rank dumps its stack and exits")
-    args = ap.parse_args()
-    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    args = parse_args(pipeline=True)
 
     ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1)
     rng = np.random.default_rng(7)
@@ -91,36 +83,20 @@ def main():
     y_val = rng.integers(0, CLASSES, 3 * global_batch)
     ref_losses, ref_accs, ref_val, ref_updates = reference(xs, ys, x_val, y_val)
 
-    partition = args.partition if args.partition in ("params", "time") else args.partition.split(",")
     model = make_model(seed=1234 + 1000 * dims.replica)   # replica 0's copy must win
-    stage = build_stage(model, dims, partition=partition, sample=xs[0][:args.batch])
+    stage = build_stage(model, dims, partition=args.partition, sample=xs[0][:args.batch])
     before = {k: v.numpy().copy() for k, v in named_variables(stage.layers).items()}
     engine = PipelineEngine(stage, dims, LOSS, keras.optimizers.SGD(0.5), schedule=args.schedule,
                             micro_batches=args.micro_batches, metrics_fn=accuracy, timeline=args.run_dir is not None)
     if dims.replica:
         # what replica 0 started from: the engine broadcast it over this stage's replicas
         before = {k: v.numpy().copy() for k, v in named_variables(make_model().layers).items() if k in before}
-    shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
-    losses, accs, peaks = [], [], []
-    for x, y in zip(xs, ys):
-        if dims.is_first or dims.is_last:
-            loss, metrics = engine.train_step(x[shard] if dims.is_first else None, y[shard] if dims.is_last else None)
-        else:
-            loss, metrics = engine.train_step(batch_size=args.batch)
-        losses.append(loss)
-        peaks.append(engine.peak_in_flight)
-        accs.append(metrics["accuracy"])
-    val_shard = slice(dims.replica * 3 * args.batch, (dims.replica + 1) * 3 * args.batch)
-    vx, vy = x_val[val_shard], y_val[val_shard]
-    val_loss, _ = engine.evaluate([(vx[:args.batch], vy[:args.batch]), (vx[args.batch:], vy[args.batch:])])
-    if args.run_dir:
-        engine.save_timeline(args.run_dir)
+    run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 
     update_err = {k: rel(v.numpy() - before[k], ref_updates[k]) for k, v in named_variables(stage.layers).items()}
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
-              "blocks": list(stage.plan.stage_names(dims.stage)), "losses": losses, "ref_losses": ref_losses,
-              "accs": accs, "ref_accs": ref_accs, "val_loss": val_loss, "ref_val_loss": ref_val,
-              "peak_in_flight": max(peaks), "update_err": update_err, "size": ctx.size}
+              "blocks": list(stage.plan.stage_names(dims.stage)), "ref_losses": ref_losses, "ref_accs": ref_accs,
+              "ref_val_loss": ref_val, "update_err": update_err, **run}
     results = hvd.allgather_object(result)
     if hvd.rank() == 0:
         with open(args.out, "w") as f:

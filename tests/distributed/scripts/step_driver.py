@@ -1,0 +1,52 @@
+"""What the pipeline and model-split step scripts share, whichever framework they run.
+
+The arguments they take, and the drive of a pipeline engine over the global batches: each
+replica takes its shard, a middle stage passes only the batch size, and the evaluation runs over
+two uneven batches. Arrays may be torch tensors or NumPy arrays (both slice the same way).
+"""
+
+import argparse
+import faulthandler
+
+
+def parse_args(pipeline: bool) -> argparse.Namespace:
+    """The common flags; with pipeline=True also stages, schedule, partition and timeline."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--micro-batches", type=int, default=4 if pipeline else 3)
+    ap.add_argument("--batch", type=int, default=10, help="per replica (pipeline) or per worker (model-split)")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--watchdog", type=float, default=150, help="seconds before a hung rank dumps its stack and exits")
+    if pipeline:
+        ap.add_argument("--stages", type=int, default=2)
+        ap.add_argument("--schedule", default="1f1b")
+        ap.add_argument("--p2p", default="torch", help="torch only: torch, alltoall or broadcast")
+        ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
+        ap.add_argument("--run-dir", default=None)
+        ap.add_argument("--hvd-init-first", action="store_true", help="torch only: hvd.init() before init_pipeline")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    if pipeline and args.partition not in ("params", "time"):
+        args.partition = args.partition.split(",")
+    return args
+
+
+def drive_pipeline(engine, dims, xs, ys, x_val, y_val, args) -> dict:
+    """Train on every global batch and evaluate; return losses, accuracies, peak in flight, val loss."""
+    shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
+    losses, accs, peaks = [], [], []
+    for x, y in zip(xs, ys):
+        # a middle stage needs neither inputs nor targets, only the batch size
+        if dims.is_first or dims.is_last:
+            loss, metrics = engine.train_step(x[shard] if dims.is_first else None, y[shard] if dims.is_last else None)
+        else:
+            loss, metrics = engine.train_step(batch_size=args.batch)
+        losses.append(loss)
+        peaks.append(engine.peak_in_flight)
+        accs.append(metrics["accuracy"])
+    val_shard = slice(dims.replica * 3 * args.batch, (dims.replica + 1) * 3 * args.batch)
+    vx, vy = x_val[val_shard], y_val[val_shard]
+    val_loss, _ = engine.evaluate([(vx[:args.batch], vy[:args.batch]), (vx[args.batch:], vy[args.batch:])])
+    if args.run_dir:
+        engine.save_timeline(args.run_dir)
+    return {"losses": losses, "accs": accs, "peak_in_flight": max(peaks), "val_loss": val_loss}
