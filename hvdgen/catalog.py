@@ -11,6 +11,8 @@ AVAILABLE = {
     ("tensorflow", "data"): "Keras 3 custom loop, one grouped allreduce of gradients per step",
     ("torch", "model-split"): "stages on one worker's devices, micro-batched; Horovod data parallel across workers",
     ("torch", "pipeline"): "stages on ranks, GPipe or 1F1B micro-batches; stages x replicas with process sets",
+    ("tensorflow", "model-split"): "stages on one worker's devices (GPUs or logical CPUs); Horovod DP across workers",
+    ("tensorflow", "pipeline"): "stages on ranks, a GradientTape per micro-batch, GPipe or 1F1B; stages x replicas",
 }
 
 
