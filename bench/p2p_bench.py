@@ -11,39 +11,12 @@ Rank 0 prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import horovod.torch as hvd
 import torch
 
 from hvd_runtime.torch.p2p import AlltoallLink, BroadcastLink, TorchDistLink, init_torch_distributed
-
-SIZES = [1 << 10, 1 << 16, 1 << 20, 1 << 24]   # bytes
-
-
-def pingpong(link, nbytes: int, iters: int, shape_known: bool) -> float:
-    """Median seconds per one-way message (half a round trip) over `iters` round trips after a warm-up.
-
-    The median, not the mean: the machine is shared and a stray spike should not decide.
-    """
-    x = torch.randn(nbytes // 4)
-    shape = (x.numel(),) if shape_known else None
-    dtype = torch.float32 if shape_known else None
-    me = hvd.rank()
-    times = []
-    for i in range(iters + 3):
-        start = time.perf_counter()
-        # tags repeat, as a pipeline's do from step to step (Horovod caches the negotiation by name)
-        if me == 0:
-            link.send(x, "act", shape_known)
-            y = link.recv("grad", shape, dtype)
-        else:
-            y = link.recv("act", shape, dtype)
-            link.send(y, "grad", shape_known)
-        link.wait_sends()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[3:]) / 2
+from pingpong import SIZES, iterations, pingpong, print_table
 
 
 def main() -> None:
@@ -61,19 +34,14 @@ def main() -> None:
              "torch.distributed": TorchDistLink(me, peer)}
     rows = []
     for nbytes in SIZES:
-        iters = max(5, min(100, (200 << 20) // (nbytes * 20))) // (4 if args.quick else 1)
+        x = torch.randn(nbytes // 4)
         for name, link in links.items():
             for known in ([False] if name == "hvd.alltoall" else [False, True]):
-                t = pingpong(link, nbytes, iters, known)
+                t = pingpong(link, x, me, iterations(nbytes, args.quick), known)
                 rows.append((name, "known" if known else "header", nbytes, t))
     hvd.barrier()
     if me == 0:
-        print("| mechanism | shape | message | one-way latency | throughput |")
-        print("| --- | --- | ---: | ---: | ---: |")
-        for name, kind, nbytes, t in rows:
-            size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-            print(f"| {name} | {kind} | {size} | {t * 1e6:,.0f} µs | {nbytes / t / 1e6:,.0f} MB/s |")
-
+        print_table(rows)
 
 if __name__ == "__main__":
     main()

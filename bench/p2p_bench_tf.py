@@ -1,0 +1,42 @@
+"""Latency and throughput of the TensorFlow pipeline link (hvd.alltoall in a traced function per tag).
+
+    horovodrun -np 2 -H localhost:2 --gloo python bench/p2p_bench_tf.py [--quick]
+
+The same ping-pong as bench/p2p_bench.py, through `hvd_runtime.tf.p2p.AlltoallLink`, the code
+the TensorFlow pipeline runs. Rank 0 prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import tensorflow as tf
+
+from hvd_runtime.tf.context import init_horovod
+from hvd_runtime.tf.p2p import AlltoallLink
+from pingpong import SIZES, iterations, pingpong, print_table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    args = ap.parse_args()
+    ctx = init_horovod(threads_per_rank=1)
+    if ctx.size != 2:
+        raise SystemExit(f"run with -np 2, got {ctx.size} ranks")
+    import horovod.tensorflow as hvd
+
+    me = ctx.rank
+    link = AlltoallLink(me, 1 - me, hvd.global_process_set)
+    rows = []
+    for nbytes in SIZES:
+        x = tf.random.normal([nbytes // 4])
+        rows.append(("hvd.alltoall (TensorFlow)", "header", nbytes,
+                     pingpong(link, x, me, iterations(nbytes, args.quick), False)))
+    hvd.allreduce(tf.zeros([1]), name="done")
+    if me == 0:
+        print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
