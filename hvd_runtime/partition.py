@@ -17,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from hvd_runtime.config import ConfigError
 
-class PartitionError(ValueError):
-    """The blocks cannot be split as asked."""
+
+class PartitionError(ConfigError):
+    """The blocks cannot be split as asked (a config error: `parallel.stages` or `parallel.partition`)."""
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hvd_runtime.config import ConfigError
 
-class PipelineConfigError(ValueError):
-    """The world size and the stage count do not fit together."""
+
+class PipelineConfigError(ConfigError):
+    """The world size and the stage count do not fit together (-np against `parallel.stages`)."""
 
 
 @dataclass(frozen=True)

@@ -47,3 +47,23 @@ def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
         assert "pipeline bubble: measured" in proc.stdout
     else:
         assert len(set(json.loads((ranks / "digests.json").read_text()))) == 1
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize("strategy, override, message", [
+    ("pipeline", [], "config error: world size 1 (horovodrun -np) is not stages 2 x replicas: "
+                     "use -np 2, 4, 6... or a --stages that divides 1"),
+    ("model-split", ["--parallel.partition", "nope"], "config error: split block 'nope' is not a block: blocks are "),
+])
+def test_bad_stage_setting_stops_with_one_line(tmp_path, framework, strategy, override, message):
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,
+                    "--output", str(tmp_path)], check=True)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    proc = subprocess.run([sys.executable, str(tmp_path / "proj" / "train.py"), *override], cwd=workdir,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    # The last line is ours; TensorFlow may log its own start-up lines before it.
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-2000:]
+    assert proc.stderr.count("config error") == 1
+    assert list(workdir.iterdir()) == [], "nothing written"
