@@ -105,14 +105,16 @@ def worker_pid(rank: int, marker: str) -> int:
     raise AssertionError(f"no training process with rank {rank}")
 
 
-@pytest.mark.parametrize("framework, killed", [
-    ("torch", 1),
-    ("torch", 0),  # the survivor becomes rank 0 and takes over the writing
-    pytest.param("tensorflow", 1, marks=NO_TF),
-    pytest.param("tensorflow", 0, marks=NO_TF),
+@pytest.mark.parametrize("framework, killed, strategy", [
+    ("torch", 1, "data"),
+    ("torch", 0, "data"),  # the survivor becomes rank 0 and takes over the writing
+    ("torch", 1, "model-split"),
+    pytest.param("tensorflow", 1, "data", marks=NO_TF),
+    pytest.param("tensorflow", 0, "data", marks=NO_TF),
+    pytest.param("tensorflow", 1, "model-split", marks=NO_TF),
 ])
-def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed):
-    project = generate(tmp_path, "--framework", framework, "--elastic")
+def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strategy):
+    project = generate(tmp_path, "--framework", framework, "--strategy", strategy, "--elastic")
     epochs, batch, commit_every = 6, 8, 5
     ranks = tmp_path / "ranks"  # each rank runs in ranks/rank<N>, where it was started: what it writes stays there
     job = Job(["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", "./discover_hosts.sh",
@@ -152,7 +154,7 @@ def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed):
     after = min(s for s in checkpoint_steps(writer / "checkpoints", SUFFIX[framework]) if s > step)
     assert after == step + commit_every, "training did not go on from the commit"
     trained_at = (writer / "checkpoints" / f"ckpt-{after:09d}.{SUFFIX[framework]}").stat().st_mtime
-    print(f"{framework}, rank {killed} killed: reset {reset_at - killed_at:.1f}s after the kill; "
+    print(f"{framework} {strategy}, rank {killed} killed: reset {reset_at - killed_at:.1f}s after the kill; "
           f"step {after} ({commit_every} steps past the commit) done {trained_at - killed_wall:.1f}s after it")
 
 
