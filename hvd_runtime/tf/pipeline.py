@@ -109,6 +109,8 @@ class PipelineEngine(PipelineEngineBase):
             optimizer.build(self.variables)
         self._saved: dict[int, tuple] = {}    # micro-batch -> (tape, input, output to backpropagate)
         self._grads: list = []
+        # compiled once per mode; a tape around the call still records it, and its gradient is compiled too
+        self._stage_fn = tf.function(lambda x, training: stage(x, training=training), reduce_retracing=True)
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
@@ -122,12 +124,12 @@ class PipelineEngine(PipelineEngineBase):
     # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
     def _forward(self, i, inp, y, weight, train):
         if not train:
-            out = self.stage(inp, training=False)
+            out = self._stage_fn(inp, False)
             loss = self.loss_fn(y, out) if self.dims.is_last else None
             return out, (float(loss) if loss is not None else None)
         with tf.GradientTape() as tape:
             tape.watch(inp)
-            out = self.stage(inp, training=True)
+            out = self._stage_fn(inp, True)
             loss = None
             if self.dims.is_last:
                 loss = self.loss_fn(y, out)
