@@ -4,7 +4,7 @@ Horovod's own TF states do not fit Keras 3: TensorFlowKerasState calls `optimize
 a list (not a method) in Keras 3, and TensorFlowState broadcasts nothing on sync when eager.
 KerasState keeps the model's and optimizer's variables and the TrainState fields (epoch, step,
 samples_in_epoch, run_id); `state.commit()` copies them to host memory. When a rank is lost, the
-survivors restore that copy, agree on a new numbering, and the reset callback here re-shards the
+survivors restore that copy, agree on a new numbering, and the reset callback re-shards the
 data from the committed position, so within the epoch no sample is skipped or seen twice. The LR
 follows the new world size by itself (WarmupSchedule reads it in the step). Rank 0 may change:
 everything that writes only on rank 0 is told who rank 0 is now.
@@ -20,6 +20,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 
 from hvd_runtime.checkpoint import TrainState, state_fields
+from hvd_runtime.elastic_reset import elastic_reset_callback
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.state import shared_variables
@@ -71,17 +72,10 @@ def make_elastic_state(step: TrainStep, state: TrainState, ctx: Context, batches
     """Wrap the step's model and optimizer and `state` for run_elastic, with the reset callback attached."""
     elastic = KerasState(step, **state_fields(state))
 
-    def on_reset() -> None:
-        for b in batches:
-            b.reshard(ctx.rank, ctx.size)
-        for writer in writers:
-            writer.is_writer = ctx.is_root
-        if ctx.is_root:
-            lr = float(step.optimizer.learning_rate)
-            print(f"elastic reset: {ctx.size} rank(s) now; continuing from the last commit: epoch {elastic.epoch}, "
-                  f"step {elastic.step}, {elastic.samples_in_epoch} samples into the epoch; lr {lr:.6g}", flush=True)
+    def learning_rate() -> str:    # the LR follows the world size: show it
+        return f"; lr {float(step.optimizer.learning_rate):.6g}"
 
-    elastic.register_reset_callbacks([on_reset])
+    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, learning_rate)])
     return elastic
 
 

@@ -4,48 +4,21 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from hvd_runtime.rank_context import RankContext
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
 
-def _hvd():
-    """horovod.torch, imported on first use so that importing this module stays cheap."""
-    import horovod.torch as hvd
-
-    return hvd
-
-
 @dataclass(frozen=True)
-class Context:
-    """Where this process's tensors live, and who it is in the job.
+class Context(RankContext):
+    """Where this process's tensors live, and who it is in the job (rank and size read live)."""
 
-    Rank and size are read from Horovod each time: an elastic job can renumber its ranks.
-    """
-
+    horovod_module: ClassVar[str] = "horovod.torch"
     device: torch.device
-
-    @property
-    def rank(self) -> int:
-        return _hvd().rank()
-
-    @property
-    def size(self) -> int:
-        return _hvd().size()
-
-    @property
-    def local_rank(self) -> int:
-        return _hvd().local_rank()
-
-    @property
-    def local_size(self) -> int:
-        return _hvd().local_size()
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
 
 
 def seed_everything(seed: int) -> None:

@@ -2,7 +2,7 @@
 
 Horovod's TorchState keeps the model, the optimizer and the TrainState fields (epoch, step,
 samples_in_epoch, run_id); `state.commit()` snapshots them in memory. When a rank is lost, the
-survivors restore that snapshot, agree on a new rank numbering, and the reset callback here
+survivors restore that snapshot, agree on a new rank numbering, and the reset callback
 re-shards the data from the committed position, so within the epoch no sample is skipped or
 seen twice. The LR follows the new world size by itself (WarmupSchedule reads it each step).
 Rank 0 may change: everything that writes only on rank 0 is told who rank 0 is now.
@@ -17,6 +17,7 @@ from torch import nn
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context
 from hvd_runtime.checkpoint import TrainState, state_fields
+from hvd_runtime.elastic_reset import elastic_reset_callback
 
 
 def make_elastic_state(model: nn.Module, optimizer, state: TrainState, ctx: Context,
@@ -26,16 +27,7 @@ def make_elastic_state(model: nn.Module, optimizer, state: TrainState, ctx: Cont
 
     elastic = hvd.elastic.TorchState(model=model, optimizer=optimizer, **state_fields(state))
 
-    def on_reset() -> None:
-        for b in batches:
-            b.reshard(ctx.rank, ctx.size)
-        for writer in writers:
-            writer.is_writer = ctx.is_root
-        if ctx.is_root:
-            print(f"elastic reset: {ctx.size} rank(s) now; continuing from the last commit: epoch {elastic.epoch}, "
-                  f"step {elastic.step}, {elastic.samples_in_epoch} samples into the epoch", flush=True)
-
-    elastic.register_reset_callbacks([on_reset])
+    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers)])
     return elastic
 
 
