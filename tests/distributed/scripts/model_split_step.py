@@ -6,7 +6,6 @@ Every rank also trains the unsplit model on the whole global batch in-process an
 losses and its parameters after the steps. Rank 0 writes all ranks' results as JSON.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import parse_args  # noqa: E402
+from step_driver import parse_args, write_results  # noqa: E402
 from pipeline_step import CLASSES, FEATURES, make_model, rel  # noqa: E402
 
 from hvd_runtime.torch.model_split import ModelSplit  # noqa: E402
@@ -59,10 +58,8 @@ def main():
     for stage in model.stages:
         for name, p in stage.state_dict().items():   # stage keys are the model's own
             update_err[name] = rel(p.detach() - before[name], after[name] - before[name])
-    results = hvd.allgather_object({"rank": hvd.rank(), "losses": losses, "ref_losses": ref_losses,
-                                    "update_err": update_err, "devices": [str(d) for d in model.devices]})
-    if hvd.rank() == 0:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    write_results(hvd, {"rank": hvd.rank(), "losses": losses, "ref_losses": ref_losses,
+                        "update_err": update_err, "devices": [str(d) for d in model.devices]}, args.out)
 
 
 if __name__ == "__main__":

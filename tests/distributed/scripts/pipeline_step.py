@@ -7,7 +7,6 @@ whole model, plain SGD) and compares its own stage's parameters after the steps,
 reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from torch import nn
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import drive_pipeline, parse_args  # noqa: E402
+from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 
@@ -78,10 +77,7 @@ def main():
                   for name, p in stage.state_dict().items()}
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "blocks": list(stage.plan.stage_names(dims.stage)),
               "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err, **run}
-    results = hvd.allgather_object(result)
-    if hvd.rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(hvd, result, args.out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ two uneven batches. Arrays may be torch tensors or NumPy arrays (both slice the 
 
 import argparse
 import faulthandler
+import json
+from pathlib import Path
 
 
 def parse_args(pipeline: bool) -> argparse.Namespace:
@@ -50,3 +52,10 @@ def drive_pipeline(engine, dims, xs, ys, x_val, y_val, args) -> dict:
     if args.run_dir:
         engine.save_timeline(args.run_dir)
     return {"losses": losses, "accs": accs, "peak_in_flight": max(peaks), "val_loss": val_loss}
+
+
+def write_results(hvd, result: dict, out: str) -> None:
+    """Every rank calls: rank 0 writes all ranks' results, in rank order, as one JSON list."""
+    results = hvd.allgather_object(result)
+    if hvd.rank() == 0:
+        Path(out).write_text(json.dumps(results, indent=1))

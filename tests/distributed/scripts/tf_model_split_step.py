@@ -8,7 +8,6 @@ rank also trains the unsplit model on the whole global batch in-process and comp
 and its variables after the steps. Rank 0 writes all ranks' results as JSON.
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import parse_args  # noqa: E402
+from step_driver import parse_args, write_results  # noqa: E402
 from tf_pipeline_step import CLASSES, FEATURES, LOSS, make_model, named_variables, reference, rel  # noqa: E402
 
 import horovod.tensorflow as hvd  # noqa: E402
@@ -49,11 +48,9 @@ def main():
 
     update_err = {k: rel(v.numpy() - before[k], ref_updates[k]) for k, v in named_variables(model.layers).items()}
     blocks = [[layer.name for layer in s.layers] for s in split.stages]
-    results = hvd.allgather_object({"rank": ctx.rank, "losses": losses, "ref_losses": ref_losses,
-                                    "update_err": update_err, "devices": split.devices, "blocks": blocks,
-                                    "logical_cpus": len(tf.config.list_logical_devices("CPU"))})
-    if ctx.rank == 0:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    write_results(hvd, {"rank": ctx.rank, "losses": losses, "ref_losses": ref_losses,
+                        "update_err": update_err, "devices": split.devices, "blocks": blocks,
+                        "logical_cpus": len(tf.config.list_logical_devices("CPU"))}, args.out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ the engine's start-up broadcast is what makes them agree. Rank 0 writes all resu
 (the format tests/pipeline_checks.py judges).
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import horovod.tensorflow as hvd
 from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import drive_pipeline, parse_args  # noqa: E402
+from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 BLOCKS = [f"b{i}" for i in range(7)]
@@ -97,10 +96,7 @@ def main():
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
               "blocks": list(stage.plan.stage_names(dims.stage)), "ref_losses": ref_losses, "ref_accs": ref_accs,
               "ref_val_loss": ref_val, "update_err": update_err, **run}
-    results = hvd.allgather_object(result)
-    if hvd.rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(hvd, result, args.out)
 
 
 if __name__ == "__main__":
