@@ -86,3 +86,9 @@ class CheckpointStore:
                 warnings.warn(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc}); "
                               "falling back to the previous one", stacklevel=2)
         return None
+
+
+def announce_resume(path: Path, payload: dict) -> None:
+    """Rank 0's line on where a resumed run continues (the tests and the user both look for it)."""
+    where = payload["state"]
+    print(f"resuming from {path}: epoch {where['epoch']}, step {where['step']}", flush=True)

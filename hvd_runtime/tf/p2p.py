@@ -24,7 +24,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import tensorflow as tf
 
-_HEADER = 10   # int64 words: dtype code, ndim, up to 8 dims
+from hvd_runtime.p2p_header import HEADER_WORDS, header_words, read_header_words
+
+_HEADER = HEADER_WORDS
 _DTYPES = [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int64, tf.int32, tf.uint8, tf.int8]
 
 
@@ -41,11 +43,7 @@ tf.get_logger().addFilter(_TracedOnceEach())
 def encode(t: tf.Tensor) -> tf.Tensor:
     """Header + the tensor's bytes, as one flat uint8 tensor."""
     t = tf.convert_to_tensor(t)
-    if t.shape.rank > _HEADER - 2:
-        raise ValueError(f"cannot send a tensor of {t.shape.rank} dims between stages: at most {_HEADER - 2}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"cannot send {t.dtype.name} between stages: use one of {', '.join(d.name for d in _DTYPES)}")
-    words = [_DTYPES.index(t.dtype), t.shape.rank, *t.shape] + [0] * (_HEADER - 2 - t.shape.rank)
+    words = header_words(_DTYPES, t.dtype, t.shape.as_list())
     header = tf.reshape(tf.bitcast(tf.constant(words, tf.int64), tf.uint8), [-1])
     body = t if t.dtype == tf.uint8 else tf.bitcast(t, tf.uint8)
     return tf.concat([header, tf.reshape(body, [-1])], axis=0)
@@ -53,7 +51,7 @@ def encode(t: tf.Tensor) -> tf.Tensor:
 
 def decode(data: tf.Tensor) -> tf.Tensor:
     words = tf.bitcast(tf.reshape(data[:_HEADER * 8], [_HEADER, 8]), tf.int64).numpy().tolist()
-    dtype, shape = _DTYPES[words[0]], words[2:2 + words[1]]
+    dtype, shape = read_header_words(_DTYPES, words)
     body = data[_HEADER * 8:]
     if dtype != tf.uint8:
         body = tf.bitcast(tf.reshape(body, [-1, dtype.size]), dtype)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState, state_fields
+from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, state_fields
 from hvd_runtime.tf.context import Context
 
 SUFFIX = "pkl"
@@ -60,6 +60,14 @@ def _read(path: Path) -> dict:
         return pickle.load(f)
 
 
+def load_latest(store: CheckpointStore) -> tuple[Path, dict] | None:
+    """(path, payload) of the newest readable checkpoint, announced on stdout; None if there is none."""
+    found = store.load_latest(_read)
+    if found is not None:
+        announce_resume(*found)
+    return found
+
+
 def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool = True,
                          local_variables=()) -> TrainState:
     """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
@@ -73,13 +81,12 @@ def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context,
         optimizer.build(model.trainable_variables)
     meta = {"state": asdict(TrainState()), "rng": None}
     if ctx.is_root:
-        found = store.load_latest(_read) if resume else None
+        found = load_latest(store) if resume else None
         if found:
             path, payload = found
             _assign(model.variables, payload["model"], "model", path)
             _assign(optimizer.variables, payload["optimizer"], "optimizer", path)
             meta = {"state": payload["state"], "rng": payload["rng"]}
-            print(f"resuming from {path}: epoch {meta['state']['epoch']}, step {meta['state']['step']}", flush=True)
     # Horovod: every rank starts from rank 0's weights, optimizer state and position.
     hvd.broadcast_variables([v.value for v in shared_variables(model, optimizer, local_variables)], root_rank=0)
     meta = hvd.broadcast_object(meta, root_rank=0, name="initial_state")

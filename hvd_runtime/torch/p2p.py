@@ -24,21 +24,19 @@ import socket
 
 import torch
 
-_HEADER = 10   # int64 words: dtype code, ndim, up to 8 dims
+from hvd_runtime.p2p_header import HEADER_WORDS, header_words, read_header_words
+
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.uint8, torch.int8, torch.bool]
+_HEADER = HEADER_WORDS
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() > _HEADER - 2:
-        raise ValueError(f"cannot send a tensor of {t.dim()} dims between stages: at most {_HEADER - 2}")
-    words = [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim())
-    return torch.tensor(words, dtype=torch.int64)
+    return torch.tensor(header_words(_DTYPES, t.dtype, tuple(t.shape)), dtype=torch.int64)
 
 
 def _read_header(h: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
-    words = h.tolist()
-    return _DTYPES[words[0]], tuple(words[2:2 + words[1]])
+    return read_header_words(_DTYPES, h.tolist())
 
 
 class Link:

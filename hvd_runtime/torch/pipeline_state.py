@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState, state_fields
+from hvd_runtime.checkpoint import CheckpointStore, TrainState
+from hvd_runtime.pipeline_checkpoint import checkpoint_payload, gather_stages, own_rng, own_stage, restored_state
 from hvd_runtime.torch.state import _to_cpu, load_latest, rng_state, set_rng_state
 
 
@@ -20,11 +21,8 @@ def _gather_stages(stage: nn.Module, optimizer, dims) -> tuple[dict[int, dict], 
     """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state)."""
     import horovod.torch as hvd
 
-    mine = {"stage": dims.stage, "replica": dims.replica, "model": _to_cpu(stage.state_dict()),
-            "optimizer": _to_cpu(optimizer.state_dict()) if optimizer is not None else None,
-            "rng": rng_state()}
-    parts = hvd.allgather_object(mine, name="pp.gather_stages")
-    return {p["stage"]: p for p in parts if p["replica"] == 0}, [p["rng"] for p in parts]
+    return gather_stages(hvd, dims, _to_cpu(stage.state_dict()),
+                         _to_cpu(optimizer.state_dict()) if optimizer is not None else None, rng_state())
 
 
 def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer, state, dims):
@@ -32,7 +30,7 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer
     stages, rngs = _gather_stages(stage, optimizer, dims)
     if not store.is_writer:
         return None
-    payload = {"stages": stages, "state": state_fields(state), "rng": rngs}
+    payload = checkpoint_payload(stages, rngs, state)
     return store.save(state.step, lambda path: torch.save(payload, path))
 
 
@@ -44,16 +42,14 @@ def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, 
     payload = hvd.broadcast_object(payload, root_rank=0, name="pp.restore")
     if payload is None:
         return TrainState()
-    if "stages" not in payload or dims.stage not in payload["stages"]:
-        raise ValueError(f"the checkpoint in {store.directory} was not written by a {dims.stages}-stage pipeline: "
-                         "point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
-    mine = payload["stages"][dims.stage]
+    mine = own_stage(payload, dims, f"the checkpoint in {store.directory}")
     stage.load_state_dict(mine["model"])
     if optimizer is not None and mine["optimizer"] is not None:
         optimizer.load_state_dict(mine["optimizer"])
-    if payload.get("rng") and len(payload["rng"]) == hvd.size():
-        set_rng_state(payload["rng"][hvd.rank()])
-    return TrainState(**payload["state"])
+    rng = own_rng(payload, hvd.rank(), hvd.size())
+    if rng is not None:
+        set_rng_state(rng)
+    return restored_state(payload)
 
 
 def gather_full_model(model: nn.Module, stage: nn.Module, dims) -> nn.Module:

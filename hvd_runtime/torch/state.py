@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState, state_fields
+from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, state_fields
 from hvd_runtime.torch.context import Context
 
 
@@ -51,10 +51,8 @@ def load_latest(store: CheckpointStore) -> dict | None:
     found = store.load_latest(lambda p: torch.load(p, map_location="cpu", weights_only=False))
     if found is None:
         return None
-    path, payload = found
-    where = payload["state"]
-    print(f"resuming from {path}: epoch {where['epoch']}, step {where['step']}", flush=True)
-    return payload
+    announce_resume(*found)
+    return found[1]
 
 
 def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,

@@ -1,0 +1,42 @@
+"""The pipeline checkpoint protocol, whatever the framework: one file from rank 0 with every stage.
+
+Every rank hands its stage's state (model and optimizer, already in a picklable form) and its RNG
+state to all through one allgather; replica 0 of each stage stands for its replicas, which are
+identical. The payload is {"stages": {index: part}, "state": TrainState fields, "rng": per rank}.
+On restart every rank takes its own stage's part and its own RNG state back. The frameworks'
+pipeline_state modules only convert states and read and write files.
+"""
+
+from __future__ import annotations
+
+from hvd_runtime.checkpoint import TrainState, state_fields
+
+
+def gather_stages(hvd, dims, model_state, optimizer_state, rng) -> tuple[dict[int, dict], list]:
+    """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state)."""
+    mine = {"stage": dims.stage, "replica": dims.replica, "model": model_state, "optimizer": optimizer_state,
+            "rng": rng}
+    parts = hvd.allgather_object(mine, name="pp.gather_stages")
+    return {p["stage"]: p for p in parts if p["replica"] == 0}, [p["rng"] for p in parts]
+
+
+def checkpoint_payload(stages: dict[int, dict], rngs: list, state: TrainState) -> dict:
+    return {"stages": stages, "state": state_fields(state), "rng": rngs}
+
+
+def own_stage(payload: dict, dims, where: str) -> dict:
+    """This rank's stage part of a restored payload; refuses a checkpoint of another pipeline shape."""
+    if "stages" not in payload or dims.stage not in payload["stages"]:
+        raise ValueError(f"{where} was not written by a {dims.stages}-stage pipeline: "
+                         "point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
+    return payload["stages"][dims.stage]
+
+
+def own_rng(payload: dict, rank: int, size: int):
+    """This rank's saved RNG state, if the checkpoint came from a job of the same size; else None."""
+    rngs = payload.get("rng")
+    return rngs[rank] if rngs and len(rngs) == size else None
+
+
+def restored_state(payload: dict) -> TrainState:
+    return TrainState(**payload["state"])
