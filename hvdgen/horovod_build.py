@@ -35,30 +35,11 @@ from pathlib import Path
 import click
 
 from hvdgen.errors import HvdgenError
+from hvdgen.horovod_patches import PATCHES
 from hvdgen.paths import cache_dir
 
 HOROVOD_VERSION = "0.28.1"
 
-
-@dataclass(frozen=True)
-class Patch:
-    """A textual fix to the sdist. `old` must be present, so a changed sdist fails loudly."""
-
-    path: str
-    old: str
-    new: str
-    why: str
-
-
-PATCHES = (
-    Patch("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
-          "torch >= 2.1 headers need C++17; changing only the torch subdir breaks Gloo at link time"),
-    Patch("horovod/torch/CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
-          "torch >= 2.1 headers need C++17 (fixed on Horovod master, #3998)"),
-    Patch("horovod/tensorflow/CMakeLists.txt",
-          'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n', "",
-          "optional XLA ops include xla_builder.h, which moved in TF >= 2.19"),
-)
 
 # gcc >= 13 no longer pulls <cstdint> in transitively (Horovod master #3957); forcing it in is
 # harmless on older compilers.
