@@ -21,16 +21,45 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from hvd_runtime.devices import stage_gpus
 from hvd_runtime.partition import Partition
 from hvd_runtime.tf.stage import build_stage, plan_stages
 
 
-def split_devices(stages: int) -> list[str]:
-    """One device per stage: this rank's GPUs if it sees enough, else its logical CPU devices, else CPU:0."""
-    for kind in ("GPU", "CPU"):
-        found = tf.config.list_logical_devices(kind)
-        if len(found) >= stages:
-            return [f"/{kind}:{k}" for k in range(stages)]
+def _local() -> tuple[int, int]:
+    """(local rank, local size) under Horovod, else (0, 1): workers on a host share its GPUs."""
+    try:
+        import horovod.tensorflow as hvd
+
+        if hvd.is_initialized():
+            return hvd.local_rank(), hvd.local_size()
+    except ImportError:
+        pass
+    return 0, 1
+
+
+def split_devices(stages: int, local_rank: int | None = None, local_size: int | None = None) -> list[str]:
+    """One device per stage: this rank's share of the host's GPUs, else its logical CPU devices, else CPU:0.
+
+    Which GPUs is hvd_runtime.devices' decision, on the host's GPU count: too few GPUs is a
+    TooFewGpus config error, not a quiet fall back to the CPU. `init_horovod(devices_per_rank=stages)`
+    may already have hidden the other ranks' GPUs, so each chosen GPU is named by its place among
+    the GPUs this process still sees.
+    """
+    if local_rank is None or local_size is None:
+        local_rank, local_size = _local()
+    physical = tf.config.list_physical_devices("GPU")
+    gpus = stage_gpus(stages, local_rank, local_size, len(physical))
+    if gpus is not None:
+        visible = tf.config.get_visible_devices("GPU")
+        hidden = [physical[g].name for g in gpus if physical[g] not in visible]
+        if hidden:
+            raise RuntimeError(f"this rank's stage GPUs {', '.join(hidden)} were hidden from TensorFlow: "
+                               f"start with init_horovod(devices_per_rank={stages})")
+        return [f"/GPU:{visible.index(physical[g])}" for g in gpus]
+    cpus = tf.config.list_logical_devices("CPU")
+    if len(cpus) >= stages:
+        return [f"/CPU:{k}" for k in range(stages)]
     return ["/CPU:0"] * stages
 
 

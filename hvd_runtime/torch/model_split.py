@@ -1,6 +1,6 @@
 """model-split: one worker's model cut into stages on its own devices; Horovod data parallel across workers.
 
-    model = ModelSplit(model, stages=2, micro_batches=4)    # GPUs if there are enough, else CPU
+    model = ModelSplit(model, stages=2, micro_batches=4)    # this rank's share of the GPUs, or the CPU
     optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     out = model(x); loss = loss_fn(out, y.to(model.output_device))
 
@@ -18,19 +18,22 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from hvd_runtime.devices import stage_gpus
 from hvd_runtime.partition import Partition
 from hvd_runtime.torch.stage import build_stage, plan_stages
 
 
 def split_devices(stages: int, local_rank: int = 0, local_size: int = 1) -> list[torch.device]:
-    """Devices for this worker's stages: its own share of the host's GPUs, else the CPU for all.
+    """Devices for this worker's stages: its own share of the host's GPUs, or the CPU for all.
 
-    With local_size workers on a host and at least stages x local_size GPUs, worker k takes GPUs
-    k*stages .. k*stages+stages-1. Fewer GPUs than that: every stage on the CPU.
+    Worker k of local_size on a host takes GPUs k*stages .. k*stages+stages-1; with no GPU every
+    stage is on the CPU; with too few GPUs (hvd_runtime.devices) a TooFewGpus config error.
     """
-    if torch.cuda.is_available() and torch.cuda.device_count() >= stages * local_size:
-        return [torch.device("cuda", local_rank * stages + s) for s in range(stages)]
-    return [torch.device("cpu")] * stages
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = stage_gpus(stages, local_rank, local_size, visible)
+    if gpus is None:
+        return [torch.device("cpu")] * stages
+    return [torch.device("cuda", g) for g in gpus]
 
 
 def _local() -> tuple[int, int]:

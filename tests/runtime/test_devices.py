@@ -1,0 +1,141 @@
+"""Model-split stage placement: each rank's share of the host's GPUs, the CPU without any, one line when too few.
+
+The decision (hvd_runtime.devices) takes counts, so every case is checked here without a GPU;
+the framework halves are checked for asking it with their own GPU count and naming the devices.
+"""
+
+import importlib.util
+import itertools
+
+import pytest
+
+from hvd_runtime.config import ConfigError
+from hvd_runtime.devices import TooFewGpus, stage_gpus
+
+
+@pytest.mark.parametrize("stages, local_size", [(1, 1), (2, 1), (2, 2), (2, 4), (4, 2), (3, 3)])
+def test_no_gpu_puts_every_stage_on_the_cpu(stages, local_size):
+    assert all(stage_gpus(stages, k, local_size, 0) is None for k in range(local_size))
+
+
+@pytest.mark.parametrize("stages, local_size, gpus", [(1, 1, 1), (2, 1, 2), (2, 2, 4), (2, 4, 8), (4, 2, 8),
+                                                      (2, 2, 8), (3, 2, 7), (2, 1, 8)])
+def test_each_rank_takes_its_own_consecutive_share(stages, local_size, gpus):
+    shares = [stage_gpus(stages, k, local_size, gpus) for k in range(local_size)]
+    assert shares == [list(range(k * stages, (k + 1) * stages)) for k in range(local_size)]
+    used = list(itertools.chain(*shares))
+    assert len(set(used)) == len(used) == stages * local_size and max(used) < gpus   # disjoint, all exist
+
+
+def test_the_default_gpu_overlay_one_gpu_per_worker_two_stages_is_refused_in_one_line():
+    with pytest.raises(TooFewGpus) as error:
+        stage_gpus(2, 0, 1, 1)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "1 rank(s) on this host (-np / ranks per host) x 2 stages (parallel.stages) need 2 GPUs" in message
+    assert "this host shows 1" in message
+    assert "--parallel.stages 1" in message and "hosts with 2 GPUs" in message
+    assert "rank(s) per host (" not in message        # not even one rank fits: fewer ranks is no way out
+
+
+def test_np4_on_a_four_gpu_node_with_two_stages_names_every_way_out():
+    for local_rank in range(4):       # every rank stops, not only the ones past the last GPU
+        with pytest.raises(TooFewGpus) as error:
+            stage_gpus(2, local_rank, 4, 4)
+    message = str(error.value)
+    assert "4 rank(s) on this host" in message and "need 8 GPUs" in message and "shows 4" in message
+    assert "run at most 2 rank(s) per host" in message
+    assert "--parallel.stages 1" in message and "hosts with 8 GPUs" in message
+
+
+def test_too_few_gpus_is_a_config_error_so_train_py_prints_one_line():
+    assert issubclass(TooFewGpus, ConfigError)
+
+
+@pytest.mark.parametrize("args", [(0, 0, 1, 4), (2, 2, 2, 4), (2, -1, 2, 4)])
+def test_impossible_arguments_are_programming_errors(args):
+    with pytest.raises(ValueError) as error:
+        stage_gpus(*args)
+    assert not isinstance(error.value, ConfigError)
+
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="TensorFlow is not installed")
+
+
+@needs_torch
+@pytest.mark.parametrize("gpus, expected", [(0, ["cpu", "cpu"]), (4, ["cuda:2", "cuda:3"]), (6, ["cuda:2", "cuda:3"])])
+def test_torch_split_devices_asks_with_the_visible_gpu_count(monkeypatch, gpus, expected):
+    import torch
+
+    from hvd_runtime.torch.model_split import split_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert split_devices(2, local_rank=1, local_size=2) == [torch.device(d) for d in expected]
+
+
+@needs_torch
+def test_torch_split_devices_refuses_too_few_gpus(monkeypatch):
+    import torch
+
+    from hvd_runtime.torch.model_split import split_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(TooFewGpus, match="need 4 GPUs, but this host shows 3"):
+        split_devices(2, local_rank=0, local_size=2)
+
+
+def fake_gpus(monkeypatch, tf, physical: int, visible: list[int]):
+    devices = [tf.config.PhysicalDevice(f"/physical_device:GPU:{k}", "GPU") for k in range(physical)]
+    real_list, real_visible = tf.config.list_physical_devices, tf.config.get_visible_devices
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: devices if kind == "GPU" else real_list(kind))
+    monkeypatch.setattr(tf.config, "get_visible_devices",
+                        lambda kind=None: [devices[k] for k in visible] if kind == "GPU" else real_visible(kind))
+
+
+@needs_tf
+@pytest.mark.parametrize("visible, expected", [([2, 3], ["/GPU:0", "/GPU:1"]),        # init_horovod hid the rest
+                                               ([0, 1, 2, 3], ["/GPU:2", "/GPU:3"])])  # nothing hidden
+def test_tf_split_devices_names_this_ranks_gpus_as_tensorflow_sees_them(monkeypatch, visible, expected):
+    import tensorflow as tf
+
+    from hvd_runtime.tf.model_split import split_devices
+
+    fake_gpus(monkeypatch, tf, 4, visible)
+    assert split_devices(2, local_rank=1, local_size=2) == expected
+
+
+@needs_tf
+def test_tf_split_devices_refuses_too_few_gpus_even_after_they_were_hidden(monkeypatch):
+    import tensorflow as tf
+
+    from hvd_runtime.tf.model_split import split_devices
+
+    fake_gpus(monkeypatch, tf, 1, [])     # init_horovod hides GPUs it cannot split over
+    with pytest.raises(TooFewGpus, match="need 2 GPUs, but this host shows 1"):
+        split_devices(2, local_rank=0, local_size=1)
+
+
+@needs_tf
+def test_tf_split_devices_without_a_gpu_uses_logical_cpus_or_cpu0():
+    import tensorflow as tf
+
+    from hvd_runtime.tf.model_split import split_devices
+
+    cpus = len(tf.config.list_logical_devices("CPU"))
+    expected = [f"/CPU:{k}" for k in range(2)] if cpus >= 2 else ["/CPU:0"] * 2
+    assert split_devices(2, local_rank=0, local_size=1) == expected
+
+
+@needs_tf
+def test_tf_split_devices_says_when_its_gpus_were_hidden_by_a_one_device_start(monkeypatch):
+    import tensorflow as tf
+
+    from hvd_runtime.tf.model_split import split_devices
+
+    fake_gpus(monkeypatch, tf, 4, [1])    # init_horovod() without devices_per_rank pinned one GPU
+    with pytest.raises(RuntimeError, match=r"init_horovod\(devices_per_rank=2\)"):
+        split_devices(2, local_rank=1, local_size=2)
