@@ -20,11 +20,18 @@ def main() -> None:
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=lambda: os.cpu_count() or 1, show_default="cores",
               help="Parallel compile jobs.")
 @click.option("--force", is_flag=True, help="Rebuild even if a cached wheel matches.")
-def install_horovod_cmd(jobs: int, force: bool) -> None:
-    """Build Horovod for the installed frameworks (cached), then install it."""
+@click.option("--cpu-only", is_flag=True,
+              help="Leave out GPU ops (NCCL) even for a CUDA build of torch, e.g. where no CUDA compiler or NCCL is "
+                   "at hand; cached under its own key.")
+def install_horovod_cmd(jobs: int, force: bool, cpu_only: bool) -> None:
+    """Build Horovod for the installed frameworks (cached), then install it.
+
+    A CUDA build of torch gets NCCL ops, compiled with the CUDA toolkit and NCCL found here
+    (CUDA_HOME/CUDA_PATH, nvcc on PATH, /usr/local/cuda, pip's nvidia wheels).
+    """
     from hvdgen.horovod_build import install_horovod
 
-    install_horovod(jobs=jobs, force=force)
+    install_horovod(jobs=jobs, force=force, cpu_only=cpu_only)
 
 
 @main.command("list")

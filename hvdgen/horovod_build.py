@@ -2,10 +2,15 @@
 
 Horovod's last release predates current PyTorch and TensorFlow: it asks for C++14 where torch
 needs C++17, and its optional XLA ops include a TF header that moved in TF 2.19. PyPI only has
-its sdist, so every user compiles it. This module does that once per (horovod, Python, torch,
-TF, controllers) combination and keeps the wheel in the user's cache, so the second run of
-`hvdgen install-horovod` takes seconds and a wheel is never used against a framework it was not
-built for (that fails with a version mismatch at import).
+its sdist, so every user compiles it. This module does that once per (horovod, patches, Python,
+torch, TF, controllers, CUDA, NCCL) combination and keeps the wheel in the user's cache, so the
+second run of `hvdgen install-horovod` takes seconds and a wheel is never used against a framework
+it was not built for (that fails with a version mismatch at import).
+
+A CUDA build of torch gets NCCL ops, compiled against the toolkit and NCCL that `cuda_env` finds
+(pip's NCCL wheel included). When either is missing the command stops before downloading
+anything, with one line naming what is missing and the two ways on: install it, or
+`--cpu-only`. A CPU-only build on a CUDA torch has its own cache key.
 
 Some of TensorFlow's pip headers include `highwayhash/arch_specific.h` and `farmhash.h` without
 putting them on its include path (through the XLA headers; with xla_mpi_ops.cc left out, TF
@@ -28,14 +33,16 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
 import click
 
 from hvdgen.errors import HvdgenError
-from hvdgen.horovod_patches import PATCHES
+from hvdgen.cuda_env import (TOOLKIT_VARIABLES, GpuBuild, GpuBuildBlocked, find_gpu_build, find_toolkit,
+                             site_dirs, torch_cuda_version)
+from hvdgen.horovod_patches import PATCHES, patches_digest
 from hvdgen.paths import cache_dir
 
 HOROVOD_VERSION = "0.28.1"
@@ -66,6 +73,12 @@ FAILURE_HINTS = (
      "pip install 'cmake>=3.18'"),
     (r"c\+\+: fatal error: Killed|Killed signal terminated program",
      "the compiler ran out of memory: rerun with --jobs 1"),
+    (r"Could NOT find CUDAToolkit|CUDA_TOOLKIT_ROOT_DIR not found|No CMAKE_CUDA_COMPILER could be found",
+     "CMake did not find the CUDA toolkit: set CUDA_HOME to it, or build without GPU ops: "
+     "hvdgen install-horovod --cpu-only"),
+    (r"Could NOT find NCCL",
+     "CMake did not find NCCL: pip install nvidia-nccl-cu13 (or set HOROVOD_NCCL_HOME), or build without GPU ops: "
+     "hvdgen install-horovod --cpu-only"),
     (r"requires C\+\+17|error: .*is not a member of 'std'",
      "the C++ standard patch did not take: rerun with --force; if it persists, report the log"),
 )
@@ -73,22 +86,34 @@ FAILURE_HINTS = (
 
 @dataclass(frozen=True)
 class BuildTarget:
-    """Everything a Horovod binary depends on; two targets with the same key share one wheel."""
+    """Everything a Horovod binary depends on; two targets with the same key share one wheel.
+
+    `cuda` and `nccl` are the toolkit and NCCL versions the GPU ops are compiled against (None: no
+    GPU ops); `cpu_only` marks a build that leaves them out of a CUDA torch on request, which must
+    not be mistaken for the NCCL wheel of the same torch.
+    """
 
     python: str
     torch: str | None
     tensorflow: str | None
     mpi: bool
-    nccl: bool
+    cuda: str | None = None
+    nccl: str | None = None
+    cpu_only: bool = False
+    patches: str = field(default_factory=patches_digest)
 
     @property
     def key(self) -> str:
-        parts = [f"horovod{HOROVOD_VERSION}", f"py{self.python}",
+        parts = [f"horovod{HOROVOD_VERSION}-p{self.patches}", f"py{self.python}",
                  f"torch{self.torch or '-none'}", f"tf{self.tensorflow or '-none'}", "gloo"]
         if self.mpi:
             parts.append("mpi")
+        if self.cuda:
+            parts.append(f"cuda{self.cuda}")
         if self.nccl:
-            parts.append("nccl")
+            parts.append(f"nccl{self.nccl}")
+        if self.cpu_only:
+            parts.append("cpu-only")
         return "_".join(parts)
 
     @property
@@ -103,23 +128,32 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _torch_has_cuda() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda or '')"],
-                           capture_output=True, text=True)
-    return bool(probe.stdout.strip())
+CPU_ONLY_WAY = "or build without GPU ops: hvdgen install-horovod --cpu-only"
 
 
-def detect_target() -> BuildTarget:
-    """Read framework versions from package metadata (no framework import) and probe the toolchain."""
+def detect_target(cpu_only: bool = False) -> tuple[BuildTarget, GpuBuild | None]:
+    """Read framework versions from package metadata (no framework import) and find the toolchain.
+
+    A CUDA torch gets NCCL ops unless `cpu_only`; if its compiler or NCCL is missing this stops
+    here, before anything is downloaded or built, with the one line GpuBuildBlocked composes.
+    """
     torch = _dist_version("torch")
     tensorflow = _dist_version("tensorflow") or _dist_version("tensorflow-cpu")
     if not torch and not tensorflow:
         raise HvdgenError("neither torch nor tensorflow is installed: pip install torch==2.13.0 "
                           "(or tensorflow) first, then rerun hvdgen install-horovod")
-    mpi = shutil.which("mpicxx") is not None
-    nccl = bool(torch) and shutil.which("nvcc") is not None and _torch_has_cuda()
-    return BuildTarget(python=f"{sys.version_info.major}{sys.version_info.minor}",
-                       torch=torch, tensorflow=tensorflow, mpi=mpi, nccl=nccl)
+    target = BuildTarget(python=f"{sys.version_info.major}{sys.version_info.minor}", torch=torch,
+                         tensorflow=tensorflow, mpi=shutil.which("mpicxx") is not None)
+    cuda = torch_cuda_version() if torch else None
+    if cuda is None:
+        return target, None
+    if cpu_only:
+        return replace(target, cpu_only=True), None
+    try:
+        gpu = find_gpu_build(cuda)
+    except GpuBuildBlocked as blocked:
+        raise HvdgenError(f"{blocked}, {CPU_ONLY_WAY}") from None
+    return replace(target, cuda=gpu.toolkit.version, nccl=gpu.nccl.version), gpu
 
 
 def wheel_cache_dir(target: BuildTarget) -> Path:
@@ -196,8 +230,34 @@ def apply_patches(source: Path) -> None:
         path.write_text(text.replace(patch.old, patch.new))
 
 
-def build_environment(target: BuildTarget, jobs: int, include_dirs: list[Path] = ()) -> dict[str, str]:
-    env = dict(os.environ)
+def cpu_only_environment(env: dict[str, str]) -> dict[str, str]:
+    """Build variables for a CPU-only build on a CUDA torch.
+
+    Horovod's torch ops still compile CUDA support (no NCCL) whenever torch's own probe finds a
+    CUDA_HOME, which it does from CUDA_HOME, any nvcc on PATH or /usr/local/cuda. A toolkit that
+    would really build is pointed at explicitly; otherwise the names that would mislead the probe
+    into a half-found toolkit are taken out.
+    """
+    cuda = torch_cuda_version()
+    try:
+        toolkit = find_toolkit(cuda, env, site_dirs()) if cuda else None
+    except GpuBuildBlocked:
+        toolkit = None
+    if toolkit is not None:
+        root = str(toolkit.build_root(cache_dir()))
+        return {**env, "CUDA_HOME": root, "HOROVOD_CUDA_HOME": root, "CUDAToolkit_ROOT": root,
+                "CUDACXX": str(Path(root) / "bin" / "nvcc")}
+    clean = {k: v for k, v in env.items() if k not in TOOLKIT_VARIABLES}
+    path = [d for d in env.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "nvcc").exists()]
+    clean["PATH"] = os.pathsep.join(path)
+    return clean
+
+
+def build_environment(target: BuildTarget, jobs: int, include_dirs: list[Path] = (),
+                      gpu_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables Horovod's setup.py and CMake read; `gpu_env` is GpuBuild.environment()'s."""
+    env = cpu_only_environment(dict(os.environ)) if target.cpu_only else dict(os.environ)
+    env.pop("HOROVOD_GPU_OPERATIONS", None)
     if include_dirs:
         paths = [str(d) for d in include_dirs] + [p for p in env.get("CPLUS_INCLUDE_PATH", "").split(os.pathsep) if p]
         env["CPLUS_INCLUDE_PATH"] = os.pathsep.join(paths)
@@ -211,8 +271,7 @@ def build_environment(target: BuildTarget, jobs: int, include_dirs: list[Path] =
     env["HOROVOD_WITH_PYTORCH" if target.torch else "HOROVOD_WITHOUT_PYTORCH"] = "1"
     env["HOROVOD_WITH_TENSORFLOW" if target.tensorflow else "HOROVOD_WITHOUT_TENSORFLOW"] = "1"
     env["HOROVOD_WITH_MPI" if target.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
-    if target.nccl:
-        env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+    env.update(gpu_env or {})
     return env
 
 
@@ -245,7 +304,7 @@ def explain_failure(log_path: Path, tail_lines: int = 40) -> str:
     return f"{tail}\n\nhorovod build failed; likely fix: {advice} (full log: {log_path})"
 
 
-def build_wheel(target: BuildTarget, jobs: int) -> Path:
+def build_wheel(target: BuildTarget, jobs: int, gpu: GpuBuild | None = None) -> Path:
     """Fetch the sdist, patch it, build one wheel against the installed frameworks, cache it."""
     dest = wheel_cache_dir(target)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -269,10 +328,14 @@ def build_wheel(target: BuildTarget, jobs: int) -> Path:
         source = work / f"horovod-{HOROVOD_VERSION}"
         apply_patches(source)
         out = work / "wheel"
+        gpu_env = gpu.environment(cache_dir()) if gpu else None
+        if gpu:
+            click.echo(f"GPU ops: CUDA {gpu.toolkit.version} from {gpu.toolkit.found_by} ({gpu.toolkit.root}), "
+                       f"NCCL {gpu.nccl.version} from {gpu.nccl.found_by}")
         click.echo(f"building for {', '.join(target.frameworks)} (key {target.key}); log: {log_path}")
         started = time.monotonic()
         cmd = [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(out), "."]
-        if _run_logged(cmd, build_environment(target, jobs, include_dirs), log_path, cwd=source) != 0:
+        if _run_logged(cmd, build_environment(target, jobs, include_dirs, gpu_env), log_path, cwd=source) != 0:
             raise HvdgenError(explain_failure(log_path))
         click.echo(f"built in {time.monotonic() - started:.0f}s")
         wheel = next(out.glob("horovod-*.whl"))
@@ -284,14 +347,14 @@ def build_wheel(target: BuildTarget, jobs: int) -> Path:
     return dest / wheel.name
 
 
-def install_horovod(jobs: int, force: bool) -> Path:
-    target = detect_target()
+def install_horovod(jobs: int, force: bool, cpu_only: bool = False) -> Path:
+    target, gpu = detect_target(cpu_only)
     wheel = None if force else cached_wheel(target)
     if wheel and installed_wheel_url() == wheel.as_uri() and imports_cleanly(target):
         click.echo(f"horovod {HOROVOD_VERSION} is installed from the cached wheel {wheel}")
         return wheel
     if wheel is None:
-        wheel = build_wheel(target, jobs)
+        wheel = build_wheel(target, jobs, gpu)
     else:
         click.echo(f"using cached wheel {wheel}")
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", str(wheel)],

@@ -11,6 +11,7 @@ import pytest
 from hvdgen import horovod_build
 from hvdgen.doctor import parse_check_build
 from hvdgen.errors import HvdgenError
+from hvdgen.horovod_patches import patches_digest
 
 BIN = Path(sys.executable).parent
 
@@ -35,13 +36,26 @@ def test_patches_apply_to_the_real_sdist(sdist_source):
 
 
 def test_cache_key_names_every_version():
-    target = horovod_build.BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=True, nccl=False)
-    assert target.key == "horovod0.28.1_py311_torch2.13.0+cpu_tf-none_gloo_mpi"
+    target = horovod_build.BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=True)
+    assert target.key == f"horovod0.28.1-p{patches_digest()}_py311_torch2.13.0+cpu_tf-none_gloo_mpi"
     assert target.frameworks == ["PyTorch"]
 
 
-def test_build_environment_selects_frameworks_and_controllers():
-    target = horovod_build.BuildTarget(python="311", torch="2.13.0", tensorflow=None, mpi=False, nccl=False)
+def test_cache_key_names_cuda_and_nccl_and_sets_a_cpu_only_build_apart():
+    gpu = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
+                                    cuda="13.0", nccl="2.29.7", patches="abcd1234")
+    assert gpu.key == "horovod0.28.1-pabcd1234_py312_torch2.13.0_tf2.21.0_gloo_cuda13.0_nccl2.29.7"
+    cpu_only = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
+                                         cpu_only=True, patches="abcd1234")
+    assert cpu_only.key == "horovod0.28.1-pabcd1234_py312_torch2.13.0_tf2.21.0_gloo_cpu-only"
+    other_patches = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
+                                              cpu_only=True, patches="00000000")
+    assert other_patches.key != cpu_only.key
+
+
+def test_build_environment_selects_frameworks_and_controllers(monkeypatch):
+    monkeypatch.setenv("HOROVOD_GPU_OPERATIONS", "NCCL")  # a stray user setting must not turn a CPU build into NCCL
+    target = horovod_build.BuildTarget(python="311", torch="2.13.0", tensorflow=None, mpi=False)
     env = horovod_build.build_environment(target, jobs=3)
     assert env["HOROVOD_WITH_PYTORCH"] == env["HOROVOD_WITHOUT_TENSORFLOW"] == env["HOROVOD_WITHOUT_MPI"] == "1"
     assert env["MAKEFLAGS"] == "-j3" and "-include cstdint" in env["CXXFLAGS"]

@@ -57,7 +57,7 @@ def test_without_a_compiler_only_shipped_copies_are_listed(tmp_path):
 
 def test_extra_dirs_go_first_on_the_build_include_path(tmp_path, monkeypatch):
     monkeypatch.setenv("CPLUS_INCLUDE_PATH", "/opt/mine")
-    target = BuildTarget(python="311", torch=None, tensorflow="2.21.0", mpi=False, nccl=False)
+    target = BuildTarget(python="311", torch=None, tensorflow="2.21.0", mpi=False)
     env = build_environment(target, jobs=1, include_dirs=[tmp_path / "a", tmp_path / "b"])
     assert env["CPLUS_INCLUDE_PATH"].split(":") == [str(tmp_path / "a"), str(tmp_path / "b"), "/opt/mine"]
     assert env["HOROVOD_WITH_TENSORFLOW"] == "1" and env["HOROVOD_WITHOUT_PYTORCH"] == "1"
