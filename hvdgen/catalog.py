@@ -5,6 +5,10 @@ from __future__ import annotations
 FRAMEWORKS = ("torch", "tensorflow")
 STRATEGIES = ("data", "model-split", "pipeline")
 
+# The framework release each generated project pins: the one this hvdgen release is tested with.
+# scripts/setup.sh installs the same (a test keeps the two in step).
+FRAMEWORK_PINS = {"torch": "torch==2.13.0", "tensorflow": "tensorflow==2.21.0"}
+
 # (framework, strategy) -> one line on what the generated project does.
 AVAILABLE = {
     ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",

@@ -10,7 +10,19 @@ import click
 from hvdgen import __version__
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Every command's failures reach the user as one line: an OS error (a read-only folder, a
+    full disk) is a problem of this machine the user can fix, not a bug to show a traceback for."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            where = f": {exc.filename}" if exc.filename else ""
+            raise click.ClickException(f"{exc.strerror or exc}{where}: check the path and its permissions") from exc
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hvdgen")
 def main() -> None:
     """Generate Horovod distributed-training projects for PyTorch and TensorFlow."""
@@ -68,15 +80,26 @@ def new_cmd(name: str, framework: str, strategy: str, stages: int | None, micro_
     if given and strategy == "data":
         flag = "--" + next(iter(given)).replace("_", "-")
         raise HvdgenError(f"{flag} applies to --strategy model-split or pipeline, not data: drop it or pick one")
+    if schedule is not None and strategy == "model-split":
+        raise HvdgenError("--schedule applies to --strategy pipeline (model-split runs its micro-batches in order): "
+                          "drop --schedule, or use --strategy pipeline")
     spec = ProjectSpec(name=name, framework=framework, strategy=strategy, elastic=elastic, **given)
     target = output / name
-    written = generate(spec, target, force=force, dry_run=dry_run)
+    result = generate(spec, target, force=force, dry_run=dry_run)
     if dry_run:
-        click.echo(f"would write {len(written)} files to {target}:")
-        for rel in written:
+        click.echo(f"would write {len(result.files)} files to {target}:")
+        for rel in result.files:
             click.echo(f"  {rel}")
+        if result.plan is not None:
+            click.echo("over the existing project, --force would change:")
+            click.echo("\n".join(result.plan.lines()) or "  nothing")
         return
-    click.echo(f"created {target} ({framework}, {strategy}, {len(written)} files)")
+    click.echo(f"created {target} ({framework}, {strategy}, {len(result.files)} files)")
+    if result.plan is not None:
+        click.echo("\n".join(result.plan.lines()) or "  (no generated file changed)")
+        for rel in result.plan.user_changed:
+            click.echo(f"warning: you had changed {rel}; it is replaced, your version is kept beside it as .orig",
+                       err=True)
     click.echo(f"next: cd {target} && make setup && make train")
 
 

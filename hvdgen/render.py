@@ -12,18 +12,25 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import signal
 import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 import yaml
 from jinja2.sandbox import SandboxedEnvironment
 
+from hvdgen import runtime_wheel
+from hvdgen.catalog import FRAMEWORK_PINS
 from hvdgen.errors import HvdgenError
+from hvdgen.overwrite import FINGERPRINTS, Plan, overwrite, plan_overwrite, write_fingerprints
 from hvdgen.paths import templates_dir
 from hvdgen.spec import SPEC_FILE, ProjectSpec
 
 TEMPLATE_SUFFIX = ".j2"
+PARTIAL_PREFIX = "_"  # included by other templates, never written on its own
 
 # Files only some projects get: output path -> whether this spec gets it.
 ONLY_WHEN = {
@@ -44,6 +51,8 @@ def template_files(spec: ProjectSpec) -> dict[str, Path]:
     for layer in _layers(spec):
         for path in sorted(p for p in layer.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             rel = path.relative_to(layer).as_posix().removesuffix(TEMPLATE_SUFFIX)
+            if path.name.startswith(PARTIAL_PREFIX):
+                continue
             if ONLY_WHEN.get(rel, lambda _: True)(spec):
                 files[rel] = path
     return files
@@ -60,7 +69,8 @@ def _environment(spec: ProjectSpec) -> SandboxedEnvironment:
 
 def context(spec: ProjectSpec) -> dict:
     return {"spec": spec, "name": spec.name, "package": spec.package, "framework": spec.framework,
-            "strategy": spec.strategy, "hvdgen_version": spec.hvdgen_version}
+            "strategy": spec.strategy, "hvdgen_version": spec.hvdgen_version,
+            "runtime_wheel": runtime_wheel.wheel_relpath(), "framework_pin": FRAMEWORK_PINS[spec.framework]}
 
 
 def render_tree(spec: ProjectSpec, dest: Path, only: str | None = None) -> list[str]:
@@ -86,8 +96,12 @@ def render_tree(spec: ProjectSpec, dest: Path, only: str | None = None) -> list[
 
         written += write_k8s(spec, dest)
     if only is None:
+        runtime_wheel.copy_wheel_into(dest / runtime_wheel.WHEEL_DIR)
+        written.append(runtime_wheel.wheel_relpath())
         (dest / SPEC_FILE).write_text(spec.to_yaml())
         written.append(SPEC_FILE)
+        write_fingerprints(dest, written)
+        written.append(FINGERPRINTS)
     return sorted(written)
 
 
@@ -107,49 +121,108 @@ def check_tree(root: Path) -> None:
 
 
 def target_is_free(target: Path, force: bool) -> None:
+    for ancestor in reversed(target.parents):
+        if ancestor.exists() and not ancestor.is_dir():
+            raise HvdgenError(f"{ancestor} is a file, not a folder: choose another --output")
     if target.exists() and not target.is_dir():
         raise HvdgenError(f"{target} exists and is not a directory: choose another --output or name")
     if target.is_dir() and any(target.iterdir()) and not force:
         raise HvdgenError(f"{target} exists and is not empty: choose another --output, or pass --force to overwrite")
 
 
-def generate(spec: ProjectSpec, target: Path, force: bool = False, dry_run: bool = False) -> list[str]:
-    """Render into a temp dir beside `target`, check it, then move it into place.
+@dataclass
+class Generated:
+    """What `generate` wrote (or, with dry_run, would write) and, over an existing project, how."""
 
-    On any error the temp dir is removed and `target` is left as it was.
-    """
-    target = target.resolve()
-    target_is_free(target, force)
-    parent = target.parent
-    if not dry_run:
-        parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.hvdgen-", dir=parent if not dry_run else None))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the project should not be
+    files: list[str]
+    plan: Plan | None = None
+
+
+_CLEAN_UP_ON = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupted(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def _signals_clean_up():
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so `finally` removes the temporary folders."""
+    previous = {sig: signal.signal(sig, _interrupted) for sig in _CLEAN_UP_ON}
     try:
-        written = render_tree(spec, staging)
-        check_tree(staging)
-        if dry_run:
-            return written
-        if not target.exists():
-            staging.rename(target)  # atomic on one filesystem
-            staging = None
-        else:
-            move_files_into(staging, target, written)
-        return written
+        yield
     finally:
-        if staging is not None and staging.exists():
-            shutil.rmtree(staging)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _signals_held():
+    """Hold signals while cleaning up, so a second one cannot leave a half-removed folder."""
+    held = {signal.SIGINT, *_CLEAN_UP_ON}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents; return those created, deepest first."""
+    missing = [p for p in [folder, *folder.parents] if not p.exists()]
+    for path in reversed(missing):
+        path.mkdir()
+    return missing
+
+
+def generate(spec: ProjectSpec, target: Path, force: bool = False, dry_run: bool = False) -> Generated:
+    """Render into a temp dir beside `target`, check it, then move it into place (or, with
+    `force`, swap it with the existing project, keeping the user's files: hvdgen/overwrite.py).
+
+    On any error or SIGINT/SIGTERM/SIGHUP the temp dir and any parent folders made for it are
+    removed and `target` is left as it was.
+    """
+    target = Path(os.path.abspath(target))
+    target_is_free(target, force)
+    made: list[Path] = []
+    staging: Path | None = None
+    try:
+        with _signals_clean_up():
+            try:
+                if not dry_run:
+                    made = _make_parents(target.parent)
+                staging = Path(tempfile.mkdtemp(prefix=".hvdgen-", dir=None if dry_run else target.parent))
+                staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the project should not be
+                written = render_tree(spec, staging)
+                check_tree(staging)
+                existing = target.is_dir() and any(target.iterdir())
+                plan = plan_overwrite(target, staging, written) if existing else None
+                if not dry_run:
+                    if plan is None:
+                        staging.rename(target)  # atomic on one filesystem; replaces an empty folder
+                        staging = None
+                    else:
+                        overwrite(target, staging, written, plan)  # staging now holds the old tree
+                    made = []
+                return Generated(written, plan)
+            finally:
+                with _signals_held():
+                    if staging is not None:
+                        shutil.rmtree(staging, ignore_errors=True)
+                    for folder in made:
+                        _remove_if_empty(folder)
+    except OSError as exc:
+        raise HvdgenError(f"cannot write {target}: {exc.strerror or exc}: choose another --output") from exc
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def move_files_into(staging: Path, target: Path, files: list[str]) -> None:
-    """Overwrite `files` in an existing `target`, each by an atomic rename; other files stay."""
-    for rel in files:
-        dest = target / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging / rel, dest)

@@ -13,7 +13,18 @@ from hvdgen.errors import HvdgenError
 
 SPEC_FILE = ".hvdgen.yaml"
 SCHEDULES = ("gpipe", "1f1b")
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+# A letter first, a letter or digit last, single '-' or '_' between: a valid distribution name
+# (PEP 508) whose image tag and Kubernetes names come out the same (no '--' to collapse).
+_NAME = re.compile(r"[A-Za-z](?:[A-Za-z0-9]|[-_](?=[A-Za-z0-9]))*")
+MAX_NAME = 63  # it names the Kubernetes job, its pods and the image: DNS labels hold 63 characters
+# Distributions a project installs or imports: a project of the same name would replace or shadow one.
+TAKEN_NAMES = frozenset({"hvdgen", "hvd-runtime", "horovod", "torch", "tensorflow", "keras", "mlflow", "numpy",
+                         "scikit-learn", "sklearn", "matplotlib", "pytest", "click", "jinja2", "pyyaml", "yaml",
+                         "tqdm", "cloudpickle", "psutil", "packaging", "cffi", "jsonschema", "setuptools", "pip",
+                         "wheel", "hatchling", "cmake", "train", "model", "data", "tests"})
+# The generated model and config: what --stages and --micro-batches can split.
+MODEL_BLOCKS = 4   # flatten, two hidden layers, the head (config.yaml model.hidden: [128, 64])
+BATCH_SIZE = 32    # per rank (config.yaml train.batch_size)
 
 
 def package_name(name: str) -> str:
@@ -22,12 +33,18 @@ def package_name(name: str) -> str:
 
 
 def validate_name(name: str) -> str:
-    if not name:
+    if not isinstance(name, str) or not name:
         raise HvdgenError("project name is empty: give a name such as 'mnist_ddp'")
+    if len(name) > MAX_NAME:
+        raise HvdgenError(f"project name is {len(name)} characters long: use at most {MAX_NAME} "
+                          "(it also names the Kubernetes job and the image)")
     if not _NAME.fullmatch(name):
-        raise HvdgenError(f"project name {name!r} is not allowed: use letters, digits, '-' and '_', "
-                          "starting with a letter (e.g. 'mnist-ddp')")
+        raise HvdgenError(f"project name {name!r} is not allowed: use letters, digits and single '-' or '_' "
+                          "between them, starting with a letter and ending with a letter or digit (e.g. 'mnist-ddp')")
     package = package_name(name)
+    if package.replace("_", "-") in TAKEN_NAMES:
+        raise HvdgenError(f"project name {name!r} is the name of a package the project uses or contains: "
+                          f"pick another, e.g. 'my-{name}'")
     if keyword.iskeyword(package) or keyword.issoftkeyword(package):
         raise HvdgenError(f"project name {name!r} is a Python keyword: pick another, e.g. '{package}_project'")
     if not package.isidentifier():
@@ -52,6 +69,16 @@ class ProjectSpec:
 
     def __post_init__(self) -> None:
         validate_name(self.name)
+        for key in ("framework", "strategy", "schedule", "hvdgen_version"):
+            if not isinstance(getattr(self, key), str):
+                raise HvdgenError(f"{key} must be text, got {getattr(self, key)!r}: e.g. {key}: "
+                                  f"{getattr(ProjectSpec, key, None) or __version__}")
+        if not isinstance(self.elastic, bool):
+            raise HvdgenError(f"elastic must be true or false, got {self.elastic!r}")
+        if not isinstance(self.k8s, dict):
+            raise HvdgenError(f"k8s must be a mapping of the hvdgen k8s answers, got {self.k8s!r}: "
+                              "remove it, then run hvdgen k8s to write it again")
+        _check_version(self.hvdgen_version)
         if self.framework not in catalog.FRAMEWORKS:
             raise HvdgenError(f"unknown framework {self.framework!r}: choose one of {', '.join(catalog.FRAMEWORKS)}")
         if self.strategy not in catalog.STRATEGIES:
@@ -60,11 +87,19 @@ class ProjectSpec:
             offered = ", ".join(f"{f}/{s}" for f, s in catalog.AVAILABLE)
             raise HvdgenError(f"{self.framework}/{self.strategy} is not available in hvdgen {__version__}: "
                               f"choose one of {offered} (see hvdgen list)")
-        if not isinstance(self.stages, int) or self.stages < 2:
+        if not _whole(self.stages) or self.stages < 2:
             raise HvdgenError(f"--stages must be an integer of at least 2, got {self.stages!r}: e.g. --stages 2")
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+        if self.stages > MODEL_BLOCKS:
+            raise HvdgenError(f"--stages {self.stages} is more than the {MODEL_BLOCKS} blocks of the generated model "
+                              f"(flatten, 2 hidden layers, head): use --stages {MODEL_BLOCKS} or fewer; for more, add "
+                              "hidden layers (config.yaml model.hidden) and raise parallel.stages there")
+        if not _whole(self.micro_batches) or self.micro_batches < 1:
             raise HvdgenError(f"--micro-batches must be a positive integer, got {self.micro_batches!r}: "
                               "e.g. --micro-batches 4")
+        if self.micro_batches > BATCH_SIZE:
+            raise HvdgenError(f"--micro-batches {self.micro_batches} is more than the {BATCH_SIZE} samples of a batch "
+                              f"per rank: use at most {BATCH_SIZE}; for more, raise train.batch_size in config.yaml "
+                              "and parallel.micro_batches there")
         if self.schedule not in SCHEDULES:
             raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.elastic and self.strategy == "pipeline":
@@ -75,13 +110,59 @@ class ProjectSpec:
     def package(self) -> str:
         return package_name(self.name)
 
+    @property
+    def cpu_np(self) -> int:
+        """Ranks of the smallest run on one CPU: one pipeline of `stages` ranks, else 2 workers."""
+        return self.stages if self.strategy == "pipeline" else 2
+
+    @property
+    def ranks_per_gpu_node(self) -> int:
+        """Ranks on a 4-GPU node (8 for a pipeline of more than 2 stages): one GPU per rank, except
+        model-split, where each rank drives `stages` GPUs."""
+        if self.strategy == "model-split":
+            return max(1, 4 // self.stages)
+        if self.strategy == "pipeline":
+            return self.stages * max(1, 4 // self.stages)
+        return 4
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(asdict(self), sort_keys=False)
 
     @classmethod
     def from_yaml(cls, text: str) -> "ProjectSpec":
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where else ""
+            raise HvdgenError(f"{SPEC_FILE} is not valid YAML{line}: fix it, or regenerate the project with "
+                              "hvdgen new --force") from exc
+        if not isinstance(data, dict) or "name" not in data:
+            raise HvdgenError(f"{SPEC_FILE} does not hold a project's answers (a mapping with at least 'name'): "
+                              "restore it, or regenerate the project with hvdgen new --force")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise HvdgenError(f"{SPEC_FILE} has unknown keys {sorted(unknown)}: remove them or regenerate the project")
-        return cls(**data)
+            raise HvdgenError(f"{SPEC_FILE} has unknown keys {sorted(map(str, unknown))}: remove them or regenerate "
+                              "the project")
+        try:
+            return cls(**data)
+        except HvdgenError as exc:
+            raise HvdgenError(f"{SPEC_FILE}: {exc.message}") from exc
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_version(version: str) -> None:
+    """A recorded hvdgen version must be a real one, and not newer than this hvdgen."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        recorded = Version(version)
+    except InvalidVersion:
+        raise HvdgenError(f"hvdgen_version {version!r} is not a version number: restore it "
+                          f"(this hvdgen is {__version__})") from None
+    if recorded > Version(__version__):
+        raise HvdgenError(f"the project was made by hvdgen {version}, newer than this hvdgen {__version__}: "
+                          f"upgrade hvdgen (pip install -U hvdgen)")

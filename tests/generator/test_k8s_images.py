@@ -36,7 +36,9 @@ def project(request, tmp_path_factory) -> Path:
 def test_images_build_horovod_like_everyone_else_and_bake_no_keys(project):
     for name in DOCKERFILES:
         text = (project / name).read_text()
-        assert "RUN --mount=type=cache,target=/root/.cache hvdgen install-horovod" in text
+        assert "RUN --mount=type=cache,target=/root/.cache /build/docker/build-env.sh /opt/venv" in text
+        assert "COPY wheels/ /build/wheels/" in text, "the image installs the hvdgen runtime the project carries"
+        assert re.search(r"^USER 1000:1000$", text, re.M), "the job runs as mpiuser (uid 1000) by default"
         assert "rm -f /etc/ssh/ssh_host_*" in text, "the ssh package's host keys must not stay in the image"
         assert not re.search(r"ssh-keygen|id_rsa|id_ed25519|authorized_keys", text), name
         assert "COPY docker/sshd.conf /etc/ssh/sshd_config.d/" in text

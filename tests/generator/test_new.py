@@ -69,7 +69,9 @@ def test_generated_project_records_its_answers(tmp_path):
     assert answers["framework"] == "torch" and answers["strategy"] == "data"
     assert answers["hvdgen_version"] == __version__
     assert ProjectSpec.from_yaml((project / SPEC_FILE).read_text()).package == "my_proj"
-    assert f"hvdgen[torch]=={__version__}" in (project / "pyproject.toml").read_text()
+    pyproject = (project / "pyproject.toml").read_text()
+    assert f'"hvdgen[torch] @ {{root:uri}}/wheels/hvdgen-{__version__}-py3-none-any.whl"' in pyproject
+    assert (project / "wheels" / f"hvdgen-{__version__}-py3-none-any.whl").is_file()
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "my-proj"]
     assert leftovers == []
 
