@@ -1,11 +1,12 @@
 """Timelines: saved by one writer, idle derived, bubble measured, drawn, and shown by the CLI."""
 
 import json
-import time
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
+from hvd_runtime import timeline
 from hvd_runtime.schedule import Op, build_schedule, bubble_fraction, simulate
 from hvd_runtime.timeline import (TimelineRecorder, load_timeline, measured_bubble, peak_in_flight, plot_timeline,
                                   save_timeline, step_bubble)
@@ -64,12 +65,17 @@ def test_peak_in_flight_read_from_the_events(tmp_path, name, m, peaks):
     assert peak_in_flight(load_timeline(tmp_path), 0) == peaks
 
 
-def test_recorder_spans_and_disabled_recorder(tmp_path):
+def test_recorder_spans_and_disabled_recorder(monkeypatch):
+    clock = iter([10.0, 10.25, 11.0, 11.5, 12.0, 12.5])     # read once when a span opens, once when it closes
+    monkeypatch.setattr(timeline, "time", SimpleNamespace(time=lambda: next(clock)))   # this module's clock only
     rec = TimelineRecorder(rank=0, stage=0)
+    rec.step = 4
     with rec.span("forward", 3):
-        time.sleep(0.002)
-    (e,) = rec.events
-    assert e["kind"] == "forward" and e["mb"] == 3 and e["end"] - e["start"] >= 0.002
+        pass
+    assert rec.events == [{"step": 4, "kind": "forward", "mb": 3, "start": 10.0, "end": 10.25}]
+    with pytest.raises(RuntimeError), rec.span("backward", 3):    # a failing op still closes its span
+        raise RuntimeError("boom")
+    assert rec.events[-1] == {"step": 4, "kind": "backward", "mb": 3, "start": 11.0, "end": 11.5}
     off = TimelineRecorder(rank=0, stage=0, enabled=False)
     with off.span("forward", 0):
         pass
