@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import click
@@ -11,8 +12,24 @@ from hvdgen import __version__
 
 
 class _Commands(click.Group):
-    """Every command's failures reach the user as one line: an OS error (a read-only folder, a
-    full disk) is a problem of this machine the user can fix, not a bug to show a traceback for."""
+    """Every command's failures reach the user as one line: a usage error names the option and
+    where help is, and an OS error (a read-only folder, a full disk) is a problem of this machine
+    the user can fix, not a bug to show a traceback for."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        try:
+            code = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx else "hvdgen"
+            click.echo(f"Error: {exc.format_message()} (see {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context):
         try:
