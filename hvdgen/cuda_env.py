@@ -211,7 +211,7 @@ def find_toolkit(cuda_version: str, env: Mapping[str, str] = os.environ, sites: 
 def _toolkit_candidates(env: Mapping[str, str], sites: Sequence[Path],
                         default_roots: Sequence[Path]) -> Iterator[CudaToolkit]:
     nvcc = shutil.which("nvcc", path=env.get("PATH", os.defpath))
-    candidates = [(nvcc_toolkit_root(Path(nvcc)), f"nvcc on PATH ({nvcc})")] if nvcc else []
+    candidates = [(nvcc_toolkit_root(Path(nvcc)), f"{nvcc} on PATH")] if nvcc else []
     candidates += [(root, "pip's nvidia wheels") for root in pip_cuda_roots(sites)]
     candidates += [(root, str(root)) for root in default_roots]
     for root, found_by in candidates:
@@ -235,7 +235,9 @@ def find_nccl(env: Mapping[str, str] = os.environ, sites: Sequence[Path] = (),
         version = nccl_header_version(include) if include else None
         found_by = " and ".join(f"{name}={value}" for name, value in named)
         if not (library and version):
-            raise GpuBuildBlocked(f"{found_by} has no nccl.h and libnccl", install)
+            raise GpuBuildBlocked(f"{found_by} has no nccl.h and libnccl",
+                                  "point it at a folder with include/nccl.h and lib/libnccl.so, or unset it to use "
+                                  "pip's nvidia-nccl wheel")
         return Nccl(include=include, library=library, version=version, found_by=found_by)
     roots = [(site / "nvidia" / "nccl", "pip's nvidia-nccl wheel") for site in sites]
     roots += [(toolkit.root, f"the CUDA toolkit at {toolkit.root}")] if toolkit else []

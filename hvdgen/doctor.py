@@ -1,4 +1,11 @@
-"""`hvdgen doctor`: what this environment has, and whether a generated project can run here."""
+"""`hvdgen doctor`: what this environment has, and whether a generated project can run here.
+
+Besides versions it shows what the installed Horovod was built with (controllers, tensor ops, from
+`horovodrun --check-build`) and, for a CUDA torch, the toolkit and NCCL a rebuild would use. A
+Horovod whose GPU ops do not fit the torch beside it (a CUDA torch but no NCCL ops, NCCL ops but
+a CPU torch) still runs, so that is a warning; anything that stops a project is a problem and
+makes the command exit non-zero.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,9 @@ from importlib import metadata
 from pathlib import Path
 
 import click
+
+from hvdgen.cuda_env import GpuBuildBlocked, find_gpu_build, torch_cuda_version
+from hvdgen.horovod_build import installed_wheel_url
 
 
 def parse_check_build(text: str) -> dict[str, dict[str, bool]]:
@@ -57,12 +67,41 @@ def _enabled(section: dict[str, bool]) -> str:
     return ", ".join(name for name, on in section.items() if on) or "none"
 
 
+def _gpu_toolchain(cuda: str) -> str:
+    """What a rebuild with NCCL ops would compile against, or what it lacks."""
+    try:
+        gpu = find_gpu_build(cuda)
+    except GpuBuildBlocked as blocked:
+        return f"not usable: {blocked}"
+    return (f"CUDA {gpu.toolkit.version} at {gpu.toolkit.root} (found through {gpu.toolkit.found_by}); "
+            f"NCCL {gpu.nccl.version} ({gpu.nccl.found_by})")
+
+
+def build_mismatches(torch_cuda: str | None, tensor_ops: dict[str, bool]) -> list[str]:
+    """Warnings for a Horovod whose GPU ops do not fit the installed torch (CPU or CUDA build)."""
+    nccl = tensor_ops.get("NCCL", False)
+    if torch_cuda and not nccl:
+        return [f"torch is a CUDA {torch_cuda} build but horovod has no NCCL ops, so GPU tensors are reduced "
+                "through host memory: rebuild with hvdgen install-horovod --force (needs the toolchain above)"]
+    if nccl and not torch_cuda:
+        return ["horovod has NCCL ops but torch is a CPU build: rebuild for this torch with "
+                "hvdgen install-horovod --force"]
+    return []
+
+
 def run_doctor() -> int:
     """Print the report; return 0 when a generated project can run, 1 otherwise."""
     problems: list[str] = []
+    warnings: list[str] = []
     torch, tf = _version("torch"), _version("tensorflow") or _version("tensorflow-cpu")
+    torch_cuda = torch_cuda_version() if torch else None
     click.echo(f"python       {sys.version.split()[0]} ({sys.executable})")
-    click.echo(f"torch        {torch or 'not installed'}")
+    if torch:
+        click.echo(f"torch        {torch} ({f'CUDA {torch_cuda}' if torch_cuda else 'CPU'} build)")
+        if torch_cuda:
+            click.echo(f"  gpu build    {_gpu_toolchain(torch_cuda)}")
+    else:
+        click.echo("torch        not installed")
     click.echo(f"tensorflow   {tf or 'not installed'}")
     if not torch and not tf:
         problems.append("no framework installed: pip install 'hvdgen[torch]'")
@@ -79,6 +118,11 @@ def run_doctor() -> int:
         click.echo(f"  frameworks   {_enabled(frameworks)}")
         click.echo(f"  controllers  {_enabled(build.get('Controllers', {}))}")
         click.echo(f"  tensor ops   {_enabled(build.get('Tensor Operations', {}))}")
+        wheel = installed_wheel_url()
+        if wheel:
+            click.echo(f"  wheel        {wheel}")
+        if torch:
+            warnings += build_mismatches(torch_cuda, build.get("Tensor Operations", {}))
         for name, installed in (("PyTorch", torch), ("TensorFlow", tf)):
             if installed and not frameworks.get(name):
                 problems.append(f"horovod was built without {name} support although {name} is installed: "
@@ -90,6 +134,8 @@ def run_doctor() -> int:
     click.echo(f"gpus         {len(gpus)}" + "".join(f"\n  {g}" for g in gpus))
     click.echo(f"mpi          {_mpi() or 'not found (Gloo is used; fine on one machine)'}")
 
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
     for problem in problems:
         click.echo(f"problem: {problem}", err=True)
     if problems:

@@ -330,8 +330,8 @@ def build_wheel(target: BuildTarget, jobs: int, gpu: GpuBuild | None = None) -> 
         out = work / "wheel"
         gpu_env = gpu.environment(cache_dir()) if gpu else None
         if gpu:
-            click.echo(f"GPU ops: CUDA {gpu.toolkit.version} from {gpu.toolkit.found_by} ({gpu.toolkit.root}), "
-                       f"NCCL {gpu.nccl.version} from {gpu.nccl.found_by}")
+            click.echo(f"GPU ops: CUDA {gpu.toolkit.version} at {gpu.toolkit.root} (found through "
+                       f"{gpu.toolkit.found_by}), NCCL {gpu.nccl.version} from {gpu.nccl.found_by}")
         click.echo(f"building for {', '.join(target.frameworks)} (key {target.key}); log: {log_path}")
         started = time.monotonic()
         cmd = [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps", "-w", str(out), "."]

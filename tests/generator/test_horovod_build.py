@@ -82,6 +82,9 @@ def test_doctor_reports_the_build():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     frameworks = next(line for line in proc.stdout.splitlines() if line.strip().startswith("frameworks"))
     assert "PyTorch" in frameworks and "controllers  Gloo" in proc.stdout
+    tensor_ops = next(line for line in proc.stdout.splitlines() if line.strip().startswith("tensor ops"))
+    assert "Gloo" in tensor_ops and "NCCL" not in tensor_ops  # this venv's torch is a CPU build
+    assert "(CPU build)" in proc.stdout and "warning" not in proc.stderr
 
 
 def test_doctor_fails_without_horovod_and_says_what_to_do(tmp_path):
