@@ -3,9 +3,29 @@
 # generator and runtime tests, real horovodrun jobs, generated projects trained end to end.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# Both frameworks: the suite generates and trains TensorFlow projects too.
-export HVDGEN_FRAMEWORKS="${HVDGEN_FRAMEWORKS:-torch tensorflow}"
+# Both frameworks, whatever the caller's environment says: the suite trains TensorFlow projects
+# too, and a Horovod without TensorFlow would only make those tests skip.
+export HVDGEN_FRAMEWORKS="torch tensorflow"
 source "$ROOT/scripts/setup.sh"
+
+# The ssh tests (the MPI Operator's worker sshd) need openssh; install it where we may.
+if ! { [ -x /usr/sbin/sshd ] && command -v ssh >/dev/null; }; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    step "installing openssh-server and openssh-client for the ssh tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null
+  else
+    echo "note: openssh-server/openssh-client are missing and this user cannot apt-get them: the ssh tests will skip" >&2
+  fi
+fi
+
+step "checking that Horovod was built for both frameworks"
+build="$(horovodrun --check-build)"
+for framework in PyTorch TensorFlow; do
+  if ! grep -Eq "\[X\] $framework" <<<"$build"; then
+    echo "Horovod was built without $framework: rerun with a fresh cache (hvdgen install-horovod --force)" >&2
+    exit 1
+  fi
+done
 
 cd "$ROOT"
 step "running the test suite"
@@ -13,6 +33,7 @@ set +e
 python -m pytest "$@"
 status=$?
 set -e
+step "tests done (pytest exit $status)"
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2
   exit 1
