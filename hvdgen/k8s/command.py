@@ -10,10 +10,14 @@ from pathlib import Path
 
 import click
 
+from hvdgen.errors import HvdgenError
+
 
 @click.command("k8s")
-@click.option("--workers", type=int, help="Worker pods (default 2).")
-@click.option("--gpus-per-worker", type=int, help="GPUs per worker in the gpu overlay; 0 leaves it out (default 1).")
+@click.option("--workers", type=int, help="Worker pods, 1-1024 (default 2; pipeline: one per stage).")
+@click.option("--gpus-per-worker", type=int,
+              help="GPUs per worker in the gpu overlay, 0-64; 0 leaves it out (default 1; model-split: one per "
+                   "stage, and always stages x ranks per worker).")
 @click.option("--image", help="CPU job image, e.g. registry.example.com/team/mnist:v1 (default NAME:latest).")
 @click.option("--gpu-image", help="CUDA job image (default: the CPU image's tag + '-cuda').")
 @click.option("--namespace", help="Kubernetes namespace (default 'default').")
@@ -21,22 +25,23 @@ import click
               help="Elastic Horovod: workers may come and go (default: as hvdgen new --elastic).")
 @click.option("--min-workers", type=int, help="Elastic: fewest workers to keep training with (default 1).")
 @click.option("--max-workers", type=int, help="Elastic: most workers to use (default --workers).")
-@click.option("--non-root/--root", "non_root", default=None, help="Run pods as uid 1000 with SSH keys in its home.")
+@click.option("--non-root/--root", "non_root", default=None,
+              help="Run pods as the images' mpiuser (uid 1000, the default) or as root.")
 @click.option("--mlflow-uri-from", type=click.Choice(["configmap", "secret"]),
               help="Where MLFLOW_TRACKING_URI comes from (default configmap).")
-@click.option("--checkpoint-size", help="Size of the checkpoint volume claim (default 10Gi).")
-@click.option("--project", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
+@click.option("--checkpoint-size", help="Size of the checkpoint volume claim, 1Gi-64Ti (default 10Gi).")
+# Paths are checked by the command itself, so a bad one is one line like every other refusal.
+@click.option("--project", type=click.Path(path_type=Path), default=Path("."), show_default=True,
               help="The project folder (holds .hvdgen.yaml).")
 @click.option("--check", is_flag=True, help="Validate the manifests in k8s/ (or --file) and change nothing.")
-@click.option("--file", "file_", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
-              help="With --check: a manifest file to check instead of k8s/; '-' reads stdin.")
+@click.option("--file", "file_", help="With --check: a manifest file to check instead of k8s/; '-' reads stdin.")
 def k8s_cmd(project: Path, check: bool, file_: str | None, **answers) -> None:
     """Write the project's Kubernetes MPIJob manifests (k8s/), or check them with --check."""
     if check:
         _check(project, file_, answers)
         return
     if file_:
-        raise click.UsageError("--file works with --check only: add --check")
+        raise HvdgenError("--file works with --check only: add --check")
     from hvdgen.k8s.layout import options_of
     from hvdgen.k8s.project import load_spec, regenerate
 
@@ -51,7 +56,7 @@ def k8s_cmd(project: Path, check: bool, file_: str | None, **answers) -> None:
 def _check(project: Path, file_: str | None, answers: dict) -> None:
     given = sorted(k.replace("_", "-") for k, v in answers.items() if v is not None)
     if given:
-        raise click.UsageError(f"--check changes nothing, so --{', --'.join(given)} do not apply: leave them out")
+        raise HvdgenError(f"--check changes nothing, so --{', --'.join(given)} do not apply: leave them out")
     from hvdgen.k8s.check import check_file, check_project
 
     problems = check_file(file_) if file_ else check_project(project)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import yaml
+from hvdgen.k8s.documents import ManifestError, load, parse
 
 KUSTOMIZATION = "kustomization.yaml"
 KUSTOMIZE_API = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
 SUPPORTED = {"apiVersion", "kind", "resources", "patches", "patchesStrategicMerge", "namespace", "images"}
 
 
-class RenderError(Exception):
+class RenderError(ManifestError):
     """A kustomization this renderer cannot follow; the message says what to do instead."""
 
 
@@ -55,7 +55,7 @@ def diff_patch(old: dict, new: dict) -> dict:
 
 def identity(obj: dict) -> tuple:
     """What a patch must share with its target: kind, name, and namespace (unset means "default")."""
-    metadata = obj.get("metadata") or {}
+    metadata = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
     return obj.get("kind"), metadata.get("name"), metadata.get("namespace") or "default"
 
 
@@ -68,23 +68,15 @@ def overlay_patch(base: dict, variant: dict) -> dict:
 
 
 def load_documents(path: Path) -> list:
-    try:
-        return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RenderError(f"{path.name} is not valid YAML{where} ({getattr(exc, 'problem', None) or exc}): "
-                          "fix the indentation or quoting") from exc
-    except OSError as exc:
-        raise RenderError(f"cannot read {path.name} ({exc.strerror}): fix the path") from exc
+    """The documents of one file; raises ManifestError (one line) for anything unreadable."""
+    return load(path)
 
 
-def _inline(text: str) -> list:
-    try:
-        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
-    except yaml.YAMLError as exc:
-        raise RenderError(f"an inline patch is not valid YAML ({getattr(exc, 'problem', None) or exc}): "
-                          "fix the indentation or quoting") from exc
+def _strings(config: dict, key: str) -> list[str]:
+    value = config.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise RenderError(f"{KUSTOMIZATION}: {key} must be a list of paths: fix it")
+    return value
 
 
 def _image_name(image: str) -> str:
@@ -120,43 +112,55 @@ def _new_image(image: str, images: list[dict]) -> str:
     return image
 
 
-def render(directory: Path) -> list[dict]:
+def render(directory: Path, _inside: tuple[Path, ...] = ()) -> list[dict]:
     """The objects `kubectl kustomize directory` would print, for the fields hvdgen writes."""
+    if directory.resolve() in _inside:
+        raise RenderError(f"{directory} includes itself through its resources: remove the loop")
+    inside = _inside + (directory.resolve(),)
     docs = load_documents(directory / KUSTOMIZATION)
     config = docs[0] if docs and isinstance(docs[0], dict) else {}
     instead = f"run `kubectl kustomize {directory} | hvdgen k8s --check --file -` instead"
-    unknown = sorted(set(config) - SUPPORTED)
+    unknown = sorted(map(str, set(config) - SUPPORTED))
     if unknown:
         raise RenderError(f"field(s) {', '.join(unknown)} are not followed by hvdgen's checker: {instead}")
     objects: list[dict] = []
-    for entry in config.get("resources") or []:
+    for entry in _strings(config, "resources"):
         path = directory / entry
         if path.is_dir():
-            objects += render(path)
+            objects += render(path, inside)
         elif path.is_file():
             objects += load_documents(path)
         else:
             raise RenderError(f"resource {entry!r} does not exist: fix the path")
-    patches = [{"path": p} for p in config.get("patchesStrategicMerge") or []] + list(config.get("patches") or [])
+    patches = [{"path": p} for p in _strings(config, "patchesStrategicMerge")] + list(config.get("patches") or [])
     for entry in patches:
-        if not isinstance(entry, dict) or "target" in entry or ("path" not in entry and "patch" not in entry):
+        if (not isinstance(entry, dict) or "target" in entry or ("path" not in entry and "patch" not in entry)
+                or not isinstance(entry.get("path", entry.get("patch")), str)):
             raise RenderError(f"patch {entry!r} is not a plain merge patch: {instead}")
-        docs = load_documents(directory / entry["path"]) if "path" in entry else _inline(entry["patch"])
+        docs = load_documents(directory / entry["path"]) if "path" in entry else parse(entry["patch"],
+                                                                                       "an inline patch")
         for doc in docs:
             if not isinstance(doc, dict):
                 raise RenderError(f"patch {entry!r} is a JSON 6902 patch: {instead}")
-            matches = [i for i, obj in enumerate(objects) if identity(obj) == identity(doc)]
+            matches = [i for i, obj in enumerate(objects) if isinstance(obj, dict) and identity(obj) == identity(doc)]
             if not matches:
                 kind, name, namespace = identity(doc)
                 raise RenderError(f"patch for {kind} {name!r} in namespace {namespace!r} matches no resource: "
                                   "make its kind, metadata.name and metadata.namespace match the base")
             for i in matches:
                 objects[i] = merge_patch(objects[i], doc)
+    images = config.get("images") or []
+    if not isinstance(images, list) or not all(isinstance(r, dict) and isinstance(r.get("name"), str) for r in images):
+        raise RenderError(f"{KUSTOMIZATION}: images must be a list of mappings with a name: fix it")
     for obj in objects:
-        if config.get("namespace") and isinstance(obj, dict):
+        if not isinstance(obj, dict):
+            continue
+        if config.get("namespace"):
+            if not isinstance(obj.get("metadata", {}), dict):
+                continue  # the object's own check names its broken metadata
             obj.setdefault("metadata", {})["namespace"] = config["namespace"]
-        if config.get("images") and isinstance(obj, dict):
-            _set_images(obj, config["images"])
+        if images:
+            _set_images(obj, images)
     return objects
 
 

@@ -4,7 +4,10 @@
     k8s/overlays/cpu/    the base as it is
     k8s/overlays/gpu/    a patch: CUDA image, GPU limits, slotsPerWorker, -np, NCCL environment
 
-Everything is validated before it is returned, so a generated manifest never fails a check.
+Nothing here validates: the manifests are built from code, from answers that K8sOptions and
+ranks.check_shape have checked, and the tests validate every shape hvdgen generates
+(tests/generator/test_k8s_manifests.py). Loading the schemas would cost `hvdgen new` most of its
+time; `hvdgen k8s --check` validates what users edit.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import yaml
 
 from hvdgen.errors import HvdgenError
 from hvdgen.k8s import kustomize
-from hvdgen.k8s.mpijob import build_checkpoint_claim, build_mpijob, slots_per_worker
+from hvdgen.k8s.mpijob import build_checkpoint_claim, build_mpijob
 from hvdgen.k8s.options import K8sOptions
+from hvdgen.k8s.ranks import check_shape, default_answers
 from hvdgen.k8s.readme import readme
-from hvdgen.k8s.validate import object_problems
 from hvdgen.spec import ProjectSpec
 
 FOLDER = "k8s"
@@ -27,28 +30,11 @@ MANAGED = ("README.md", "base/kustomization.yaml", "base/mpijob.yaml", "base/che
 
 
 def options_of(spec: ProjectSpec) -> K8sOptions:
-    """The recorded k8s answers; an elastic project launches elastically unless told otherwise."""
-    answers = dict(getattr(spec, "k8s", None) or {})
-    answers.setdefault("elastic", bool(getattr(spec, "elastic", False)))
-    if spec.strategy == "pipeline":
-        answers.setdefault("workers", spec.stages)  # one pipeline of CPU workers, one stage each
+    """The recorded k8s answers over the strategy's defaults; an elastic project launches elastically
+    unless told otherwise. (ProjectSpec has checked that the answers are a mapping; K8sOptions checks
+    each of them.)"""
+    answers = {"elastic": spec.elastic, **default_answers(spec), **spec.k8s}
     return K8sOptions.from_answers(answers)
-
-
-def check_pipeline_grid(spec: ProjectSpec, opts: K8sOptions) -> None:
-    """A pipeline's -np must be stages x replicas, in every overlay."""
-    if spec.strategy != "pipeline":
-        return
-    if opts.elastic:
-        raise HvdgenError("a pipeline job cannot be elastic (losing a worker loses a stage): drop --elastic")
-    overlays = [("cpu", 1)] + ([("gpu", slots_per_worker(spec.strategy, opts.gpus_per_worker))]
-                                if opts.gpus_per_worker else [])
-    for overlay, slots in overlays:
-        np = opts.workers * slots
-        if np % spec.stages:
-            fit = next(w for w in range(opts.workers, opts.workers + spec.stages + 1) if (w * slots) % spec.stages == 0)
-            raise HvdgenError(f"the {overlay} job would run -np {np} ({opts.workers} workers x {slots} slots), not a "
-                              f"multiple of the pipeline's {spec.stages} stages: use e.g. --workers {fit}")
 
 
 def to_yaml(obj: dict, version: str) -> str:
@@ -65,11 +51,10 @@ def variants(spec: ProjectSpec, opts: K8sOptions) -> dict[str, list[dict]]:
 
 
 def k8s_files(spec: ProjectSpec, opts: K8sOptions | None = None) -> dict[str, str]:
-    """Relative path under k8s/ -> file text. Raises if any rendered object fails validation."""
+    """Relative path under k8s/ -> file text; refuses (HvdgenError) a shape that does not fit the strategy."""
     opts = opts or options_of(spec)
-    check_pipeline_grid(spec, opts)
+    check_shape(spec, opts)
     rendered = variants(spec, opts)
-    check_objects(rendered)
     job, claim = rendered["cpu"]
     version = spec.hvdgen_version
     files = {
@@ -90,9 +75,3 @@ def k8s_files(spec: ProjectSpec, opts: K8sOptions | None = None) -> dict[str, st
         files["overlays/gpu/mpijob-patch.yaml"] = to_yaml(patch, version)
     return files
 
-
-def check_objects(rendered: dict[str, list[dict]]) -> None:
-    problems = [f"{name}: {problem}" for name, objects in rendered.items()
-                for obj in objects for problem in object_problems(obj)]
-    if problems:
-        raise HvdgenError("hvdgen built an invalid manifest (please report this): " + "; ".join(problems))

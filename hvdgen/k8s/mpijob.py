@@ -4,8 +4,11 @@ Choices that users otherwise learn the hard way:
 - `launcherCreationPolicy: WaitForWorkersReady` plus a TCP readiness probe on sshd, so the launcher
   starts only when every worker accepts SSH (not merely when its container started);
 - GPUs in the workers' `limits` only; the launcher runs no rank and gets none;
-- `slotsPerWorker` = ranks per worker: one per GPU (1 on CPU), except model-split, whose one rank
-  per worker spreads its stages over all the worker's GPUs; `-np` = workers x slots;
+- `slotsPerWorker` = ranks per worker: one per GPU (1 on CPU), except model-split, whose ranks each
+  spread their stages over GPUs of their own (see ranks.py); `-np` = workers x slots;
+- non-root pods by default (uid 1000, the images' `mpiuser`, no privilege escalation, no
+  capabilities, the runtime's seccomp profile: the Pod Security Standards' "restricted" level);
+  root only when asked for, since the images' USER is mpiuser;
 - the MLflow URI from a ConfigMap or Secret, `optional` so a job without one logs locally;
 - checkpoints on a PersistentVolumeClaim mounted where the project's config writes them, so a
   restarted launcher resumes instead of starting over.
@@ -16,16 +19,18 @@ from __future__ import annotations
 from hvdgen.k8s.launch import horovodrun_args
 from hvdgen.k8s.names import job_name
 from hvdgen.k8s.options import K8sOptions
+from hvdgen.k8s.ranks import slots_per_worker
 from hvdgen.spec import ProjectSpec
 
 API_VERSION = "kubeflow.org/v2beta1"
 KIND = "MPIJob"
 WORKDIR = "/workspace"  # where the Dockerfiles put the project
 CHECKPOINT_DIR = f"{WORKDIR}/checkpoints"  # the project's config writes checkpoints/ under its working dir
-SSH_PORT = 2222  # the images' sshd listens here, so it also works as a non-root user
+SSH_PORT = 2222  # the images' sshd listens here: above 1024, so it also works as a non-root user
 ROOT_SSH_PATH = "/root/.ssh"
 NON_ROOT_SSH_PATH = "/home/mpiuser/.ssh"
-NON_ROOT_UID = 1000
+NON_ROOT_UID = 1000  # the images' mpiuser
+STAGES_LABEL = "hvdgen/stages"  # on model-split and pipeline jobs, for `hvdgen k8s --check`
 GPU_RESOURCE = "nvidia.com/gpu"
 NCCL_ENV = {
     "NCCL_DEBUG": "WARN",  # INFO prints the ring/tree set-up: use it when NCCL hangs
@@ -50,6 +55,8 @@ def labels(spec: ProjectSpec, opts: K8sOptions, component: str | None = None) ->
            "app.kubernetes.io/managed-by": "hvdgen",
            "hvdgen/framework": spec.framework,
            "hvdgen/strategy": spec.strategy}
+    if spec.strategy in ("model-split", "pipeline"):
+        out[STAGES_LABEL] = str(spec.stages)
     if component:
         out["app.kubernetes.io/component"] = component
     return out
@@ -76,11 +83,20 @@ def environment(spec: ProjectSpec, opts: K8sOptions, gpu: bool) -> list[dict]:
     return env
 
 
-def security_context(opts: K8sOptions) -> dict:
+def container_security(opts: K8sOptions) -> dict:
+    """Non-root containers keep no capability and cannot regain privileges (sshd on port 2222 needs none)."""
     if not opts.non_root:
         return {}
-    return {"securityContext": {"runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID, "runAsNonRoot": True,
-                                "allowPrivilegeEscalation": False}}
+    return {"securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+
+
+def pod_security(opts: K8sOptions) -> dict:
+    """Who the pod's processes run as. fsGroup makes the checkpoint volume writable for the non-root user;
+    root must be named because the images' USER is mpiuser."""
+    if opts.non_root:
+        return {"securityContext": {"runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID, "runAsNonRoot": True,
+                                    "fsGroup": NON_ROOT_UID, "seccompProfile": {"type": "RuntimeDefault"}}}
+    return {"securityContext": {"runAsUser": 0, "runAsGroup": 0}}
 
 
 def ssh_path(opts: K8sOptions) -> str:
@@ -98,7 +114,7 @@ def launcher_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: st
         "env": environment(spec, opts, gpu),
         # The launcher only runs horovodrun; the ranks run on the workers.
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
-        **security_context(opts),
+        **container_security(opts),
     }
 
 
@@ -125,7 +141,7 @@ def worker_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: str)
         "resources": worker_resources(opts.gpus_per_worker if gpu else 0),
         "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
-        **security_context(opts),
+        **container_security(opts),
     }
 
 
@@ -137,20 +153,10 @@ def worker_volumes(spec: ProjectSpec, opts: K8sOptions) -> list[dict]:
     ]
 
 
-def pod_security(opts: K8sOptions) -> dict:
-    # fsGroup makes the checkpoint volume writable for the non-root user.
-    return {"securityContext": {"fsGroup": NON_ROOT_UID}} if opts.non_root else {}
-
-
-def slots_per_worker(strategy: str, gpus: int) -> int:
-    """Horovod ranks per worker pod."""
-    return 1 if strategy == "model-split" or not gpus else gpus
-
-
 def build_mpijob(spec: ProjectSpec, opts: K8sOptions, gpu: bool = False) -> dict:
     """The whole MPIJob for the cpu (gpu=False) or gpu variant."""
     name = job_name(spec.name, opts.workers)
-    slots = slots_per_worker(spec.strategy, opts.gpus_per_worker if gpu else 0)
+    slots = slots_per_worker(spec, opts.gpus_per_worker if gpu else 0)
     image = default_gpu_image(spec, opts) if gpu else default_image(spec, opts)
     run_policy = {"cleanPodPolicy": "Running", "backoffLimit": 3}
     if opts.elastic:

@@ -10,13 +10,16 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 
 from hvdgen.errors import HvdgenError
+from hvdgen.k8s.limits import MAX_CLAIM, MAX_GPUS_PER_POD, MAX_WORKERS, MIN_CLAIM, parse_quantity
 
 # A container image reference: [registry[:port]/]path[:tag][@digest], lower-case path.
 _IMAGE = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-]{1,2}[a-z0-9]+)*)*"
                     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?")
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 MLFLOW_SOURCES = ("configmap", "secret")
+# Counts: (answer, smallest, largest, example); 0 for min/max workers means "the default".
+_RANGES = (("workers", 1, MAX_WORKERS, 2), ("gpus_per_worker", 0, MAX_GPUS_PER_POD, 1),
+           ("min_workers", 0, MAX_WORKERS, 1), ("max_workers", 0, MAX_WORKERS, 4))
 
 
 @dataclass(frozen=True)
@@ -31,20 +34,18 @@ class K8sOptions:
     elastic: bool = False
     min_workers: int = 0  # elastic only; 0 means 1
     max_workers: int = 0  # elastic only; 0 means `workers`
-    non_root: bool = False  # run as uid 1000 (mpiuser), SSH keys at /home/mpiuser/.ssh
+    non_root: bool = True  # run as uid 1000 (mpiuser), SSH keys at /home/mpiuser/.ssh; False runs as root
     mlflow_uri_from: str = "configmap"  # where MLFLOW_TRACKING_URI comes from: configmap or secret
     checkpoint_size: str = "10Gi"
 
     def __post_init__(self) -> None:
-        for name in ("workers", "gpus_per_worker", "min_workers", "max_workers"):
+        for spec in fields(self):
+            _check_type(spec.name, getattr(self, spec.name), spec.default)
+        for name, low, high, example in _RANGES:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise HvdgenError(f"k8s {name} must be a whole number, got {value!r}: e.g. --{_flag(name)} 2")
-        if self.workers < 1:
-            raise HvdgenError(f"--workers must be at least 1, got {self.workers}: e.g. --workers 2")
-        if self.gpus_per_worker < 0:
-            raise HvdgenError(f"--gpus-per-worker must be 0 or more, got {self.gpus_per_worker}: "
-                              "e.g. --gpus-per-worker 1")
+            if not low <= value <= high:
+                raise HvdgenError(f"--{_flag(name)} must be between {low} and {high}, got {value}: "
+                                  f"e.g. --{_flag(name)} {example}")
         for name in ("image", "gpu_image"):
             value = getattr(self, name)
             if value and not _IMAGE.fullmatch(value):
@@ -58,8 +59,12 @@ class K8sOptions:
                               "use lower-case letters, digits and '-', at most 63 characters (e.g. ml-team)")
         if self.mlflow_uri_from not in MLFLOW_SOURCES:
             raise HvdgenError(f"--mlflow-uri-from {self.mlflow_uri_from!r} is not known: choose configmap or secret")
-        if not _QUANTITY.fullmatch(self.checkpoint_size):
+        size = parse_quantity(self.checkpoint_size)
+        if size is None:
             raise HvdgenError(f"--checkpoint-size {self.checkpoint_size!r} is not a storage size: e.g. 10Gi")
+        if not MIN_CLAIM <= size <= MAX_CLAIM:
+            raise HvdgenError(f"--checkpoint-size {self.checkpoint_size} is outside 1Gi .. 64Ti, the sizes volume "
+                              "provisioners grant: e.g. --checkpoint-size 10Gi")
         if self.elastic:
             low, high = self.min_np_workers, self.max_np_workers
             if not 1 <= low <= self.workers <= high:
@@ -85,7 +90,7 @@ class K8sOptions:
     def from_answers(cls, answers: dict | None) -> "K8sOptions":
         answers = dict(answers or {})
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(answers) - known)
+        unknown = sorted(map(str, set(answers) - known))
         if unknown:
             raise HvdgenError(f".hvdgen.yaml k8s has unknown keys {unknown}: remove them "
                               f"(known: {', '.join(sorted(known))})")
@@ -102,3 +107,18 @@ class K8sOptions:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+_KINDS = {bool: "true or false", int: "a whole number", str: "text"}
+
+
+def _check_type(name: str, value, default) -> None:
+    """Answers read back from .hvdgen.yaml may hold anything; the command line's are typed by click."""
+    wanted = type(default)
+    if isinstance(value, wanted) and (wanted is bool or not isinstance(value, bool)):
+        return
+    example = str(default).lower() if wanted is bool else default if default not in ("", 0) else \
+        {"image": "registry.example.com/team/demo:v1", "gpu_image": "registry.example.com/team/demo:v1-cuda"}.get(
+            name, default)
+    raise HvdgenError(f".hvdgen.yaml k8s: {name} must be {_KINDS[wanted]}, got {value!r}: write e.g. "
+                      f"{name}: {example}, or remove the line")

@@ -18,7 +18,7 @@ def field_path(parts) -> str:
 
 @dataclass(frozen=True)
 class Problem:
-    path: str  # dotted field path inside the object
+    path: str  # dotted field path inside the object; "" for the file as a whole
     message: str  # what is wrong and the fix, e.g. "unknown field 'limit': did you mean 'limits'?"
     source: str = ""  # file or overlay the object came from
 
@@ -27,5 +27,5 @@ class Problem:
 
     def __str__(self) -> str:
         """Always one line, whatever a parser put into the message."""
-        prefix = f"{self.source}: " if self.source else ""
-        return " ".join(f"{prefix}{self.path}: {self.message}".split())
+        parts = [part for part in (self.source, self.path) if part]
+        return " ".join(": ".join(parts + [self.message]).split())

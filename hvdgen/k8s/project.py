@@ -1,7 +1,7 @@
 """Write `k8s/` into a project: during `hvdgen new`, and again for `hvdgen k8s` in an existing project.
 
 Re-generating touches `k8s/` and the `k8s:` answers of `.hvdgen.yaml`, nothing else. Files are
-rendered and validated in a temporary folder first, then each is moved into place by rename.
+rendered in memory, written to a temporary folder, then each is moved into place by rename.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from hvdgen.errors import HvdgenError
 from hvdgen.k8s.layout import FOLDER, MANAGED, k8s_files
 from hvdgen.k8s.options import K8sOptions
@@ -20,8 +22,12 @@ from hvdgen.spec import SPEC_FILE, ProjectSpec
 
 def write_k8s(spec: ProjectSpec, root: Path) -> list[str]:
     """Write k8s/ for `spec` under `root`; returns paths relative to `root`."""
+    return _write(k8s_files(spec), root)
+
+
+def _write(files: dict[str, str], root: Path) -> list[str]:
     written = []
-    for rel, text in k8s_files(spec).items():
+    for rel, text in files.items():
         target = root / FOLDER / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
@@ -30,24 +36,56 @@ def write_k8s(spec: ProjectSpec, root: Path) -> list[str]:
 
 
 def load_spec(project: Path) -> ProjectSpec:
+    """The project's recorded answers; anything unreadable is one line saying which file and what to do."""
     path = project / SPEC_FILE
+    if project.exists() and not project.is_dir():
+        raise HvdgenError(f"--project {project} is a file: give the project folder (the one with {SPEC_FILE})")
     if not path.is_file():
         raise HvdgenError(f"{project} has no {SPEC_FILE}: run hvdgen k8s inside a project made by hvdgen new, "
                           "or pass --project DIR")
-    return ProjectSpec.from_yaml(path.read_text())
+    fix = "restore it (e.g. from version control) or regenerate the project with hvdgen new"
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise HvdgenError(f"cannot read {path} ({exc.strerror}): fix its permissions") from exc
+    except UnicodeDecodeError as exc:
+        raise HvdgenError(f"{path} is not UTF-8 text: {fix}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise HvdgenError(f"{path} is not valid YAML{where}: {fix}") from exc
+    if data is None:
+        raise HvdgenError(f"{path} is empty: {fix}")
+    if not isinstance(data, dict) or "name" not in data:
+        raise HvdgenError(f"{path} holds no project answers (a {type(data).__name__}, without name:): {fix}")
+    return ProjectSpec.from_yaml(text)
 
 
 def regenerate(project: Path, opts: K8sOptions) -> list[str]:
-    """Re-render k8s/ of `project` with `opts` and record them; returns the paths written."""
+    """Re-render k8s/ of `project` with `opts` and record them; returns the paths written.
+
+    Everything is built in memory first, so a refused answer leaves the project untouched; each file
+    then replaces its old version by an atomic rename.
+    """
     spec = dataclasses.replace(load_spec(project), k8s=opts.to_answers())
-    staging = Path(tempfile.mkdtemp(prefix=".hvdgen-k8s-", dir=project))
+    files = k8s_files(spec, opts)
+    answers = spec.to_yaml()
     try:
-        written = write_k8s(spec, staging)
-        (staging / SPEC_FILE).write_text(spec.to_yaml())
+        staging = Path(tempfile.mkdtemp(prefix=".hvdgen-k8s-", dir=project))
+    except OSError as exc:
+        raise HvdgenError(f"cannot write in {project} ({exc.strerror}): fix its permissions") from exc
+    try:
+        written = _write(files, staging)
+        (staging / SPEC_FILE).write_text(answers)
         for rel in written + [SPEC_FILE]:
             dest = project / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / rel, dest)
+    except OSError as exc:
+        raise HvdgenError(f"cannot write {exc.filename or project} ({exc.strerror}): fix the path or its "
+                          "permissions") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _remove_stale(project, written)

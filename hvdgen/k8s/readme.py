@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from hvdgen.k8s.launch import DISCOVER_HOSTS
 from hvdgen.k8s.mpijob import (CHECKPOINT_DIR, build_mpijob, checkpoint_claim_name, default_gpu_image,
-                               default_image, mlflow_source_name, slots_per_worker, ssh_path)
+                               default_image, mlflow_source_name, ssh_path)
 from hvdgen.k8s.names import job_name
 from hvdgen.k8s.options import K8sOptions
+from hvdgen.k8s.ranks import slots_per_worker
 from hvdgen.spec import ProjectSpec
 
 OPERATOR_MANIFEST = "https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.8.2/deploy/v2beta1/mpi-operator.yaml"
@@ -18,13 +19,33 @@ def _launch_line(spec: ProjectSpec, opts: K8sOptions, gpu: bool) -> str:
     return " ".join(container["command"] + container["args"])
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _ranks(spec: ProjectSpec, opts: K8sOptions, gpus: int) -> str:
+    """How the overlay's ranks sit on its workers, in words, with the numbers of this job."""
+    slots = slots_per_worker(spec, gpus)
+    world = opts.workers * slots
+    if not gpus:
+        shape = f"{_count(opts.workers, 'CPU worker')} x 1 rank"
+    elif spec.strategy == "model-split":
+        shape = (f"{_count(opts.workers, 'worker')} x {_count(gpus, 'GPU')}; each rank puts its {spec.stages} "
+                 f"stages on {spec.stages} GPUs of its own, so {_count(slots, 'rank')} per worker")
+    else:
+        shape = f"{_count(opts.workers, 'worker')} x {_count(gpus, 'GPU')}, one rank per GPU"
+    shape += f" (`slotsPerWorker: {slots}`): {_count(world, 'rank')}"
+    if spec.strategy == "pipeline":
+        shape += f", {_count(world // spec.stages, 'pipeline')} of {spec.stages} stages"
+    return shape
+
+
 def readme(spec: ProjectSpec, opts: K8sOptions) -> str:
     name, ns = job_name(spec.name, opts.workers), opts.namespace
     overlay = "cpu"
     other_note = "          # on GPU nodes: kubectl apply -k k8s/overlays/gpu" if opts.gpus_per_worker else ""
     uri_source = mlflow_source_name(spec, opts)
-    gpu_rows = (f"| `overlays/gpu/` | {opts.workers} workers x {opts.gpus_per_worker} GPU "
-                f"(`slotsPerWorker: {slots_per_worker(spec.strategy, opts.gpus_per_worker)}`), "
+    gpu_rows = (f"| `overlays/gpu/` | {_ranks(spec, opts, opts.gpus_per_worker)}, "
                 f"image `{default_gpu_image(spec, opts)}`, "
                 f"NCCL environment; runs `{_launch_line(spec, opts, True)}` |\n") if opts.gpus_per_worker else ""
     elastic = ""
@@ -44,10 +65,12 @@ kubectl patch mpijob {name} -n {ns} --type merge \\
 The training script itself must be elastic (`hvdgen new --elastic`), or a lost worker still stops
 the job.
 """
-    non_root = (f"The pods run as the non-root user `mpiuser` (uid 1000); the operator mounts the job's SSH keys "
-                f"at `{ssh_path(opts)}`.") if opts.non_root else (
-        "The pods run as root, and the operator mounts the job's SSH keys at `/root/.ssh`. For non-root pods "
-        "(user `mpiuser`, keys at `/home/mpiuser/.ssh`), run `hvdgen k8s --non-root`.")
+    non_root = (f"The pods run as the images' non-root user `mpiuser` (uid 1000), without privilege escalation "
+                f"or capabilities; the operator mounts the job's SSH keys at `{ssh_path(opts)}`, and workers' sshd "
+                f"listens on port 2222. Only if your cluster needs it, `hvdgen k8s --root` runs them as root.") \
+        if opts.non_root else (
+        "The pods run as root (`hvdgen k8s --root`), and the operator mounts the job's SSH keys at `/root/.ssh`. "
+        "`hvdgen k8s --non-root` (the default for new projects) runs them as the images' user `mpiuser`.")
     return f"""# Kubernetes: `{name}` as an MPIJob
 
 These manifests run the project with the [Kubeflow MPI Operator](https://github.com/kubeflow/mpi-operator)
@@ -58,7 +81,7 @@ rather than by hand, and check hand edits with `hvdgen k8s --check`.
 | folder | what it runs |
 | --- | --- |
 | `base/` | the MPIJob and the `{checkpoint_claim_name(spec, opts)}` PersistentVolumeClaim |
-| `overlays/cpu/` | {opts.workers} CPU workers x 1 slot, image `{default_image(spec, opts)}`; runs `{_launch_line(spec, opts, False)}` |
+| `overlays/cpu/` | {_ranks(spec, opts, 0)}, image `{default_image(spec, opts)}`; runs `{_launch_line(spec, opts, False)}` |
 {gpu_rows}
 The launcher is created only when every worker's sshd accepts connections
 (`launcherCreationPolicy: WaitForWorkersReady`). Ranks run on the workers; rank 0 writes checkpoints

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 
 from hvdgen.k8s.launch import DISCOVER_HOSTS, HOSTFILE, option_value
+from hvdgen.k8s.mpijob import STAGES_LABEL
 from hvdgen.k8s.names import MAX_LABEL, dns1035_fix, is_dns1035_label, last_worker_name
 from hvdgen.k8s.problems import Problem
 
@@ -76,6 +77,10 @@ def operator_problems(job: dict) -> list[Problem]:
     if workers is not None and workers < 1:
         problems.append(Problem(f"{REPLICAS}.Worker.replicas",
                                 f"is {workers}, must be at least 1: set replicas: 1 or more"))
+    if "Worker" not in specs and _get(job, "spec", "runLauncherAsWorker") is not True:
+        problems.append(Problem(f"{REPLICAS}.Worker", "missing: the launcher runs no rank, so the ranks need "
+                                "Workers: add a Worker (replicas: 1 or more) with the job's image"))
+    problems += _container_list_problems(specs)
     for kind in REPLICA_TYPES:
         policy = _get(specs, kind, "restartPolicy")
         if policy is not None and policy not in RESTART_POLICIES:
@@ -95,6 +100,23 @@ def operator_problems(job: dict) -> list[Problem]:
             problems.append(Problem(".".join(keys), f"is {value}, must not be negative: set it to 0 or more"
                                     + (" (GPUs per worker, 1 on CPU)" if keys[-1] == "slotsPerWorker" else "")))
     return problems + _name_problems(job, workers)
+
+
+def _container_list_problems(specs: dict) -> list[Problem]:
+    """A replica's pod needs a container with an image: the launcher's runs horovodrun, a worker's sshd."""
+    problems = []
+    for kind in REPLICA_TYPES:
+        replica = specs.get(kind)
+        if not isinstance(replica, dict):
+            continue
+        where = f"{REPLICAS}.{kind}.template.spec.containers"
+        listed = _get(replica, "template", "spec", "containers")
+        if listed == [] or _get(replica, "template", "spec") is None:
+            problems.append(Problem(where, "has no container: add one with a name and the job's image"))
+        for i, container in _containers(replica):
+            if not container.get("image"):
+                problems.append(Problem(f"{where}[{i}].image", "missing: add the job's image"))
+    return problems
 
 
 def _containers(replica: dict | None) -> list[tuple[int, dict]]:
@@ -170,13 +192,20 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
     if int(np_text) != expected and not elastic:
         problems.append(Problem(f"{where}.args", f"-np {np_text} but Worker replicas ({workers}) x slotsPerWorker "
                                 f"({slots}) = {expected}: set -np {expected}"))
+    stages = str(_get(job, "metadata", "labels", STAGES_LABEL))
+    pipeline = _get(job, "metadata", "labels", MODEL_SPLIT_LABEL[0]) == "pipeline"
+    if pipeline and stages.isdigit() and int(stages) > 0 and expected % int(stages):
+        problems.append(Problem(f"{REPLICAS}.Worker.replicas", f"Worker replicas ({workers}) x slotsPerWorker "
+                                f"({slots}) = {expected} ranks, not whole pipelines of {stages} stages: make it a "
+                                f"multiple of {stages}"))
     return problems
 
 
 def _slots_problems(job: dict, specs: dict) -> list[Problem]:
     """One rank per GPU: slotsPerWorker equals the GPUs in a worker's limits.
 
-    hvdgen's model-split projects (labelled so) run one rank per worker across all its GPUs instead.
+    hvdgen's model-split jobs (labelled so) give each rank one GPU per stage instead: GPUs per worker
+    = stages x slotsPerWorker.
     """
     slots = _get(job, "spec", "slotsPerWorker")
     slots = 1 if slots is None else slots
@@ -186,12 +215,31 @@ def _slots_problems(job: dict, specs: dict) -> list[Problem]:
         gpus = [limits[key] for key in _gpu_keys(limits)]
         if not (gpus and _is_int(gpus[0]) and gpus[0] > 0 and _is_int(slots) and slots >= 0):
             return []
-        if model_split and slots != 1:
-            return [Problem("spec.slotsPerWorker", f"is {slots} but a model-split job runs one rank per worker "
-                                                   "over all its GPUs: set slotsPerWorker: 1")]
-        if not model_split and slots != gpus[0]:
+        if model_split:
+            return _model_split_slots(job, gpus[0], slots)
+        if slots != gpus[0]:
             return [Problem("spec.slotsPerWorker", f"is {slots} but each worker has {gpus[0]} GPUs: "
                                                    f"set slotsPerWorker: {gpus[0]} (one rank per GPU)")]
+    return []
+
+
+def _model_split_slots(job: dict, gpus: int, slots: int) -> list[Problem]:
+    stages = str(_get(job, "metadata", "labels", STAGES_LABEL))
+    if not stages.isdigit() or int(stages) < 1:
+        if slots and gpus % slots:
+            return [Problem("spec.slotsPerWorker", f"is {slots} but the worker's {gpus} GPUs cannot be shared "
+                                                   "equally among that many model-split ranks: set slotsPerWorker "
+                                                   f"to GPUs / stages, or label the job {STAGES_LABEL}")]
+        return []
+    stages = int(stages)
+    if gpus % stages:
+        return [Problem(f"{REPLICAS}.Worker.template.spec.containers[0].resources.limits",
+                        f"{gpus} GPUs per worker is not a multiple of the model's {stages} stages (a model-split "
+                        f"rank uses one GPU per stage): give {stages * max(slots, 1)} GPUs, {stages} x slotsPerWorker")]
+    if slots != gpus // stages:
+        return [Problem("spec.slotsPerWorker", f"is {slots} but each worker's {gpus} GPUs hold {gpus // stages} "
+                                               f"model-split rank(s) of {stages} stages (one GPU per stage): "
+                                               f"set slotsPerWorker: {gpus // stages}")]
     return []
 
 

@@ -1,24 +1,34 @@
-"""Validate Kubernetes objects: the MPIJob in three passes, core objects against their schemas."""
+"""Validate Kubernetes objects: the MPIJob in several passes, core objects against their schemas,
+and a set of documents as one job."""
 
 from __future__ import annotations
 
 from hvdgen.k8s.core import CORE_KINDS, core_problems, pod_template_problems
+from hvdgen.k8s.env_secrets import configmap_problems, env_problems
 from hvdgen.k8s.mpijob import API_VERSION, KIND
 from hvdgen.k8s.problems import Problem
+from hvdgen.k8s.resources import claim_problems, resource_problems
 from hvdgen.k8s.rules import REPLICA_TYPES, convention_problems, operator_problems
 from hvdgen.k8s.schema import schema_problems
+from hvdgen.k8s.security import security_problems
+
+EXAMPLE = "give the job's manifest, e.g. k8s/base/mpijob.yaml or `kubectl kustomize k8s/overlays/gpu`"
 
 
 def mpijob_problems(job: dict) -> list[Problem]:
-    """Strict CRD schema, then the operator's rules and Horovod conventions, then the pod templates.
+    """Strict CRD schema, the operator's rules, Horovod conventions, pod security, credentials and
+    resource bounds, then the pod templates against the core schema.
 
-    A pod template is checked against the core schema only when the CRD schema found nothing in it,
-    so one mistake is reported once.
+    A pod template is checked against the core schema only when nothing else was found in it, so one
+    mistake is reported once.
     """
     problems = schema_problems(job)
     problems += operator_problems(job)
     problems += convention_problems(job)
-    specs = (job.get("spec") or {}).get("mpiReplicaSpecs")
+    problems += security_problems(job)
+    problems += env_problems(job)
+    problems += resource_problems(job)
+    specs = (job.get("spec") or {}).get("mpiReplicaSpecs") if isinstance(job.get("spec"), dict) else None
     for kind in REPLICA_TYPES:
         template = specs.get(kind, {}).get("template") if isinstance(specs, dict) and isinstance(
             specs.get(kind), dict) else None
@@ -28,10 +38,21 @@ def mpijob_problems(job: dict) -> list[Problem]:
     return _unique(problems)
 
 
+def is_object(doc) -> bool:
+    """A Kubernetes object names its apiVersion and kind."""
+    return isinstance(doc, dict) and isinstance(doc.get("apiVersion"), str) and isinstance(doc.get("kind"), str)
+
+
 def object_problems(obj) -> list[Problem]:
     """Problems of one parsed YAML document; kinds hvdgen does not know are left alone."""
     if not isinstance(obj, dict):
-        return [Problem("(document)", "is not a mapping: a manifest starts with apiVersion, kind and metadata")]
+        return [Problem("", f"a document is a {type(obj).__name__}, not a Kubernetes object: {EXAMPLE}")]
+    if not is_object(obj):
+        missing = [key for key in ("apiVersion", "kind") if not isinstance(obj.get(key), str)]
+        if len(missing) == 2:
+            return [Problem("", f"a document has no apiVersion and kind, so it is not a Kubernetes object: {EXAMPLE}")]
+        return [Problem(missing[0], "missing: add it (an MPIJob has apiVersion: kubeflow.org/v2beta1, "
+                                    "kind: MPIJob)")]
     api_version, kind = obj.get("apiVersion"), obj.get("kind")
     if kind == KIND:
         if api_version != API_VERSION:
@@ -39,8 +60,29 @@ def object_problems(obj) -> list[Problem]:
                                           f"use apiVersion: {API_VERSION}")]
         return mpijob_problems(obj)
     if (api_version, kind) in CORE_KINDS:
-        return core_problems(obj)
+        problems = core_problems(obj)
+        if kind == "ConfigMap":
+            problems += configmap_problems(obj)
+        if kind == "PersistentVolumeClaim":
+            problems += claim_problems(obj)
+        return problems
     return []
+
+
+def job_problems(documents: list) -> list[Problem]:
+    """Documents applied together must hold the job; reported only when each is a Kubernetes object,
+    so a file that is not a manifest at all is named once."""
+    if not documents:
+        return [Problem("", f"holds no Kubernetes object: {EXAMPLE}")]
+    if all(is_object(doc) for doc in documents) and not any(doc["kind"] == KIND for doc in documents):
+        kinds = ", ".join(sorted({doc["kind"] for doc in documents}))
+        return [Problem("", f"holds no MPIJob (only {kinds}): {EXAMPLE}")]
+    return []
+
+
+def documents_problems(documents: list) -> list[Problem]:
+    """Each document's problems, then those of the documents as one job."""
+    return [p for doc in documents for p in object_problems(doc)] + job_problems(documents)
 
 
 def _unique(problems: list[Problem]) -> list[Problem]:

@@ -80,7 +80,7 @@ def test_gpus_zero_drops_the_gpu_overlay(project):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--workers", "0"], ["--workers", "at least 1"]),
+    (["--workers", "0"], ["--workers", "between 1 and 1024"]),
     (["--elastic", "--min-workers", "3", "--workers", "2"], ["--min-workers", "<= --workers"]),
     (["--namespace", "ML_Team"], ["--namespace", "lower-case"]),
     (["--image", "Bad Image"], ["--image", "image reference"]),
@@ -123,11 +123,6 @@ def test_check_reads_a_file_from_stdin(project):
     assert run("k8s", "--check", "--file", "-", input=yaml.safe_dump(job)).exit_code == 0
 
 
-def test_check_refuses_generation_options(project):
-    result = run("k8s", "--project", str(project), "--check", "--workers", "3")
-    assert result.exit_code == 2 and "--workers" in result.output
-
-
 def test_outside_a_project(tmp_path):
     result = run("k8s", "--project", str(tmp_path))
     assert result.exit_code == 1 and ".hvdgen.yaml" in result.output
@@ -147,6 +142,82 @@ def test_check_says_how_to_check_what_it_cannot_render(project):
     result = run("k8s", "--project", str(project), "--check")
     assert result.exit_code == 1
     assert "commonLabels" in result.output and "kubectl kustomize" in result.output
+
+
+def test_pods_run_as_non_root_by_default_and_as_root_when_asked(project):
+    def pods(overlay="base/mpijob.yaml"):
+        job = yaml.safe_load((project / "k8s" / overlay).read_text())
+        specs = job["spec"]["mpiReplicaSpecs"]
+        return job, [specs[kind]["template"]["spec"] for kind in ("Launcher", "Worker")]
+
+    job, specs = pods()
+    assert job["spec"]["sshAuthMountPath"] == "/home/mpiuser/.ssh"
+    for pod in specs:
+        assert pod["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
+                                          "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                           "capabilities": {"drop": ["ALL"]}}
+    assert answers(project)["k8s"] == {}  # a new project records no k8s answers: the defaults apply
+
+    assert run("k8s", "--project", str(project), "--root").exit_code == 0
+    job, specs = pods()
+    assert job["spec"]["sshAuthMountPath"] == "/root/.ssh"
+    assert all(pod["securityContext"] == {"runAsUser": 0, "runAsGroup": 0} for pod in specs)
+    assert "/root/.ssh/id_rsa" in specs[1]["containers"][0]["args"]
+    assert answers(project)["k8s"]["non_root"] is False
+    assert run("k8s", "--project", str(project), "--check").exit_code == 0
+
+    # The answer sticks until changed; --non-root turns it back.
+    assert run("k8s", "--project", str(project), "--workers", "3").exit_code == 0
+    assert pods()[0]["spec"]["sshAuthMountPath"] == "/root/.ssh"
+    assert run("k8s", "--project", str(project), "--non-root").exit_code == 0
+    assert pods()[0]["spec"]["sshAuthMountPath"] == "/home/mpiuser/.ssh"
+
+
+def test_answers_recorded_by_an_older_hvdgen_keep_working(project):
+    """An older hvdgen recorded every answer, non_root: false (its default) included."""
+    recorded = answers(project)
+    recorded["k8s"] = {"workers": 2, "gpus_per_worker": 1, "image": "", "gpu_image": "", "namespace": "default",
+                       "elastic": False, "min_workers": 0, "max_workers": 0, "non_root": False,
+                       "mlflow_uri_from": "configmap", "checkpoint_size": "10Gi"}
+    (project / SPEC_FILE).write_text(yaml.safe_dump(recorded, sort_keys=False))
+    result = run("k8s", "--project", str(project), "--workers", "4")
+    assert result.exit_code == 0, result.output
+    job = yaml.safe_load((project / "k8s/base/mpijob.yaml").read_text())
+    assert job["spec"]["sshAuthMountPath"] == "/root/.ssh" and job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 4
+    assert run("k8s", "--project", str(project), "--check").exit_code == 0
+
+
+def test_model_split_gpu_overlay_gives_each_rank_a_gpu_per_stage(tmp_path):
+    made = run("new", "ms", "--strategy", "model-split", "--stages", "2", "--output", str(tmp_path))
+    assert made.exit_code == 0, made.output
+    project = tmp_path / "ms"
+    patch = yaml.safe_load((project / "k8s/overlays/gpu/mpijob-patch.yaml").read_text())
+    worker = patch["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2  # 2 stages x 1 rank per worker
+    assert "slotsPerWorker" not in patch["spec"]  # 1, as in the base
+    assert "2 workers x 2 GPUs; each rank puts its 2 stages on 2 GPUs of its own, so 1 rank per worker " \
+           "(`slotsPerWorker: 1`): 2 ranks" in (project / "k8s/README.md").read_text()
+
+    assert run("k8s", "--project", str(project), "--gpus-per-worker", "4").exit_code == 0
+    patch = yaml.safe_load((project / "k8s/overlays/gpu/mpijob-patch.yaml").read_text())
+    launcher = patch["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    assert patch["spec"]["slotsPerWorker"] == 2 and launcher["args"][:2] == ["-np", "4"]
+    assert run("k8s", "--project", str(project), "--check").exit_code == 0
+
+
+def test_new_loads_no_validation_library(tmp_path):
+    """`hvdgen new` builds manifests from code and leaves validating them to the tests and to
+    `hvdgen k8s --check`: loading the schemas would be most of its run time."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hvdgen.cli import main\n"
+            "try:\n    main(['new', 'demo', '-o', sys.argv[1]])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(sorted(m for m in ('jsonschema', 'kubernetes_validate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "demo/k8s/base/mpijob.yaml").is_file()
 
 
 def test_cli_start_up_loads_no_validation_library():

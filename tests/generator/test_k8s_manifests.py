@@ -1,6 +1,11 @@
-"""Every offered framework x strategy, at 1 and 4 workers, CPU and GPU, elastic or not: the manifests
-hvdgen writes render through kustomize and pass the strict CRD schema, the operator's rules and the
-core pod schema, and they say what the conventions say."""
+"""Every offered framework x strategy, at 1 and 4 workers, CPU and GPU, elastic or not, root or not,
+and exactly what `hvdgen new` writes for every strategy and stage count: the manifests render through
+kustomize and pass every check of `hvdgen k8s --check` (strict CRD schema, the operator's rules,
+Horovod conventions, pod security, credentials, resource bounds, core pod schema), and they say what
+the conventions say.
+
+hvdgen does not validate at generation time (it would cost `hvdgen new` most of its time), so these
+tests are what guarantees that a generated manifest never fails a check."""
 
 from __future__ import annotations
 
@@ -15,11 +20,11 @@ import yaml
 from hvdgen import catalog
 from hvdgen.k8s import kustomize
 from hvdgen.k8s.launch import DISCOVER_HOSTS, HOSTFILE, option_value
-from hvdgen.k8s.layout import k8s_files
+from hvdgen.k8s.layout import k8s_files, options_of
 from hvdgen.k8s.mpijob import CHECKPOINT_DIR, GPU_RESOURCE
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.k8s.schema import load_schema, make_strict, schema_problems
-from hvdgen.k8s.validate import object_problems
+from hvdgen.k8s.validate import documents_problems, object_problems
 from hvdgen.errors import HvdgenError
 from hvdgen.spec import ProjectSpec
 
@@ -51,6 +56,12 @@ def overlay_objects(root: Path, overlay: str) -> dict[str, dict]:
     return {obj["kind"]: obj for obj in kustomize.render(root / "overlays" / overlay)}
 
 
+def every_folder_validates(root: Path) -> None:
+    """What `hvdgen k8s --check` renders: the base and every overlay."""
+    for folder in sorted(p.parent for p in root.rglob(kustomize.KUSTOMIZATION)):
+        assert [str(p) for p in documents_problems(kustomize.render(folder))] == [], folder
+
+
 def launcher_argv(job: dict) -> list[str]:
     container = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
     return container["command"] + container["args"]
@@ -73,10 +84,9 @@ def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gp
     root = write(tmp_path, spec, opts)
     overlay = "gpu" if gpus else "cpu"
     assert (root / "overlays" / "gpu").is_dir() == bool(gpus)
+    every_folder_validates(root)
 
     objects = overlay_objects(root, overlay)
-    for obj in objects.values():
-        assert object_problems(obj) == [], obj["kind"]
     job, claim = objects["MPIJob"], objects["PersistentVolumeClaim"]
 
     # One rank per GPU, except model-split: one rank per worker, its stages over the worker's GPUs.
@@ -112,10 +122,6 @@ def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gp
     volumes = {v["name"]: v for v in job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["volumes"]}
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
 
-    # The cpu overlay always exists and validates too.
-    for obj in overlay_objects(root, "cpu").values():
-        assert object_problems(obj) == []
-
 
 def test_secret_source_non_root_and_namespace(tmp_path):
     spec = ProjectSpec(name="demo")
@@ -126,7 +132,7 @@ def test_secret_source_non_root_and_namespace(tmp_path):
     assert object_problems(job) == []
     assert job["metadata"]["namespace"] == objects["PersistentVolumeClaim"]["metadata"]["namespace"] == "ml-team"
     assert job["spec"]["sshAuthMountPath"] == "/home/mpiuser/.ssh"
-    assert worker(job)["securityContext"]["runAsUser"] == 1000
+    assert job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["securityContext"]["runAsUser"] == 1000
     assert worker(job)["args"][-1] == "/home/mpiuser/.ssh/id_rsa"
     assert worker(job)["image"] == "registry.example.com/team/demo:v2-cuda"
     env = {e["name"]: e for e in worker(job)["env"]}
@@ -135,11 +141,58 @@ def test_secret_source_non_root_and_namespace(tmp_path):
 
 
 def test_long_project_name_is_shortened_so_every_worker_name_is_a_dns_label(tmp_path):
-    spec = ProjectSpec(name="a" + "_very_long_name" * 6)
+    spec = ProjectSpec(name="a" + "-long-name" * 6)
     objects = overlay_objects(write(tmp_path, spec, K8sOptions(workers=128)), "cpu")
     name = objects["MPIJob"]["metadata"]["name"]
     assert len(f"{name}-worker-127") <= 63 and not name.endswith("-")
     assert object_problems(objects["MPIJob"]) == []
+
+
+@pytest.mark.parametrize("framework,strategy", offered())
+@pytest.mark.parametrize("non_root", [True, False], ids=["non-root", "root"])
+def test_both_user_modes_validate(tmp_path, framework, strategy, non_root):
+    spec = ProjectSpec(name="demo", framework=framework, strategy=strategy)
+    opts = options_of(spec).updated(non_root=non_root, gpus_per_worker=2 * spec.stages)
+    root = write(tmp_path, spec, opts)
+    every_folder_validates(root)
+    for overlay in ("cpu", "gpu"):
+        job = overlay_objects(root, overlay)["MPIJob"]
+        assert job["spec"]["sshAuthMountPath"] == ("/home/mpiuser/.ssh" if non_root else "/root/.ssh")
+        for kind in ("Launcher", "Worker"):
+            pod = job["spec"]["mpiReplicaSpecs"][kind]["template"]["spec"]
+            assert pod["securityContext"]["runAsUser"] == (1000 if non_root else 0)
+            assert pod["securityContext"].get("runAsNonRoot", False) is non_root
+
+
+def what_new_writes():
+    """Every project `hvdgen new` can make, as far as k8s/ depends on it."""
+    for framework, strategy in offered():
+        for stages in ((2,) if strategy == "data" else (2, 3, 4)):
+            for elastic in ((False,) if strategy == "pipeline" else (False, True)):
+                extra = {"stages": stages} if strategy != "data" else {}
+                yield pytest.param(ProjectSpec(name="demo", framework=framework, strategy=strategy, elastic=elastic,
+                                               **extra),
+                                   id=f"{framework}-{strategy}-{stages}-{'elastic' if elastic else 'static'}")
+
+
+@pytest.mark.parametrize("spec", list(what_new_writes()))
+def test_what_new_writes_validates_and_runs_whole_ranks(tmp_path, spec):
+    root = write(tmp_path, spec, options_of(spec))
+    every_folder_validates(root)
+    readme = (root / "README.md").read_text()
+    for overlay in ("cpu", "gpu"):
+        job = overlay_objects(root, overlay)["MPIJob"]
+        workers = job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"]
+        slots = job["spec"]["slotsPerWorker"]
+        world = int(option_value(launcher_argv(job), "-np"))
+        assert world == workers * slots
+        gpus = worker(job)["resources"]["limits"].get(GPU_RESOURCE, 0)
+        if spec.strategy == "pipeline":
+            assert world % spec.stages == 0, f"{overlay}: -np {world} is not whole pipelines of {spec.stages}"
+            assert f"{world // spec.stages} pipeline" in readme
+        if spec.strategy == "model-split" and overlay == "gpu":
+            assert gpus == spec.stages * slots, "each model-split rank needs one GPU per stage"
+        assert f"runs `horovodrun -np {world} " in readme
 
 
 def test_strict_schema_closes_every_listed_object():

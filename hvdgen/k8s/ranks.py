@@ -1,0 +1,71 @@
+"""How a strategy's ranks sit on the worker pods and their GPUs, and which shapes fit.
+
+- data: one rank per GPU (one per worker on CPU);
+- model-split: each rank spreads its model's stages over GPUs of its own, one GPU per stage, so a
+  worker with G GPUs runs G / stages ranks, and G must be a multiple of the stages (with fewer,
+  the stages would fall back to the CPU);
+- pipeline: one rank per GPU and one stage per rank; the world (workers x slots) must be whole
+  pipelines, a multiple of the stages, and cannot be elastic (a lost worker is a lost stage).
+
+`slotsPerWorker` is the ranks per worker and `-np` is workers x slots, in every overlay.
+"""
+
+from __future__ import annotations
+
+from hvdgen.errors import HvdgenError
+from hvdgen.k8s.options import K8sOptions
+from hvdgen.spec import ProjectSpec
+
+
+def slots_per_worker(spec: ProjectSpec, gpus: int) -> int:
+    """Horovod ranks per worker pod with `gpus` GPUs (0: the CPU overlay)."""
+    if not gpus:
+        return 1
+    return max(gpus // spec.stages, 1) if spec.strategy == "model-split" else gpus
+
+
+def default_answers(spec: ProjectSpec) -> dict:
+    """The k8s answers that depend on the strategy: one CPU worker per pipeline stage, one GPU per
+    model-split stage."""
+    if spec.strategy == "pipeline":
+        return {"workers": spec.stages}
+    if spec.strategy == "model-split":
+        return {"gpus_per_worker": spec.stages}
+    return {}
+
+
+def overlays(spec: ProjectSpec, opts: K8sOptions) -> list[tuple[str, int]]:
+    """(overlay, slots per worker) for each overlay hvdgen writes."""
+    out = [("cpu", 1)]
+    if opts.gpus_per_worker:
+        out.append(("gpu", slots_per_worker(spec, opts.gpus_per_worker)))
+    return out
+
+
+def check_shape(spec: ProjectSpec, opts: K8sOptions) -> None:
+    """Refuse, with one line naming the numbers, a job whose ranks do not fit the strategy."""
+    if spec.strategy == "model-split":
+        _check_model_split(spec, opts)
+    elif spec.strategy == "pipeline":
+        _check_pipeline(spec, opts)
+
+
+def _check_model_split(spec: ProjectSpec, opts: K8sOptions) -> None:
+    stages, gpus = spec.stages, opts.gpus_per_worker
+    if gpus % stages:
+        fit = max(gpus // stages, 1) * stages
+        raise HvdgenError(f"model-split gives each rank {stages} GPUs of its own (one per stage), so "
+                          f"--gpus-per-worker must be {stages} x ranks per worker, got {gpus}: use e.g. "
+                          f"--gpus-per-worker {fit} ({fit // stages} {'rank' if fit == stages else 'ranks'} per worker), "
+                          "or 0 for no gpu overlay")
+
+
+def _check_pipeline(spec: ProjectSpec, opts: K8sOptions) -> None:
+    if opts.elastic:
+        raise HvdgenError("a pipeline job cannot be elastic (losing a worker loses a stage): drop --elastic")
+    for overlay, slots in overlays(spec, opts):
+        np = opts.workers * slots
+        if np % spec.stages:
+            fit = next(w for w in range(opts.workers, opts.workers + spec.stages + 1) if (w * slots) % spec.stages == 0)
+            raise HvdgenError(f"the {overlay} job would run -np {np} ({opts.workers} workers x {slots} slots), not a "
+                              f"multiple of the pipeline's {spec.stages} stages: use e.g. --workers {fit}")
