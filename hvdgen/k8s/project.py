@@ -72,24 +72,42 @@ def regenerate(project: Path, opts: K8sOptions) -> list[str]:
     spec = dataclasses.replace(load_spec(project), k8s=opts.to_answers())
     files = k8s_files(spec, opts)
     answers = spec.to_yaml()
+    _refuse_blocked(project, [f"{FOLDER}/{rel}" for rel in files] + [SPEC_FILE])
+    # SIGTERM and SIGHUP unwind like Ctrl-C, so the staging folder goes on any of them (as for hvdgen new).
+    from hvdgen.render import _signals_clean_up, _signals_held  # noqa: PLC0415 - jinja2 stays out of start-up
+
+    staging = None
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".hvdgen-k8s-", dir=project))
-    except OSError as exc:
-        raise HvdgenError(f"cannot write in {project} ({exc.strerror}): fix its permissions") from exc
-    try:
-        written = _write(files, staging)
-        (staging / SPEC_FILE).write_text(answers)
-        for rel in written + [SPEC_FILE]:
-            dest = project / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging / rel, dest)
+        with _signals_clean_up():
+            try:
+                staging = Path(tempfile.mkdtemp(prefix=".hvdgen-k8s-", dir=project))
+                written = _write(files, staging)
+                (staging / SPEC_FILE).write_text(answers)
+                for rel in written + [SPEC_FILE]:
+                    dest = project / rel
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staging / rel, dest)
+            finally:
+                with _signals_held():
+                    if staging is not None:
+                        shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         raise HvdgenError(f"cannot write {exc.filename or project} ({exc.strerror}): fix the path or its "
                           "permissions") from exc
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     _remove_stale(project, written)
     return written + [SPEC_FILE]
+
+
+def _refuse_blocked(project: Path, targets: list[str]) -> None:
+    """Before anything moves: a file where a folder goes, or a folder where a file goes, would stop
+    the renames halfway and leave k8s/ half old, half new."""
+    for rel in targets:
+        dest = project / rel
+        if dest.is_dir() and not dest.is_symlink():
+            raise HvdgenError(f"{dest} is a folder where hvdgen k8s writes a file: move it away and run again")
+        for parent in (p for p in dest.parents if p != project and p.is_relative_to(project)):
+            if parent.exists() and not parent.is_dir():
+                raise HvdgenError(f"{parent} is a file where hvdgen k8s needs a folder: move it away and run again")
 
 
 def _remove_stale(project: Path, written: list[str]) -> None:

@@ -397,6 +397,7 @@ class Bad:
     files: dict = field(default_factory=dict)  # project-relative path -> text, bytes, or an edit of the text
     strategy: str = "data"  # which generated project to start from
     stdin: bytes | None = None
+    swapped: tuple = ()  # project-relative paths turned from folder into file, or from file into folder
 
 
 def _check(name: str, content, *words, **extra) -> Bad:
@@ -482,6 +483,10 @@ BAD = [
             strategy="model-split"),
     _option("pipeline-3-workers", "--workers", "3", "|", "-np 3", "4 stages", "--workers 4", strategy="pipeline"),
     _option("pipeline-elastic", "--elastic", "|", "cannot be elastic", strategy="pipeline"),
+    Bad("folder-where-a-file-goes", ("k8s", "--project", "{p}", "--workers", "3"),
+        ("k8s/README.md is a folder", "move it away"), swapped=("k8s/README.md",)),
+    Bad("file-where-a-folder-goes", ("k8s", "--project", "{p}", "--workers", "3"),
+        ("k8s/overlays/gpu is a file", "move it away"), swapped=("k8s/overlays/gpu",)),
     Bad("project-is-a-file", ("k8s", "--project", "{p}/train.py"), ("is a file", "project folder")),
     # .hvdgen.yaml answers that cannot be used
     _spec_file("k8s-5", _answer("k8s", 5), "k8s must be a mapping", "got 5"),
@@ -513,8 +518,9 @@ def generated(tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def snapshot(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every file's bytes and every folder (None): equal snapshots, equal trees."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 
 
 @pytest.mark.parametrize("bad", BAD, ids=[b.id for b in BAD])
@@ -526,6 +532,14 @@ def test_bad_k8s_input_is_one_line_and_changes_nothing(bad, generated, tmp_path)
         if callable(content):
             content = content(path.read_text())
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    for rel in bad.swapped:
+        path = project / rel
+        if path.is_dir():
+            shutil.rmtree(path)
+            path.write_text("mine\n")
+        else:
+            path.unlink()
+            (path / "mine").mkdir(parents=True)
     before = snapshot(project)
 
     args = [arg.replace("{p}", str(project)) for arg in bad.args]
