@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 
 from hvdgen.k8s.problems import Problem, field_path
@@ -33,7 +33,7 @@ def core_problems(obj: dict, prefix: tuple = ()) -> list[Problem]:
     return [Problem(where, f"{error.message}: fix this value")]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _validator(api_version: str, kind: str):
     """The validator `kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)` builds, built
     once per kind instead of once per call (each call re-reads the 1 MB definitions file)."""

@@ -53,11 +53,11 @@ def check_shape(spec: ProjectSpec, opts: K8sOptions) -> None:
 def _check_model_split(spec: ProjectSpec, opts: K8sOptions) -> None:
     stages, gpus = spec.stages, opts.gpus_per_worker
     if gpus % stages:
-        fit = max(gpus // stages, 1) * stages
+        ranks = max(gpus // stages, 1)
         raise HvdgenError(f"model-split gives each rank {stages} GPUs of its own (one per stage), so "
                           f"--gpus-per-worker must be {stages} x ranks per worker, got {gpus}: use e.g. "
-                          f"--gpus-per-worker {fit} ({fit // stages} {'rank' if fit == stages else 'ranks'} per worker), "
-                          "or 0 for no gpu overlay")
+                          f"--gpus-per-worker {ranks * stages} ({ranks} {'rank' if ranks == 1 else 'ranks'} "
+                          "per worker), or 0 for no gpu overlay")
 
 
 def _check_pipeline(spec: ProjectSpec, opts: K8sOptions) -> None:

