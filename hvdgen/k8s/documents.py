@@ -16,15 +16,26 @@ class ManifestError(Exception):
 
 
 def parse(text: str, name: str) -> list:
-    """The non-empty YAML documents of `text`."""
+    """The non-empty YAML documents of `text`; a `kind: List` (what `kubectl get -o yaml` prints for
+    several objects, and kustomize accepts) stands for its items."""
     try:
-        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         why = getattr(exc, "problem", None) or str(exc)
         raise ManifestError(" ".join(f"{name} is not valid YAML{where} ({why}): fix the indentation or quoting"
                                      .split())) from exc
+    return [item for doc in documents for item in (_items(doc) if _is_list(doc) else [doc])]
+
+
+def _is_list(doc) -> bool:
+    return isinstance(doc, dict) and doc.get("kind") == "List" and doc.get("apiVersion") == "v1"
+
+
+def _items(doc: dict) -> list:
+    items = doc.get("items")
+    return [item for item in items if item is not None] if isinstance(items, list) else []
 
 
 def decode(data: bytes, name: str) -> str:

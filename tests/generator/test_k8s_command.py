@@ -261,3 +261,14 @@ def test_pipeline_jobs_run_whole_pipelines(tmp_path):
     refused = runner.invoke(main, ["k8s", "--project", str(tmp_path / "pp"), "--workers", "4"])
     assert refused.exit_code != 0
     assert "not a multiple of the pipeline's 3 stages: use e.g. --workers 6" in refused.output
+
+
+def test_check_reads_what_kubectl_get_prints(project):
+    """`kubectl get mpijob,pvc -o yaml` prints one `kind: List`; its items are the objects checked."""
+    job = yaml.safe_load((project / "k8s/base/mpijob.yaml").read_text())
+    claim = yaml.safe_load((project / "k8s/base/checkpoints-pvc.yaml").read_text())
+    listing = {"apiVersion": "v1", "kind": "List", "items": [job, claim]}
+    assert run("k8s", "--check", "--file", "-", input=yaml.safe_dump(listing)).exit_code == 0
+    job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["hostNetwork"] = True
+    result = run("k8s", "--check", "--file", "-", input=yaml.safe_dump(listing))
+    assert result.exit_code == 1 and "hostNetwork: true shares the node's network namespace" in result.stderr
