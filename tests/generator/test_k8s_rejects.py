@@ -586,3 +586,47 @@ def test_cached_core_validator_finds_what_kubernetes_validate_finds(breaker):
         expected = [(field_path(error.path), error.message)]
     assert len(expected) == (breaker is not None)
     assert [(p.path, p.message.rsplit(": ", 1)[0]) for p in core_problems(wrapped)] == expected
+
+
+def _paths(node, prefix=()):
+    yield prefix
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in children:
+        yield from _paths(value, prefix + (key,))
+
+
+def test_hand_written_rules_never_crash_on_odd_values():
+    """Users write anything anywhere. Every field of a job, replaced by values of the wrong type: the
+    rules hvdgen wrote (the schemas are libraries) report or pass, and never raise."""
+    from hvdgen.k8s import env_secrets, resources, rules, security
+
+    job = build_mpijob(ProjectSpec(name="d", strategy="model-split"), K8sOptions(gpus_per_worker=2, elastic=True),
+                       gpu=True)
+    checks = (rules.operator_problems, rules.convention_problems, security.security_problems,
+              env_secrets.env_problems, resources.resource_problems)
+    tried = 0
+    for path in list(_paths(job))[1:]:
+        for odd in (None, 5, -3, "x", "", [], {}, True, 1.5, [None], {"a": None}):
+            broken = copy.deepcopy(job)
+            parent = broken
+            for key in path[:-1]:
+                parent = parent[key]
+            parent[path[-1]] = odd
+            for check in checks:
+                assert all(isinstance(p.path, str) for p in check(broken)), (path, odd, check.__name__)
+                tried += 1
+    assert tried > 5000
+
+
+def test_recorded_answers_of_any_type_are_refused_in_one_line():
+    """Whatever .hvdgen.yaml holds under k8s:, K8sOptions accepts it or raises HvdgenError (one line)."""
+    from dataclasses import fields
+
+    from hvdgen.errors import HvdgenError
+
+    for answer in fields(K8sOptions):
+        for odd in (None, 5, -3, 10**9, "x", "", [], {}, True, 1.5, [None], {"a": None}):
+            try:
+                K8sOptions.from_answers({answer.name: odd})
+            except HvdgenError as error:
+                assert "\n" not in error.message, (answer.name, odd)
