@@ -12,8 +12,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import yaml
-
 from hvdgen.errors import HvdgenError
 from hvdgen.k8s.layout import FOLDER, MANAGED, k8s_files
 from hvdgen.k8s.options import K8sOptions
@@ -43,24 +41,14 @@ def load_spec(project: Path) -> ProjectSpec:
     if not path.is_file():
         raise HvdgenError(f"{project} has no {SPEC_FILE}: run hvdgen k8s inside a project made by hvdgen new, "
                           "or pass --project DIR")
-    fix = "restore it (e.g. from version control) or regenerate the project with hvdgen new"
     try:
         text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise HvdgenError(f"cannot read {path} ({exc.strerror}): fix its permissions") from exc
     except UnicodeDecodeError as exc:
-        raise HvdgenError(f"{path} is not UTF-8 text: {fix}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise HvdgenError(f"{path} is not valid YAML{where}: {fix}") from exc
-    if data is None:
-        raise HvdgenError(f"{path} is empty: {fix}")
-    if not isinstance(data, dict) or "name" not in data:
-        raise HvdgenError(f"{path} holds no project answers (a {type(data).__name__}, without name:): {fix}")
-    return ProjectSpec.from_yaml(text)
+        raise HvdgenError(f"{path} is not UTF-8 text: restore it (e.g. from version control), or regenerate "
+                          "the project with hvdgen new --force") from exc
+    return ProjectSpec.from_yaml(text)  # names invalid YAML and missing answers in one line
 
 
 def regenerate(project: Path, opts: K8sOptions) -> list[str]:

@@ -500,9 +500,9 @@ BAD = [
     _spec_file("namespace-number", _answer("k8s", {"namespace": 5}), "namespace must be text"),
     _spec_file("unknown-k8s-key", _answer("k8s", {"gpus": 2}), "unknown keys ['gpus']"),
     _spec_file("recorded-workers-100000", _answer("k8s", {"workers": 100000}), "between 1 and 1024"),
-    _spec_file("answers-binary", b"\x00\x01\x02\xff", SPEC_FILE),
-    _spec_file("answers-empty", "", SPEC_FILE),
-    _spec_file("answers-invalid-yaml", "name: [\n", SPEC_FILE, "YAML"),
+    _spec_file("answers-binary", b"\x00\x01\x02\xff", SPEC_FILE, "not UTF-8"),
+    _spec_file("answers-empty", "", SPEC_FILE, "answers"),
+    _spec_file("answers-invalid-yaml", "name: [\n", SPEC_FILE, "not valid YAML"),
 ]
 
 
