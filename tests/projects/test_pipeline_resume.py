@@ -1,11 +1,17 @@
-"""A generated pipeline project stopped after an epoch and started again ends where an uninterrupted run ends.
+"""Generated staged projects (pipeline and model-split) resume exactly where an uninterrupted run went.
 
-Rank 0 gathers every stage into one checkpoint; on restart each rank takes its own stage, its
-optimizer state and its RNG state back, so epoch 2 of the resumed run repeats epoch 2 of the
-uninterrupted one.
+pipeline: stopped after an epoch and started again. Rank 0 gathers every stage into one
+checkpoint; on restart each rank takes its own stage, its optimizer state and its RNG state
+back, so epoch 2 of the resumed run repeats epoch 2 of the uninterrupted one.
+
+model-split: resumed mid-epoch. The uninterrupted run checkpoints every few steps; a second run
+starts from a copy of one mid-epoch checkpoint of epoch 1 alone, which is what a job stopped at
+that step leaves behind (rank 0 is the only writer), and must end on the same losses, metrics,
+step and final weights.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,26 +21,57 @@ import pytest
 from helpers import run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SUFFIX = {"torch": "pt", "tensorflow": "pkl"}
 pytestmark = pytest.mark.slow
 
 
-def train(project: Path, ranks: Path, epochs: int) -> tuple[list[dict], str]:
+def generate(tmp_path: Path, framework: str, strategy: str) -> Path:
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,
+                    "--output", str(tmp_path)], check=True)
+    return tmp_path / "proj"
+
+
+def train(project: Path, ranks: Path, epochs: int, *overrides: str, env=None) -> tuple[list[dict], str]:
     proc = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
-                           "--train.epochs", str(epochs)], cwd=project, env={"SKIP_DIGEST": "1"}, timeout=400)
+                           "--train.epochs", str(epochs), *overrides], cwd=project, env=env, timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], proc.stdout
 
 
+def assert_same(got: dict, expected: dict, keys: tuple[str, ...]) -> None:
+    assert got["epoch"] == expected["epoch"] and got["step"] == expected["step"]
+    for key in keys:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), (got["epoch"], key)
+
+
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_pipeline_resumes_exactly(tmp_path, framework):
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", "pipeline",
-                    "--output", str(tmp_path)], check=True)
-    project = tmp_path / "proj"
-    straight, _ = train(project, tmp_path / "straight", 2)
-    train(project, tmp_path / "resumed", 1)
-    resumed, out = train(project, tmp_path / "resumed", 2)
+    project = generate(tmp_path, framework, "pipeline")
+    skip_digest = {"SKIP_DIGEST": "1"}      # pipeline ranks hold different stages
+    straight, _ = train(project, tmp_path / "straight", 2, env=skip_digest)
+    train(project, tmp_path / "resumed", 1, env=skip_digest)
+    resumed, out = train(project, tmp_path / "resumed", 2, env=skip_digest)
     assert "resuming from checkpoints/ckpt-" in out and "from epoch 1" in out
-    last = resumed[-1]
-    assert last["epoch"] == 2 and last["step"] == straight[-1]["step"]
-    for key in ("train_loss", "val_loss", "val_accuracy"):
-        assert last[key] == pytest.approx(straight[-1][key], rel=1e-5), key
+    assert resumed[-1]["epoch"] == 2
+    assert_same(resumed[-1], straight[-1], ("train_loss", "val_loss", "val_accuracy"))
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_model_split_resumes_exactly_mid_epoch(tmp_path, framework):
+    project = generate(tmp_path, framework, "model-split")
+    every = ("--checkpoint.every_steps", "10", "--checkpoint.keep", "100")
+    straight, _ = train(project, tmp_path / "straight", 2, *every)
+    steps_per_epoch = straight[0]["step"]
+    assert steps_per_epoch > 10, "the checkpoint at step 10 must be mid-epoch"
+    name = f"ckpt-{10:09d}.{SUFFIX[framework]}"
+    (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "straight" / "rank0" / "checkpoints" / name,
+                tmp_path / "resumed" / "rank0" / "checkpoints" / name)
+
+    resumed, out = train(project, tmp_path / "resumed", 2, *every)
+    assert f"resuming from checkpoints/{name}: epoch 0, step 10" in out
+    # epoch 1 trained only its last steps after the resume: its train totals are partial, the rest must match
+    assert_same(resumed[0], straight[0], ("val_loss", "val_accuracy"))
+    assert_same(resumed[1], straight[1], ("train_loss", "train_accuracy", "val_loss", "val_accuracy"))
+    digests = [json.loads((tmp_path / run / "digests.json").read_text()) for run in ("straight", "resumed")]
+    assert digests[0] == digests[1], "the final weights differ"
