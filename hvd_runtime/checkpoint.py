@@ -92,3 +92,10 @@ def announce_resume(path: Path, payload: dict) -> None:
     """Rank 0's line on where a resumed run continues (the tests and the user both look for it)."""
     where = payload["state"]
     print(f"resuming from {path}: epoch {where['epoch']}, step {where['step']}", flush=True)
+
+
+def misfit_message(detail: str) -> str:
+    """The one line for a newest checkpoint that does not fit the model being trained (the data's
+    classes or the model's sizes changed since it was written)."""
+    return (f"the newest checkpoint holds a different model ({detail}): train into another folder with "
+            "--checkpoint.dir DIR, or start over with --checkpoint.resume false")

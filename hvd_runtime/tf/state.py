@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, state_fields
+from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
+from hvd_runtime.config import ConfigError
 from hvd_runtime.tf.context import Context
 
 SUFFIX = "pkl"
@@ -47,10 +48,20 @@ def snapshot(model, optimizer, state: TrainState, rng_states=None) -> dict:
             "state": state_fields(state), "rng": rng_states}
 
 
-def _assign(variables, arrays, what: str, path: Path) -> None:
-    if len(variables) != len(arrays) or any(tuple(v.shape) != a.shape for v, a in zip(variables, arrays)):
-        raise ValueError(f"checkpoint {path} does not fit this {what} ({len(arrays)} arrays for {len(variables)} "
-                         "variables): was the model or optimizer changed? Start over with --checkpoint.resume false")
+def misfit(variables, arrays, what: str) -> str | None:
+    """Why saved arrays cannot be assigned to these variables, as the user's config error; None if they fit."""
+    if len(variables) != len(arrays):
+        return misfit_message(f"{len(arrays)} {what} arrays saved, {len(variables)} variables now")
+    for v, a in zip(variables, arrays):
+        if tuple(v.shape) != tuple(a.shape):
+            return misfit_message(f"{v.path}: {tuple(a.shape)} saved, {tuple(v.shape)} now")
+    return None
+
+
+def _assign(variables, arrays, what: str = "model", path: Path | None = None) -> None:
+    problem = misfit(variables, arrays, what)
+    if problem:
+        raise ConfigError(problem if path is None else f"{path}: {problem}")
     for v, a in zip(variables, arrays):
         v.assign(a)
 
@@ -83,13 +94,20 @@ def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context,
     if ctx.is_root:
         found = load_latest(store) if resume else None
         if found:
-            path, payload = found
-            _assign(model.variables, payload["model"], "model", path)
-            _assign(optimizer.variables, payload["optimizer"], "optimizer", path)
-            meta = {"state": payload["state"], "rng": payload["rng"]}
+            _, payload = found
+            problem = (misfit(model.variables, payload["model"], "model")
+                       or misfit(optimizer.variables, payload["optimizer"], "optimizer"))
+            if problem:
+                meta = {"misfit": problem}
+            else:
+                _assign(model.variables, payload["model"])
+                _assign(optimizer.variables, payload["optimizer"])
+                meta = {"state": payload["state"], "rng": payload["rng"]}
+    meta = hvd.broadcast_object(meta, root_rank=0, name="initial_state")
+    if "misfit" in meta:  # every rank stops with rank 0's reason, none waits for the others
+        raise ConfigError(meta["misfit"])
     # Horovod: every rank starts from rank 0's weights, optimizer state and position.
     hvd.broadcast_variables([v.value for v in shared_variables(model, optimizer, local_variables)], root_rank=0)
-    meta = hvd.broadcast_object(meta, root_rank=0, name="initial_state")
     rngs = meta["rng"]
     if rngs and len(rngs) == ctx.size:
         set_rng_state(rngs[ctx.rank])

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, state_fields
+from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
+from hvd_runtime.config import ConfigError
 from hvd_runtime.torch.context import Context
 
 
@@ -55,6 +56,17 @@ def load_latest(store: CheckpointStore) -> dict | None:
     return found[1]
 
 
+def model_misfit(saved: dict, current: dict) -> str | None:
+    """Why a checkpoint's weights cannot load into this model (another dataset's classes, other
+    layer sizes), as the config error the user sees; None when they fit."""
+    shapes = {k: tuple(v.shape) for k, v in saved.items()}
+    wanted = {k: tuple(v.shape) for k, v in current.items()}
+    if shapes == wanted:
+        return None
+    differ = sorted(k for k in set(shapes) | set(wanted) if shapes.get(k) != wanted.get(k))
+    return misfit_message(f"{differ[0]}: {shapes.get(differ[0])} saved, {wanted.get(differ[0])} now")
+
+
 def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
                          resume: bool = True) -> TrainState:
     """Load rank 0's latest checkpoint (if any) into every rank; return where training stands."""
@@ -63,8 +75,13 @@ def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ct
     payload = None
     if ctx.is_root:
         payload = (load_latest(store) if resume else None) or snapshot(model, optimizer, TrainState())
+        misfit = model_misfit(payload["model"], model.state_dict())
+        if misfit:
+            payload = {"misfit": misfit}
     # Horovod: every rank starts from rank 0's weights, optimizer state and position.
     payload = hvd.broadcast_object(payload, root_rank=0, name="initial_state")
+    if "misfit" in payload:  # every rank stops with rank 0's reason, none waits for the others
+        raise ConfigError(payload["misfit"])
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     rngs = payload.get("rng")

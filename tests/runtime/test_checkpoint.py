@@ -49,3 +49,30 @@ def test_failed_write_leaves_no_file(tmp_path):
     with pytest.raises(OSError):
         store.save(5, explode)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_of_another_model_is_named_not_loaded():
+    """Another dataset's classes change the head: the user gets the layer, both shapes and the fix."""
+    torch = pytest.importorskip("torch")
+    from hvd_runtime.torch.state import model_misfit
+
+    ten, three = torch.nn.Linear(4, 10), torch.nn.Linear(4, 3)
+    assert model_misfit(ten.state_dict(), torch.nn.Linear(4, 10).state_dict()) is None
+    message = model_misfit(ten.state_dict(), three.state_dict())
+    assert message.startswith("the newest checkpoint holds a different model (bias: (10,) saved, (3,) now)")
+    assert "--checkpoint.dir" in message and "--checkpoint.resume false" in message
+
+
+def test_a_keras_checkpoint_of_another_model_is_named_not_loaded():
+    pytest.importorskip("tensorflow")
+    import keras
+    import numpy as np
+
+    from hvd_runtime.tf.state import misfit
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    fits = [np.zeros(v.shape) for v in model.variables]
+    assert misfit(model.variables, fits, "model") is None
+    other = [np.zeros((4, 10)), np.zeros((10,))]
+    assert "(4, 10) saved, (4, 3) now" in misfit(model.variables, other, "model")
+    assert "1 model arrays saved, 2 variables now" in misfit(model.variables, other[:1], "model")

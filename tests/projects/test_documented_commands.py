@@ -1,0 +1,155 @@
+"""Every command a generated project documents runs, for every framework, strategy and shape.
+
+For each shape, the commands are read out of the project itself: the ```bash blocks of README.md
+and k8s/README.md, the launch lines of train.py's docstring, and the Makefile's targets. Each one
+that can run on one CPU host is run verbatim from the project folder (config.yaml trains one
+epoch, so the run is short); each one that cannot is named with its reason, and an unknown kind
+of command fails the test, so new documentation cannot slip past it.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from helpers import free_port
+from hvdgen.cli import main
+
+pytestmark = pytest.mark.slow
+
+SHAPES = [(framework, *shape) for framework in ("torch", "tensorflow") for shape in (
+    ("data", ()), ("data", ("--elastic",)), ("model-split", ()), ("pipeline", ()), ("pipeline", ("--stages", "4")))]
+
+# Commands that need more than this machine, and where they are exercised instead.
+NOT_HERE = (
+    (r"-H node\d|HVD_HOSTS=\"node", "several hosts: see the multi-host tests"),
+    (r"^kubectl ", "a Kubernetes cluster: the manifests are validated against the CRD schema in tests/generator"),
+    (r"^docker ", "a Docker daemon: the image's build script runs in tests/projects/test_outside_checkout.py"),
+    (r"^python -m venv|^make setup", "a fresh environment: run in tests/projects/test_outside_checkout.py"),
+)
+
+
+def bash_blocks(markdown: str) -> list[str]:
+    """The commands of a markdown file's ```bash blocks: continuations joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", markdown, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", command).strip()
+            if command and not command.startswith("#"):
+                commands.append(re.sub(r"\s+", " ", command))
+    return commands
+
+
+def docstring_commands(train_py: str) -> list[str]:
+    doc = ast.get_docstring(ast.parse(train_py)) or ""
+    lines = doc.replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+", " ", re.sub(r"\s+#.*$", "", line)).strip() for line in lines
+            if line.strip().startswith("horovodrun")]
+
+
+def documented_commands(project: Path) -> list[str]:
+    commands = bash_blocks((project / "README.md").read_text())
+    commands += bash_blocks((project / "k8s" / "README.md").read_text())
+    commands += docstring_commands((project / "train.py").read_text())
+    targets = re.findall(r"^([a-z]+):.*## ", (project / "Makefile").read_text(), re.M)
+    commands += [f"make {target}" for target in targets]
+    return list(dict.fromkeys(commands))  # each once, in order
+
+
+def expand(command: str, cpu_launch: str) -> str:
+    """The docstring's `horovodrun ... python train.py --x y` stands for any launch line: use the CPU one."""
+    return command.replace("horovodrun ... python train.py", cpu_launch)
+
+
+def write_user_data(project: Path) -> None:
+    """The files the README's own-data commands name: my_data.npz and images/<class>/<file>."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    np.savez(project / "my_data.npz", x=digits.images.astype("float32") / 16.0, y=digits.target)
+    for label in range(3):
+        (project / "images" / str(label)).mkdir(parents=True)
+        for i, image in enumerate(digits.images[digits.target == label][:24]):
+            Image.fromarray((image * 15).astype("uint8")).resize((16, 16)).save(
+                project / "images" / str(label) / f"{i}.png")
+
+
+def run_ui(command: str, project: Path, env: dict) -> None:
+    """`make ui` serves until stopped: it must answer on its port, then it is stopped."""
+    port = free_port()
+    proc = subprocess.Popen(shlex.split(command) + [f"PYTHON={sys.executable}", f"PORT={port}"], cwd=project,
+                            start_new_session=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as response:
+                    assert response.status == 200
+                    return
+            except OSError:
+                time.sleep(0.5)
+        pytest.fail("make ui did not answer within 120 s")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("framework, strategy, extra", SHAPES,
+                         ids=[f"{f}-{s}{''.join(e).replace('--', '-')}" for f, s, e in SHAPES])
+def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
+    result = CliRunner().invoke(main, ["new", "proj", "-o", str(tmp_path), "--framework", framework,
+                                       "--strategy", strategy, *extra], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    project = tmp_path / "proj"
+    config = project / "config.yaml"
+    config.write_text(re.sub(r"^  epochs: \d+", "  epochs: 1", config.read_text(), count=1, flags=re.M))
+    write_user_data(project)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    commands = documented_commands(project)
+    cpu_launch = next(c for c in commands if c.startswith("horovodrun") and "--gloo python train.py" in c
+                      and "localhost" in c).split(" python train.py")[0] + " python train.py"
+    ran, skipped = [], {}
+    for command in commands:
+        reason = next((why for pattern, why in NOT_HERE if re.search(pattern, command)), None)
+        if reason:
+            skipped[command] = reason
+            continue
+        command = expand(command, cpu_launch)
+        if command == "make ui":
+            run_ui(command, project, env)
+        elif re.match(r"(horovodrun|make|hvdgen) ", command):
+            if "--data.source" in command:  # other data is a new training: a user's checkpoints would not fit it
+                shutil.rmtree(project / "checkpoints", ignore_errors=True)
+            if command.startswith("make"):
+                command += f" PYTHON={sys.executable}"
+            proc = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True,
+                                  timeout=600)
+            assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        else:
+            pytest.fail(f"the project documents a command this test does not know how to run: {command}")
+        ran.append(command)
+
+    assert any(c.startswith("make train") for c in ran) and any(c.startswith("make test") for c in ran)
+    assert any("--data.source npz" in c for c in ran) and any("--data.source image_folder" in c for c in ran)
+    if strategy == "pipeline":
+        assert "hvdgen timeline runs/latest" in ran
+    if "--elastic" in extra:
+        assert any("--host-discovery-script ./discover_hosts.sh" in c and "-H node" not in c for c in ran)
+    assert all(reason for reason in skipped.values())

@@ -1,0 +1,73 @@
+"""A generated project works away from this checkout, as a user gets it on another machine.
+
+For each framework: generate a project, copy it to a folder of its own, then, with nothing of
+this checkout on PATH or PYTHONPATH, run its image build script (`docker/build-env.sh`, what both
+Dockerfiles run) into a fresh virtualenv, then `make setup` and `make test` with that
+virtualenv's Python. hvdgen must come from the wheel the project carries, not from any index or
+from this checkout; Horovod is built (or taken from the user's cache) for that environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hvdgen import __version__, catalog
+from hvdgen.cli import main
+
+pytestmark = pytest.mark.slow
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def _clean_env(venv: Path) -> dict[str, str]:
+    """The user's environment: this checkout's virtualenv and sources are nowhere on the paths."""
+    ours = str(Path(sys.executable).parent)
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != ours]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), *path])
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.mark.parametrize("framework", catalog.FRAMEWORKS)
+def test_project_sets_up_and_passes_its_tests_away_from_the_checkout(tmp_path, framework):
+    made = tmp_path / "made"
+    result = CliRunner().invoke(main, ["new", "moved", "-o", str(made), "--framework", framework],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    project = tmp_path / "elsewhere" / "moved"
+    shutil.copytree(made / "moved", project, symlinks=True)
+    shutil.rmtree(made)
+    venv = tmp_path / "env"
+    env = _clean_env(venv)
+    python = str(venv / "bin" / "python")
+
+    # The images' build steps, run as the Dockerfiles run them (minus the system packages).
+    _run(["docker/build-env.sh", str(venv)], project, dict(env, PYTHON=sys.executable), timeout=1500)
+    # Then the README's set-up and test commands.
+    _run(["make", "setup", f"PYTHON={python}"], project, env, timeout=600)
+    tests = _run(["make", "test", f"PYTHON={python}"], project, env, timeout=600)
+    assert " passed" in tests.stdout and "failed" not in tests.stdout, tests.stdout[-2000:]
+
+    where = _run([python, "-c", "import hvd_runtime, hvdgen; print(hvd_runtime.__file__); print(hvdgen.__file__)"],
+                 project, env, timeout=60).stdout.split()
+    assert all(Path(p).is_relative_to(venv) for p in where), f"imported from outside the venv: {where}"
+    origin = json.loads(_run([python, "-c", "from importlib import metadata; "
+                              "print(metadata.distribution('hvdgen').read_text('direct_url.json'))"],
+                             project, env, timeout=60).stdout)
+    assert origin["url"] == (project / "wheels" / f"hvdgen-{__version__}-py3-none-any.whl").as_uri()
+    assert not Path(origin["url"].removeprefix("file://")).is_relative_to(CHECKOUT)
+    build = _run([str(venv / "bin" / "horovodrun"), "--check-build"], project, env, timeout=120).stdout
+    assert f"[X] {'PyTorch' if framework == 'torch' else 'TensorFlow'}" in build
