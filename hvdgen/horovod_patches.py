@@ -1,9 +1,12 @@
 """The fixes hvdgen applies to the horovod 0.28.1 sdist before building it.
 
 Horovod's last release predates current compilers, PyTorch, TensorFlow and Keras 3, and upstream
-carries the fixes only as open pull requests. Each patch is a literal text replacement whose `old`
-text must be present, so a changed sdist fails loudly instead of building something unpatched.
-The wheel cache key includes `patches_digest()`, so changing a patch never reuses an old wheel.
+carries the fixes only as open pull requests (or not at all, for Keras 3: horovod#4290). Each patch
+is a literal text replacement of every occurrence of `old`, applied in order; `old` must be present,
+so a changed sdist fails loudly instead of building something unpatched. The wheel cache key
+includes `patches_digest()`, so changing a patch never reuses an old wheel.
+
+Each Keras 3 patch is checked under `horovodrun -np 2` by tests/distributed/test_horovod_keras3.py.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class Patch:
     why: str
 
 
-PATCHES = (
+BUILD_PATCHES = (
     Patch("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
           "torch >= 2.1 headers need C++17; changing only the torch subdir breaks Gloo at link time"),
     Patch("horovod/torch/CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
@@ -31,6 +34,170 @@ PATCHES = (
           'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n', "",
           "optional XLA ops include xla_builder.h, which moved in TF >= 2.19"),
 )
+
+_NO_REF = "Keras 3 variables are not tf.Variables: they have no .ref() and are unhashable"
+
+
+def _identity_keys(path: str, receivers: tuple[str, ...]) -> tuple[Patch, ...]:
+    """`x.ref()` -> `_ref(x)` for each receiver name `x`, in the order given.
+
+    Order matters where one name ends another (`rs` before `s`: "rs.ref()" contains "s.ref()").
+    """
+    return tuple(Patch(path, f"{x}.ref()", f"_ref({x})", _NO_REF) for x in receivers)
+
+
+# Keras 3 variables are not tf.Variables. Horovod keys its local-variable sets, gradient maps and
+# variable groups by `.ref()`, hands variables to tf.functions and type-checks them as tf.Variable;
+# a Keras 3 variable allows none of that, the tf.Variable it holds (`.value`) allows all of it, and
+# keying by that makes a Keras variable and its `.value` one and the same.
+IDENTITY_KEY_PATCHES = (
+    Patch("horovod/tensorflow/util.py",
+          "def vars_to_refs(vars):\n"
+          "    if isinstance(vars, list):\n"
+          "        return tuple(vars_to_refs(v) for v in vars)\n"
+          "    return vars.ref()\n",
+          "def _tf_variable(var):\n"
+          '    """The tf.Variable a Keras 3 variable holds (`.value`); anything else as it is.\n'
+          "\n"
+          "    Keras 3 variables are not tf.Variables: they have no `.ref()`, cannot be hashed, and a\n"
+          '    tf.function traced in graph mode cannot take them as arguments (it reads them as arrays)."""\n'
+          "    value = getattr(var, 'value', None)\n"
+          "    return value if isinstance(value, tf.Variable) else var\n"
+          "\n"
+          "\n"
+          "def _ref(var):\n"
+          '    """A hashable identity key, `.ref()`: one key for a Keras 3 variable and its tf.Variable."""\n'
+          "    return _tf_variable(var).ref()\n"
+          "\n"
+          "\n"
+          "def vars_to_refs(vars):\n"
+          "    if isinstance(vars, list):\n"
+          "        return tuple(vars_to_refs(v) for v in vars)\n"
+          "    return _ref(vars)\n",
+          "groups=[[...]] of Keras 3 variables: " + _NO_REF),
+    Patch("horovod/tensorflow/__init__.py",
+          "from horovod.tensorflow.util import _executing_eagerly, _make_subgraph, _cache, vars_to_refs, refs_to_vars\n",
+          "from horovod.tensorflow.util import _executing_eagerly, _make_subgraph, _cache, vars_to_refs, refs_to_vars, \\\n"
+          "    _ref, _tf_variable\n",
+          "PartialDistributedGradientTape, register_local_source/var: " + _NO_REF),
+    *_identity_keys("horovod/tensorflow/__init__.py", ("var", "rv", "source", "rs", "s")),
+    Patch("horovod/tensorflow/__init__.py",
+          "    if _executing_eagerly():\n"
+          "        return _make_subgraph(allreduce_grads)\n",
+          "    if _executing_eagerly():\n"
+          "        allreduce_grads_fn = _make_subgraph(allreduce_grads)\n"
+          "        return lambda grads, vars=None, use_generic_names=False: allreduce_grads_fn(\n"
+          "            grads, vars if vars is None else [_tf_variable(v) for v in vars], use_generic_names)\n",
+          "inside model.fit a tf.function given Keras 3 variables fails: "
+          "numpy() is only available when eager execution is enabled"),
+    Patch("horovod/_keras/__init__.py",
+          "from horovod.tensorflow.mpi_ops import rank, size_op\n",
+          "from horovod.tensorflow.mpi_ops import rank, size_op\n"
+          "from horovod.tensorflow.util import _ref\n",
+          "PartialDistributedOptimizer, register_local_var: " + _NO_REF),
+    *_identity_keys("horovod/_keras/__init__.py", ("var", "rv")),
+    Patch("horovod/_keras/callbacks.py",
+          "import horovod.tensorflow as hvd\n",
+          "import horovod.tensorflow as hvd\n"
+          "from horovod.tensorflow.util import _ref\n",
+          "BroadcastGlobalVariablesCallback(local_variables=...): " + _NO_REF),
+    *_identity_keys("horovod/_keras/callbacks.py", ("var",)),
+    Patch("horovod/tensorflow/keras/callbacks.py",
+          "from horovod._keras import callbacks as _impl\n",
+          "from horovod._keras import callbacks as _impl\n"
+          "from horovod.tensorflow.util import _tf_variable\n",
+          "BroadcastGlobalVariablesCallback(local_variables=...) refused Keras 3 variables: "
+          "All local variables must be of tf.Variable type"),
+    Patch("horovod/tensorflow/keras/callbacks.py",
+          "isinstance(local_variables, tf.Variable)", "isinstance(_tf_variable(local_variables), tf.Variable)",
+          "as above"),
+    Patch("horovod/tensorflow/keras/callbacks.py",
+          "isinstance(var, tf.Variable) for var in local_variables",
+          "isinstance(_tf_variable(var), tf.Variable) for var in local_variables",
+          "as above"),
+)
+
+KERAS_3_PATCHES = (
+    Patch("horovod/tensorflow/functions.py",
+          "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph\n",
+          "from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph, _tf_variable\n",
+          "for the broadcast_variables patch"),
+    Patch("horovod/tensorflow/functions.py",
+          "    if inplace:\n        vars_by_device = {}\n",
+          "    variables = [_tf_variable(v) for v in variables]  # the tf.function below assigns to them\n"
+          "    if inplace:\n        vars_by_device = {}\n",
+          "broadcast_variables (and BroadcastGlobalVariablesCallback) of Keras 3 variables failed: "
+          "'SymbolicTensor' object has no attribute 'assign'"),
+    Patch("horovod/_keras/__init__.py",
+          "    class _DistributedOptimizer(*optimizer.__class__.__bases__):\n",
+          "    keras_3 = int(keras.__version__.split('.')[0]) >= 3\n"
+          "\n"
+          "    class _DistributedOptimizer(*optimizer.__class__.__bases__):\n",
+          "the apply() patch below is for Keras 3 only"),
+    Patch("horovod/tensorflow/keras/__init__.py",
+          "        raise ValueError('op currently only supports Average and Sum')\n",
+          "        raise ValueError('op currently only supports Average and Sum')\n"
+          "\n"
+          "    if int(keras.__version__.split('.')[0]) >= 3 and backward_passes_per_step > 1:\n"
+          "        raise ValueError('backward_passes_per_step > 1 is not supported with Keras 3 optimizers: '\n"
+          "                         'give the Keras optimizer gradient_accumulation_steps=%d instead '\n"
+          "                         '(gradients are then averaged across ranks every step)' % backward_passes_per_step)\n",
+          "Keras 3: Horovod's local aggregation hooks Keras 2 methods, so it failed on the first step with "
+          "'super' object has no attribute 'aggregate_gradients'; Keras 3's own accumulation works with the allreduce"),
+    Patch("horovod/_keras/__init__.py",
+          "        def compute_gradients(self, loss, var_list, tape=None):\n",
+          "        if keras_3:\n"
+          "            def apply(self, grads, trainable_variables=None):\n"
+          '                """Keras 3 updates only through here (model.fit and apply_gradients() alike),\n'
+          "                never through the Keras 2 methods below, so the allreduce happens here.\"\"\"\n"
+          "                if trainable_variables is None and self.built:\n"
+          "                    trainable_variables = self._trainable_variables\n"
+          "                if trainable_variables is not None:\n"
+          "                    trainable_variables = list(trainable_variables)\n"
+          "                    grads = self._allreduce(list(grads), trainable_variables)\n"
+          "                return super(self.__class__, self).apply(grads, trainable_variables)\n"
+          "\n"
+          "        def compute_gradients(self, loss, var_list, tape=None):\n",
+          "horovod#4290: under Keras 3, model.fit with hvd.DistributedOptimizer never averaged gradients"),
+    Patch("horovod/_keras/__init__.py",
+          "                return CallableList(super(self.__class__, self).variables())\n",
+          "                variables = super(self.__class__, self).variables  # a method before Keras 3, a list since\n"
+          "                return CallableList(variables() if callable(variables) else variables)\n",
+          "Keras 3: optimizer.variables is a list, so calling it raised 'list' object is not callable"),
+    Patch("horovod/tensorflow/keras/callbacks.py",
+          "    from keras import backend as K\n",
+          "    K = tf.keras.backend  # under Keras 3 only tf.keras's backend keeps constant, get_value, set_value\n",
+          "Keras 3: MetricAverageCallback failed with module 'keras.backend' has no attribute 'constant'"),
+    Patch("horovod/tensorflow/sync_batch_norm.py",
+          "    super(SyncBatchNormalization, self).__init__(fused=fused, **kwargs)\n",
+          "    if 'fused' in inspect.signature(tf.keras.layers.BatchNormalization.__init__).parameters:\n"
+          "      kwargs['fused'] = fused  # Keras 3's layer is never fused and rejects the argument\n"
+          "    super(SyncBatchNormalization, self).__init__(**kwargs)\n",
+          "Keras 3's BatchNormalization rejects `fused`"),
+    Patch("horovod/tensorflow/sync_batch_norm.py",
+          "import tensorflow as tf\n",
+          "import inspect\n\nimport tensorflow as tf\n",
+          "for the `fused` patch"),
+    Patch("horovod/tensorflow/sync_batch_norm.py",
+          "  def _moments(self, inputs, reduction_axes, keep_dims, **kwargs):\n"
+          '    """Compute the mean and variance: it overrides the original _moments."""\n'
+          "    worker_mean, worker_variance = super(SyncBatchNormalization, self)._moments(\n"
+          "      inputs, reduction_axes, keep_dims=keep_dims, **kwargs)\n",
+          "  def _moments(self, inputs, *args, **kwargs):\n"
+          '    """Compute the mean and variance: it overrides the original _moments.\n'
+          "\n"
+          '    Keras 2 calls it with (inputs, reduction_axes, keep_dims), Keras 3 with (inputs, mask)."""\n'
+          "    worker_mean, worker_variance = super(SyncBatchNormalization, self)._moments(inputs, *args, **kwargs)\n",
+          "Keras 3's BatchNormalization calls _moments(inputs, mask)"),
+    Patch("horovod/tensorflow/sync_batch_norm.py",
+          "  def call(self, *args, **kwargs):\n"
+          "    outputs = super(SyncBatchNormalization, self).call(*args, **kwargs)\n",
+          "  def call(self, inputs, training=None, **kwargs):\n"
+          "    outputs = super(SyncBatchNormalization, self).call(inputs, training=training, **kwargs)\n",
+          "Keras 3 passes `training` only to a call() that names it: with *args it always used the moving statistics"),
+)
+
+PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES
 
 
 def patches_digest() -> str:
