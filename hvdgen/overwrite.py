@@ -41,6 +41,19 @@ def write_fingerprints(root: Path, rels: list[str]) -> None:
     (root / FINGERPRINTS).write_text(_HEADER + yaml.safe_dump(prints, sort_keys=True))
 
 
+def refresh_fingerprints(root: Path, rewritten: list[str], removed: list[str] = ()) -> None:
+    """After hvdgen rewrote some files of a project (`hvdgen k8s`), record those as its own again
+    and forget the ones it removed, so a later `--force` does not take them for the user's edits."""
+    prints = read_fingerprints(root)
+    if not prints:  # a project made before fingerprints: nothing to keep up to date
+        return
+    for rel in removed:
+        if not (root / rel).exists():
+            prints.pop(rel, None)
+    prints.update({rel: fingerprint(root / rel) for rel in rewritten if (root / rel).is_file()})
+    (root / FINGERPRINTS).write_text(_HEADER + yaml.safe_dump(dict(sorted(prints.items())), sort_keys=True))
+
+
 def read_fingerprints(root: Path) -> dict[str, str]:
     """The recorded fingerprints; none when the file is missing or unreadable (every file then
     counts as possibly the user's)."""

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 
 from hvdgen.errors import HvdgenError
+from hvdgen.interrupts import interrupts_held, interrupts_unwind
+from hvdgen.overwrite import refresh_fingerprints
 from hvdgen.k8s.layout import FOLDER, MANAGED, k8s_files
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.spec import SPEC_FILE, ProjectSpec
@@ -62,11 +64,10 @@ def regenerate(project: Path, opts: K8sOptions) -> list[str]:
     answers = spec.to_yaml()
     _refuse_blocked(project, [f"{FOLDER}/{rel}" for rel in files] + [SPEC_FILE])
     # SIGTERM and SIGHUP unwind like Ctrl-C, so the staging folder goes on any of them (as for hvdgen new).
-    from hvdgen.render import _signals_clean_up, _signals_held  # noqa: PLC0415 - jinja2 stays out of start-up
 
     staging = None
     try:
-        with _signals_clean_up():
+        with interrupts_unwind():
             try:
                 staging = Path(tempfile.mkdtemp(prefix=".hvdgen-k8s-", dir=project))
                 written = _write(files, staging)
@@ -76,13 +77,14 @@ def regenerate(project: Path, opts: K8sOptions) -> list[str]:
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(staging / rel, dest)
             finally:
-                with _signals_held():
+                with interrupts_held():
                     if staging is not None:
                         shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         raise HvdgenError(f"cannot write {exc.filename or project} ({exc.strerror}): fix the path or its "
                           "permissions") from exc
     _remove_stale(project, written)
+    refresh_fingerprints(project, written + [SPEC_FILE], removed=[f"{FOLDER}/{rel}" for rel in MANAGED])
     return written + [SPEC_FILE]
 
 

@@ -80,3 +80,15 @@ def test_dry_run_force_lists_the_changes_and_writes_nothing(tmp_path):
     assert "replace (you changed it; yours is kept as .orig): model.py" in result.output
     assert "replace: config.yaml" in result.output
     assert snapshot(tmp_path) == before
+
+
+def test_files_rewritten_by_hvdgen_k8s_stay_hvdgens_own(tmp_path):
+    new(tmp_path)
+    project = tmp_path / "proj"
+    result = CliRunner().invoke(main, ["k8s", "--project", str(project), "--workers", "4", "--gpus-per-worker", "0"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert not (project / "k8s" / "overlays" / "gpu").exists()
+    result = new(tmp_path, "--force")
+    assert ".orig" not in result.output and "you changed" not in result.output
+    assert not list(project.rglob("*.orig"))
