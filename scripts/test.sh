@@ -19,7 +19,7 @@ if ! { [ -x /usr/sbin/sshd ] && command -v ssh >/dev/null; }; then
 fi
 
 step "checking that Horovod was built for both frameworks"
-build="$(horovodrun --check-build)"
+build="$(horovodrun --check-build 2>/dev/null)"
 for framework in PyTorch TensorFlow; do
   if ! grep -Eq "\[X\] $framework" <<<"$build"; then
     echo "Horovod was built without $framework: rerun with a fresh cache (hvdgen install-horovod --force)" >&2
