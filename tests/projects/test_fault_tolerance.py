@@ -1,9 +1,11 @@
 """Fault tolerance of generated torch and TensorFlow projects, proven by killing processes.
 
-- elastic: SIGKILL one of two workers mid-epoch; the job finishes on the survivor with exit 0,
-  its step count shows that no committed step was lost and none was done twice, and only the
-  rank 0 of the moment wrote checkpoints and metrics;
-- full restart: kill a whole job mid-epoch, start it again; it ends where an uninterrupted run ends;
+- elastic: SIGKILL one of two workers at a known step mid-epoch; the job finishes on the survivor
+  with exit 0, rolled back to exactly the last commit before the kill; its step count shows that
+  no committed step was lost and none was done twice, and only the rank 0 of the moment wrote
+  checkpoints and metrics;
+- full restart: kill a whole job mid-epoch, start it again from the newest checkpoint; every
+  epoch after that matches an uninterrupted run (1e-5) at exactly the same step;
 - corrupt checkpoint: truncate the newest checkpoint; the next start falls back to the previous one.
 """
 
@@ -32,6 +34,36 @@ SUFFIX = {"torch": "pt", "tensorflow": "pkl"}
 NO_TF = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                            reason="TensorFlow is not installed: the TF project is not tested here")
 FRAMEWORKS = ["torch", pytest.param("tensorflow", marks=NO_TF)]
+
+
+STOPPER = """\
+\"\"\"train_in_rank_dir.py, except that the process started as rank VICTIM stops itself (SIGSTOP) when
+it has trained STEPS steps and its hooks (commit, checkpoint) for the last one have run, so that the
+test kills it at a known step. usage: python stop_at_step.py FRAMEWORK VICTIM STEPS SCRIPT ARGS...\"\"\"
+import os, runpy, signal, sys
+from pathlib import Path
+
+framework, victim, steps, script = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sys.argv = sys.argv[4:]
+marker = Path(sys.argv[2]) / f"stopped-rank{victim}"   # a process started later for that rank runs on
+if int(os.environ["HOROVOD_RANK"]) == victim and not marker.exists():
+    module = "hvd_runtime.torch.batches" if framework == "torch" else "hvd_runtime.tf.batches"
+    cls = __import__(module, fromlist=["ShardedBatches"]).ShardedBatches
+    original, trained = cls.batches, [0]
+
+    def batches(self, *args, **kwargs):
+        for batch in original(self, *args, **kwargs):
+            if self.train:
+                if trained[0] == steps:     # asked for the next batch: step STEPS is done
+                    marker.parent.mkdir(parents=True, exist_ok=True)
+                    marker.touch()
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                trained[0] += 1
+            yield batch
+
+    cls.batches = batches
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 def generate(out: Path, *flags: str) -> Path:
@@ -105,6 +137,20 @@ def worker_pid(rank: int, marker: str) -> int:
     raise AssertionError(f"no training process with rank {rank}")
 
 
+def wait_until_stopped(rank: int, marker: str, job: Job) -> int:
+    """The pid of the training process started as `rank`, once it has stopped itself (state T)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        try:
+            pid = worker_pid(rank, marker)
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                return pid
+        except (AssertionError, OSError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never stopped at its step:\n{job.output[-3000:]}")
+
+
 @pytest.mark.parametrize("framework, killed, strategy", [
     ("torch", 1, "data"),
     ("torch", 0, "data"),  # the survivor becomes rank 0 and takes over the writing
@@ -116,25 +162,28 @@ def worker_pid(rank: int, marker: str) -> int:
 def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strategy):
     project = generate(tmp_path, "--framework", framework, "--strategy", strategy, "--elastic")
     epochs, batch, commit_every = 6, 8, 5
+    steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / batch)
+    # The victim stops (then dies) 2 steps past a commit early in epoch 2: the survivor's last commit
+    # is that one, since the next needs steps that the victim never joins.
+    stop_after = steps_per_epoch + 2 * commit_every + 2
+    rollback = stop_after // commit_every * commit_every
+    stopper = tmp_path / "stop_at_step.py"
+    stopper.write_text(STOPPER)
     ranks = tmp_path / "ranks"  # each rank runs in ranks/rank<N>, where it was started: what it writes stays there
     job = Job(["-np", "2", "--min-np", "1", "--max-np", "2", "--host-discovery-script", "./discover_hosts.sh",
-               "--network-interface", "lo", "--gloo", sys.executable, str(SCRIPTS / "train_in_rank_dir.py"),
-               str(project), str(ranks), "--train.epochs", str(epochs), "--train.batch_size", str(batch),
+               "--network-interface", "lo", "--gloo", sys.executable, str(stopper), framework, str(killed),
+               str(stop_after), str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
+               "--train.epochs", str(epochs), "--train.batch_size", str(batch),
                "--horovod.elastic_commit_every", str(commit_every), "--checkpoint.every_steps", str(commit_every),
                "--checkpoint.keep", "1000"], cwd=project)
-    steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / batch)
-    mid_epoch = ranks / "rank0" / "checkpoints" / f"ckpt-{steps_per_epoch + 2 * commit_every:09d}.{SUFFIX[framework]}"
-    deadline = time.monotonic() + 240
-    while not mid_epoch.exists():
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-3000:]
-        time.sleep(0.01)
-    os.kill(worker_pid(killed, str(ranks)), signal.SIGKILL)  # early in epoch 2
+    os.kill(wait_until_stopped(killed, str(ranks), job), signal.SIGKILL)
     killed_at, killed_wall = time.monotonic(), time.time()
     reset_at, reset = job.wait_for(r"elastic reset: 1 rank\(s\) now")
     assert job.finish() == 0, job.output[-4000:]
 
     epoch, step, consumed = map(int, re.search(r"epoch (\d+), step (\d+), (\d+) samples", reset).groups())
-    assert step % commit_every == 0 and 0 < consumed == (step - epoch * steps_per_epoch) * batch * 2
+    assert (epoch, step) == (1, rollback), "not rolled back to the last commit before the kill"
+    assert consumed == (step - epoch * steps_per_epoch) * batch * 2
     # From the commit on, one rank trains the rest of that epoch, then whole epochs alone.
     expected = step + math.ceil((N_TRAIN - consumed) / batch) + (epochs - epoch - 1) * math.ceil(N_TRAIN / batch)
     first, survivor = ranks / "rank0", ranks / f"rank{1 - killed}"
@@ -165,7 +214,6 @@ def test_full_restart_reaches_the_same_result(tmp_path, framework):
     common = ["--train.epochs", "5", "--checkpoint.every_steps", "10"]
     run_horovod(2, [sys.executable, "train.py", *common, "--run_dir", str(tmp_path / "a"),
                     "--checkpoint.dir", str(tmp_path / "a-ckpt")], cwd=project)
-    uninterrupted = metrics(tmp_path / "a")[-1]
 
     ckpt = tmp_path / "b-ckpt"
     args = ["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", *common,
@@ -177,14 +225,20 @@ def test_full_restart_reaches_the_same_result(tmp_path, framework):
         assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-3000:]
         time.sleep(0.05)
     job.kill()  # the whole job, mid-epoch, right after a mid-epoch checkpoint
-    assert metrics(tmp_path / "b")[-1]["epoch"] < 5
+    newest = checkpoint_steps(ckpt, suffix)[-1]
+    resumed_epoch = newest // steps_per_epoch
+    assert resumed_epoch < 4, "killed too late: the last epoch would not be resumed"
 
     resumed = run_horovod(2, args[5:], cwd=project)
-    assert "resuming from" in resumed.stdout
-    final = metrics(tmp_path / "b")[-1]
-    assert final["epoch"] == 5 and final["step"] == uninterrupted["step"]
-    for key in ("val_loss", "val_accuracy"):
-        assert final[key] == pytest.approx(uninterrupted[key], rel=0.01), key
+    assert f"resuming from {ckpt / f'ckpt-{newest:09d}.{suffix}'}: epoch {resumed_epoch}, step {newest}" in resumed.stdout
+    by_epoch = {m["epoch"]: m for m in metrics(tmp_path / "b")}   # the resumed run's line wins
+    for expected in metrics(tmp_path / "a")[resumed_epoch:]:
+        got = by_epoch[expected["epoch"]]
+        assert got["step"] == expected["step"], expected["epoch"]
+        # the epoch that was cut trained only its rest after the resume: its train totals are partial
+        partial = expected["epoch"] == resumed_epoch + 1 and newest % steps_per_epoch
+        for key in ("val_loss", "val_accuracy") if partial else ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-5), (expected["epoch"], key)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
