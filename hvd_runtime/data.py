@@ -133,16 +133,17 @@ def shard_indices(n: int, rank: int, size: int, epoch: int, seed: int, shuffle: 
     is left, so shards are disjoint. Because a step consumes a contiguous stretch of that order
     across ranks, resuming after `consumed` samples, even with another number of ranks (an
     elastic reset), continues exactly where the epoch stopped: no sample skipped or repeated.
-    With `pad`, the rest wraps around until it divides evenly, so every rank takes the same
-    number of steps, which the gradient allreduce needs. Without it (for evaluation), shards
-    are uneven and every sample is seen exactly once.
+    With `pad`, the rest is filled up from the start of the epoch's order until it divides
+    evenly, so every rank takes the same number of steps, which the gradient allreduce needs.
+    Without it (for evaluation), shards are uneven and every sample is seen exactly once.
     """
     order = np.random.default_rng(seed + epoch).permutation(n) if shuffle else np.arange(n)
-    order = order[consumed:]
-    if pad and len(order):
-        total = math.ceil(len(order) / size) * size
-        order = np.resize(order, total)  # repeats from the start of the rest to fill
-    return order[rank::size]
+    rest = order[consumed:]
+    if pad and len(rest):
+        # Filled from the start of the epoch's order, not of the rest: a job resumed at the same
+        # size then pads with the very samples an uninterrupted run pads with.
+        rest = np.concatenate([rest, np.resize(order, -len(rest) % size)])
+    return rest[rank::size]
 
 
 class EpochShards:
