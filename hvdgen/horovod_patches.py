@@ -194,7 +194,8 @@ KERAS_3_PATCHES = (
           "    outputs = super(SyncBatchNormalization, self).call(*args, **kwargs)\n",
           "  def call(self, inputs, training=None, **kwargs):\n"
           "    outputs = super(SyncBatchNormalization, self).call(inputs, training=training, **kwargs)\n",
-          "Keras 3 passes `training` only to a call() that names it: with *args it always used the moving statistics"),
+          "Keras 3 reads call()'s signature: with *args a Sequential refused the layer, and `training` was "
+          "never passed, so the layer never used the batch statistics"),
 )
 
 PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES
