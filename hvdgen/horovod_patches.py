@@ -166,7 +166,9 @@ KERAS_3_PATCHES = (
           "Keras 3: optimizer.variables is a list, so calling it raised 'list' object is not callable"),
     Patch("horovod/tensorflow/keras/callbacks.py",
           "    from keras import backend as K\n",
-          "    K = tf.keras.backend  # under Keras 3 only tf.keras's backend keeps constant, get_value, set_value\n",
+          "    from keras import backend as K\n"
+          "    if not hasattr(K, 'constant'):  # Keras 3 keeps constant, get_value, set_value in tf.keras's only\n"
+          "        K = tf.keras.backend\n",
           "Keras 3: MetricAverageCallback failed with module 'keras.backend' has no attribute 'constant'"),
     Patch("horovod/tensorflow/sync_batch_norm.py",
           "    super(SyncBatchNormalization, self).__init__(fused=fused, **kwargs)\n",
