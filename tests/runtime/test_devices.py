@@ -6,6 +6,9 @@ the framework halves are checked for asking it with their own GPU count and nami
 
 import importlib.util
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +142,37 @@ def test_tf_split_devices_says_when_its_gpus_were_hidden_by_a_one_device_start(m
     fake_gpus(monkeypatch, tf, 4, [1])    # init_horovod() without devices_per_rank pinned one GPU
     with pytest.raises(RuntimeError, match=r"init_horovod\(devices_per_rank=2\)"):
         split_devices(2, local_rank=1, local_size=2)
+
+
+FAKE_ONE_GPU = '''"""TensorFlow reports one GPU (there is none here): what a worker of the 1-GPU overlay shows."""
+import tensorflow as tf
+
+_real = tf.config.list_physical_devices
+tf.config.list_physical_devices = lambda kind=None: (
+    [tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")] if kind == "GPU" else _real(kind))
+'''
+
+
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_project_on_too_few_gpus_stops_with_one_config_error_line_and_writes_nothing(tmp_path):
+    """The whole path a user meets: generated train.py, init_horovod, ModelSplit, the config-error exit.
+
+    Only the GPU count is made up (TensorFlow is told it has one GPU); the rest runs as shipped.
+    """
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", "tensorflow",
+                    "--strategy", "model-split", "--output", str(tmp_path / "out")], check=True, capture_output=True)
+    project = tmp_path / "out" / "proj"
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "sitecustomize.py").write_text(FAKE_ONE_GPU)
+    before = sorted(p.relative_to(project) for p in project.rglob("*"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "train.py"], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert "2 stages (parallel.stages) need 2 GPUs, but this host shows 1" in line
+    assert "--parallel.stages 1" in line
+    assert sorted(p.relative_to(project) for p in project.rglob("*")) == before    # nothing written
