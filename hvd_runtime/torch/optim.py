@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hvd_runtime.adasum import check_adasum
 from hvd_runtime.scaling import lr_scaler, warmup_factor
 from hvd_runtime.torch.context import Context
 
@@ -55,15 +56,23 @@ def plain_optimizer(params, optim_cfg, lr: float):
     """The framework optimizer named in the config, before any Horovod wrapping."""
     if optim_cfg.name not in OPTIMIZERS:
         raise ValueError(f"unknown optim.name {optim_cfg.name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    params = list(params)
+    if not params:  # a pipeline stage without weights (a flatten, a pooling) still steps with the others
+        params = [{"params": []}]
     return OPTIMIZERS[optim_cfg.name](params, optim_cfg, lr)
 
 
 def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int):
-    """Build the optimizer, wrap it for Horovod, and return it with its LR schedule."""
+    """Build the optimizer, wrap it for Horovod, and return it with its LR schedule.
+
+    Raises ConfigError for horovod.adasum on a job without Adasum (Gloo): at start-up, not as
+    a HorovodInternalError at the first step.
+    """
     import horovod.torch as hvd
 
     if hvd_cfg.backward_passes_per_step < 1:
         raise ValueError("horovod.backward_passes_per_step must be at least 1")
+    check_adasum(hvd_cfg.adasum, hvd)
     schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch)
     optimizer = plain_optimizer(model.parameters(), optim_cfg, schedule.lr(0, ctx.size, ctx.local_size))
     # Horovod: average gradients across ranks with ring-allreduce, one fused allreduce per step.

@@ -69,7 +69,8 @@ class PipelineEngine(PipelineEngineBase):
 
     def _backward(self, i, grad):
         inp, out = self._saved.pop(i)
-        out.backward(None if grad is None else grad.to(self.device))
+        if out.requires_grad:  # a first stage without weights (a flatten) has nothing to differentiate
+            out.backward(None if grad is None else grad.to(self.device))
         if self.dims.is_first:
             return None
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
@@ -89,6 +90,9 @@ class PipelineEngine(PipelineEngineBase):
     def _finish_step(self):
         if self.dims.dp_set is not None:
             params = [p for p in self.stage.parameters() if p.requires_grad]
+            if not params:  # every replica of a weight-free stage agrees: nothing to average
+                self.optimizer.step()
+                return
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

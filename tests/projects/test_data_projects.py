@@ -1,5 +1,6 @@
 """A freshly generated data-parallel project, torch and TensorFlow alike, trains under horovodrun -np 2,
-resumes, tracks one MLflow run from rank 0 only, and runs its own tests."""
+resumes, and tracks one MLflow run from rank 0 only. (Its own tests run through `make test` in
+test_documented_commands.py, for every shape.)"""
 
 import importlib.util
 import json
@@ -68,15 +69,6 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
     assert run.data.params["world_size"] == "2"
     logged_epochs = [m.value for m in client.get_metric_history(run.info.run_id, "epoch")]
     assert sorted(logged_epochs) == list(range(1, 13)), "each epoch logged once, all in the same run"
-
-
-@pytest.mark.timeout(600)
-def test_generated_project_tests_pass(project):
-    _, path = project
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=path,
-                          capture_output=True, text=True, timeout=580)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "3 passed" in proc.stdout
 
 
 @pytest.mark.parametrize("override, message", [

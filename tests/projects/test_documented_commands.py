@@ -3,8 +3,14 @@
 For each shape, the commands are read out of the project itself: the ```bash blocks of README.md
 and k8s/README.md, the launch lines of train.py's docstring, and the Makefile's targets. Each one
 that can run on one CPU host is run verbatim from the project folder (config.yaml trains one
-epoch, so the run is short); each one that cannot is named with its reason, and an unknown kind
-of command fails the test, so new documentation cannot slip past it.
+epoch without tracking, which has tests of its own, so the run is short); each one that cannot is
+named with its reason, and an unknown kind of command fails the test, so new documentation cannot
+slip past it.
+
+Commands that only add options whose handling does not depend on the strategy (your own data,
+config overrides: data.py and hvd_runtime.config are the same in every shape) run once per
+framework, in the data-parallel shape; the other shapes must show them as exactly the launch line
+they run themselves plus the same options.
 """
 
 from __future__ import annotations
@@ -118,20 +124,31 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
     assert result.exit_code == 0, result.output
     project = tmp_path / "proj"
     config = project / "config.yaml"
-    config.write_text(re.sub(r"^  epochs: \d+", "  epochs: 1", config.read_text(), count=1, flags=re.M))
+    text = re.sub(r"^  epochs: \d+", "  epochs: 1", config.read_text(), count=1, flags=re.M)
+    config.write_text(re.sub(r"^(tracking:\n  enabled:) true", r"\1 false", text, flags=re.M))
     write_user_data(project)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
     commands = documented_commands(project)
     cpu_launch = next(c for c in commands if c.startswith("horovodrun") and "--gloo python train.py" in c
                       and "localhost" in c).split(" python train.py")[0] + " python train.py"
-    ran, skipped = [], {}
+    # `make train` is the CPU launch line (make -n shows what it would run): one run serves both.
+    dry = subprocess.run(["make", "-n", "train", "PYTHON=python", "HOROVODRUN=horovodrun"], cwd=project,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert dry == cpu_launch, f"make train runs {dry!r}, the README shows {cpu_launch!r}"
+    ran, skipped = [cpu_launch], {}
     for command in commands:
+        if command == cpu_launch:
+            continue
         reason = next((why for pattern, why in NOT_HERE if re.search(pattern, command)), None)
         if reason:
             skipped[command] = reason
             continue
         command = expand(command, cpu_launch)
+        options = command.removeprefix(cpu_launch)
+        if strategy != "data" and options != command and options.startswith(" --"):
+            ran.append(command)  # the launch line this shape runs anyway, plus shape-independent options
+            continue
         if command == "make ui":
             run_ui(command, project, env)
         elif re.match(r"(horovodrun|make|hvdgen) ", command):
@@ -147,6 +164,7 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
         ran.append(command)
 
     assert any(c.startswith("make train") for c in ran) and any(c.startswith("make test") for c in ran)
+    assert any(c == cpu_launch for c in ran), "the CPU launch line itself runs in every shape"
     assert any("--data.source npz" in c for c in ran) and any("--data.source image_folder" in c for c in ran)
     if strategy == "pipeline":
         assert "hvdgen timeline runs/latest" in ran

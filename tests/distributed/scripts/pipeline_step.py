@@ -23,10 +23,12 @@ from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 
 
-def make_model() -> nn.Sequential:
+def make_model(flatten_first: bool = False) -> nn.Sequential:
+    """Seven blocks; with flatten_first, a weight-free nn.Flatten before them (a stage may hold only it)."""
     torch.manual_seed(1234)
-    return nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                         nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES))
+    blocks = [nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+              nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, CLASSES)]
+    return nn.Sequential(*([nn.Flatten()] if flatten_first else []), *blocks)
 
 
 def accuracy(out, y):
@@ -50,7 +52,7 @@ def main():
     x_val, y_val = torch.randn(3 * global_batch, FEATURES, generator=g), torch.randint(0, CLASSES, (3 * global_batch,), generator=g)
 
     # the single-process reference
-    ref = make_model()
+    ref = make_model(args.flatten_first)
     before = {k: v.clone() for k, v in ref.state_dict().items()}
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_losses, ref_accs = [], []
@@ -66,8 +68,9 @@ def main():
         ref_val = F.cross_entropy(ref(x_val), y_val).item()
 
     # the pipeline: this rank's stage of a fresh copy of the same model
-    stage = build_stage(make_model(), dims, partition=args.partition, sample=xs[0][: args.batch])
-    engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(stage.parameters(), lr=0.5),
+    stage = build_stage(make_model(args.flatten_first), dims, partition=args.partition, sample=xs[0][: args.batch])
+    weights = list(stage.parameters()) or [{"params": []}]  # a weight-free stage, as plain_optimizer does
+    engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(weights, lr=0.5),
                             schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=accuracy,
                             timeline=args.run_dir is not None)
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)

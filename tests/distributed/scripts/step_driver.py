@@ -26,6 +26,8 @@ def parse_args(pipeline: bool) -> argparse.Namespace:
         ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
         ap.add_argument("--run-dir", default=None)
         ap.add_argument("--hvd-init-first", action="store_true", help="torch only: hvd.init() before init_pipeline")
+        ap.add_argument("--flatten-first", action="store_true",
+                        help="torch only: the model starts with a weight-free block (nn.Flatten)")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if pipeline and args.partition not in ("params", "time"):

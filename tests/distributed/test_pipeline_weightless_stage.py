@@ -1,0 +1,27 @@
+"""A pipeline stage without weights (the generated MLP's flatten, alone in stage 0 at --stages 4)
+trains in step with the others: no backward through it, an optimizer step with nothing to
+update, nothing to average over its replicas. Checked against the unsplit model in one process."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_horovod
+from pipeline_checks import check_against_reference
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weight_free_first_stage_with_replicas_matches_single_process(tmp_path):
+    out = tmp_path / "result.json"
+    run_horovod(4, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", "2", "--schedule", "1f1b",
+                    "--micro-batches", "2", "--flatten-first", "--partition", "1", "--out", str(out)],
+                cwd=tmp_path, timeout=280)
+    results = json.loads(out.read_text())
+    check_against_reference(results, 4, 2, "1f1b", 2, [str(i) for i in range(8)])
+    first = [r for r in results if r["stage"] == 0]
+    assert all(r["blocks"] == ["0"] and r["update_err"] == {} for r in first), "stage 0 holds only the flatten"
