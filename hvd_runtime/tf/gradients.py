@@ -22,6 +22,8 @@ from typing import Iterable, Sequence
 
 import tensorflow as tf
 
+from hvd_runtime.adasum import check_adasum
+
 
 class GradientSync:
     """Average (or Adasum-combine) gradients across ranks, except those of local variables."""
@@ -30,9 +32,7 @@ class GradientSync:
                  local_variables: Iterable = ()):
         import horovod.tensorflow as hvd
 
-        if adasum and not hvd.mpi_enabled():
-            raise ValueError("horovod.adasum needs Horovod's MPI controller, but this job runs on Gloo: "
-                             "build Horovod with MPI and launch with horovodrun --mpi, or set horovod.adasum false")
+        check_adasum(adasum, hvd)   # a ConfigError at start-up: Gloo has no Adasum op
         self._hvd = hvd
         self.compression = hvd.Compression.fp16 if fp16_compression else hvd.Compression.none
         self.op = hvd.Adasum if adasum else hvd.Average
