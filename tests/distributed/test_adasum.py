@@ -115,10 +115,9 @@ def test_adasum_on_a_gloo_job_is_an_error_never_an_average(gloo_job):
         assert all("No Adasum operation enabled" in call.get("error", "") for call in calls), calls
 
 
-@pytest.mark.xfail(strict=True, reason="hvd_runtime/torch/optim.py accepts horovod.adasum on a Gloo job; its first "
-                   "step then fails deep in Horovod. Wanted: a ConfigError (one 'config error:' line) at start-up, "
-                   "as hvd_runtime/tf/gradients.py does (with a ValueError there)")
 def test_the_runtime_refuses_horovod_adasum_on_gloo_before_training(gloo_job):
+    """make_optimizer says so at start-up (a ConfigError: train.py's one line), never a first-step failure."""
     for rank in gloo_job["ranks"]:
         error = rank["optimizer"]["step"].get("error", "")
-        assert error.startswith("ConfigError:") and "horovod.adasum" in error, error
+        assert error.startswith("ConfigError: horovod.adasum needs Horovod's MPI controller"), error
+        assert "--horovod.adasum false" in error, error
