@@ -1,4 +1,4 @@
-"""Horovod start-up for TensorFlow: init, one GPU per rank (or a fair share of the CPU), seeds.
+"""Horovod start-up for TensorFlow: init, this rank's GPU(s) (or a fair share of the CPU), seeds.
 
 Everything here must run before TensorFlow creates its first tensor: device visibility and
 thread pools are fixed at that moment, and changing them later raises.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hvd_runtime.devices import stage_gpus
 from hvd_runtime.rank_context import RankContext
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
@@ -18,7 +19,7 @@ class Context(RankContext):
     """Where this process's tensors live, and who it is in the job (rank and size read live)."""
 
     horovod_module: ClassVar[str] = "horovod.tensorflow"
-    device: str     # "GPU:0" (the one GPU this rank sees) or "CPU:0"
+    device: str     # "GPU:0" (the first GPU this rank sees: its own, or stage 0's) or "CPU:0"
 
 
 def seed_everything(seed: int) -> None:
@@ -28,30 +29,37 @@ def seed_everything(seed: int) -> None:
     keras.utils.set_random_seed(seed % 2**32)
 
 
+def rank_gpus(local_rank: int, local_size: int, gpu_count: int, devices_per_rank: int = 1) -> list[int] | None:
+    """Which of the host's GPUs (by index) this rank keeps visible; None: no GPU, the CPU.
+
+    One device per rank (data, pipeline): the GPU of its local rank (wrapping around when ranks
+    outnumber GPUs). model-split (devices_per_rank = stages): its stage GPUs, placed by
+    hvd_runtime.devices.stage_gpus as ModelSplit will look for them; too few GPUs is its
+    one-line TooFewGpus, raised here, before TensorFlow fixes its devices.
+    """
+    if devices_per_rank > 1:
+        return stage_gpus(devices_per_rank, local_rank, local_size, gpu_count)
+    return [local_rank % gpu_count] if gpu_count > 0 else None
+
+
 def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, devices_per_rank: int = 1) -> str:
-    """Show this rank only its own GPU(s), growing memory on demand; on CPU, cap its thread pools.
+    """Show this rank only its own GPU(s) (rank_gpus), growing memory on demand; on CPU, cap its thread pools.
 
     Without memory growth the first rank's TF grabs nearly all of every GPU it sees; without the
     thread cap, N ranks on one host each start one thread per core and fight over them.
-    devices_per_rank > 1 (model-split): this rank takes that many GPUs when the host has enough
-    for every rank, else it splits its CPU into that many logical devices.
+    devices_per_rank > 1 (model-split) on a host without GPUs: the CPU is split into that many
+    logical devices, one per stage.
     """
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus and devices_per_rank > 1 and len(gpus) >= devices_per_rank * local_size:
-        mine = gpus[local_rank * devices_per_rank:(local_rank + 1) * devices_per_rank]
-        tf.config.set_visible_devices(mine, "GPU")
-        for gpu in mine:
+    mine = rank_gpus(local_rank, local_size, len(gpus), devices_per_rank)
+    if mine is not None:
+        shown = [gpus[k] for k in mine]
+        tf.config.set_visible_devices(shown, "GPU")
+        for gpu in shown:
             tf.config.experimental.set_memory_growth(gpu, True)
         return "GPU:0"
-    if gpus and devices_per_rank == 1:
-        gpu = gpus[local_rank % len(gpus)]
-        tf.config.set_visible_devices(gpu, "GPU")
-        tf.config.experimental.set_memory_growth(gpu, True)
-        return "GPU:0"
-    if gpus:
-        tf.config.set_visible_devices([], "GPU")   # too few GPUs to split over: all stages on the CPU
     if devices_per_rank > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices_per_rank)

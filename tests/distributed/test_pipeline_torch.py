@@ -19,7 +19,7 @@ from pipeline_checks import TOL, check_against_reference
 from hvd_runtime.partition import PartitionError
 from hvd_runtime.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims
-from hvd_runtime.torch.model_split import ModelSplit, split_devices
+from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.p2p import _header, _read_header
 from hvd_runtime.torch.pipeline import micro_batch_sizes
 from hvd_runtime.torch.stage import build_stage, plan_stages
@@ -115,14 +115,6 @@ def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
             assert rel(p - before[name], ref.state_dict()[name] - before[name]) < TOL, name
     with pytest.raises(ValueError, match="got 1 devices for 2 stages"):
         ModelSplit(make_model(), stages=2, devices=["cpu"])
-
-
-def test_split_devices_fall_back_to_the_cpu_without_enough_gpus():
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus >= 4:
-        assert split_devices(2, local_rank=1, local_size=2) == [torch.device("cuda", 2), torch.device("cuda", 3)]
-    else:
-        assert split_devices(2, local_rank=1, local_size=2) == [torch.device("cpu")] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="Requires: [GPUs>=2]")

@@ -1,7 +1,9 @@
-"""Model-split stage placement: each rank's share of the host's GPUs, the CPU without any, one line when too few.
+"""GPU placement: each model-split rank's share of the host's GPUs, the CPU without any, one line when too few;
+the GPU(s) every rank pins at start-up.
 
-The decision (hvd_runtime.devices) takes counts, so every case is checked here without a GPU;
-the framework halves are checked for asking it with their own GPU count and naming the devices.
+The decisions (hvd_runtime.devices, and the frameworks' rank_gpu / rank_gpus start-up rules that
+ask it) take counts, so every case is checked here without a GPU; the framework halves are checked
+for asking with their own GPU count and naming the devices.
 """
 
 import importlib.util
@@ -90,6 +92,72 @@ def test_torch_split_devices_refuses_too_few_gpus(monkeypatch):
         split_devices(2, local_rank=0, local_size=2)
 
 
+@needs_torch
+@pytest.mark.parametrize("local_size, gpus", [(1, 1), (2, 2), (4, 8)])
+def test_torch_data_and_pipeline_ranks_pin_the_gpu_of_their_local_rank(local_size, gpus):
+    from hvd_runtime.torch.context import rank_gpu
+
+    assert [rank_gpu(k, local_size, gpus) for k in range(local_size)] == list(range(local_size))
+    assert rank_gpu(0, local_size, 0) is None
+
+
+@needs_torch
+@pytest.mark.parametrize("stages, local_size, gpus", [(2, 1, 2), (2, 2, 4), (2, 4, 8), (4, 2, 8), (3, 2, 7)])
+def test_torch_model_split_ranks_pin_their_first_stage_gpu(stages, local_size, gpus):
+    """Batches land where stage 0 is: never on the local-rank GPU that holds another rank's stage."""
+    from hvd_runtime.torch.context import rank_gpu
+
+    pinned = [rank_gpu(k, local_size, gpus, devices_per_rank=stages) for k in range(local_size)]
+    assert pinned == [stage_gpus(stages, k, local_size, gpus)[0] for k in range(local_size)]
+    assert pinned == [k * stages for k in range(local_size)]       # rank 1 of 2, 2 stages, 4 GPUs: cuda:2, not cuda:1
+
+
+@needs_torch
+@pytest.mark.parametrize("stages, local_size, gpus", [(2, 1, 1), (2, 2, 2), (2, 2, 3), (2, 4, 4)])
+def test_torch_model_split_with_too_few_gpus_stops_before_pinning(stages, local_size, gpus):
+    """More ranks than GPUs: the one-line TooFewGpus, not CUDA's invalid-device error from set_device."""
+    from hvd_runtime.torch.context import rank_gpu
+
+    for k in range(local_size):
+        with pytest.raises(TooFewGpus, match=f"need {stages * local_size} GPUs, but this host shows {gpus}"):
+            rank_gpu(k, local_size, gpus, devices_per_rank=stages)
+
+
+@needs_torch
+def test_torch_model_split_without_a_gpu_pins_nothing():
+    from hvd_runtime.torch.context import rank_gpu
+
+    assert [rank_gpu(k, 2, 0, devices_per_rank=2) for k in range(2)] == [None, None]
+
+
+@needs_tf
+@pytest.mark.parametrize("local_size, gpus, expected", [(2, 2, [[0], [1]]), (2, 4, [[0], [1]]), (3, 2, [[0], [1], [0]]),
+                                                        (2, 0, [None, None])])
+def test_tf_data_and_pipeline_ranks_see_the_gpu_of_their_local_rank(local_size, gpus, expected):
+    from hvd_runtime.tf.context import rank_gpus
+
+    assert [rank_gpus(k, local_size, gpus) for k in range(local_size)] == expected
+
+
+@needs_tf
+@pytest.mark.parametrize("stages, local_size, gpus", [(2, 1, 2), (2, 2, 4), (2, 4, 8), (4, 2, 8), (3, 2, 7), (2, 2, 0)])
+def test_tf_model_split_ranks_see_exactly_their_stage_gpus(stages, local_size, gpus):
+    from hvd_runtime.tf.context import rank_gpus
+
+    assert [rank_gpus(k, local_size, gpus, devices_per_rank=stages) for k in range(local_size)] == \
+        [stage_gpus(stages, k, local_size, gpus) for k in range(local_size)]
+
+
+@needs_tf
+@pytest.mark.parametrize("stages, local_size, gpus", [(2, 1, 1), (2, 2, 3), (2, 4, 4)])
+def test_tf_model_split_with_too_few_gpus_stops_before_tensorflow_fixes_its_devices(stages, local_size, gpus):
+    from hvd_runtime.tf.context import rank_gpus
+
+    for k in range(local_size):
+        with pytest.raises(TooFewGpus, match=f"need {stages * local_size} GPUs, but this host shows {gpus}"):
+            rank_gpus(k, local_size, gpus, devices_per_rank=stages)
+
+
 def fake_gpus(monkeypatch, tf, physical: int, visible: list[int]):
     devices = [tf.config.PhysicalDevice(f"/physical_device:GPU:{k}", "GPU") for k in range(physical)]
     real_list, real_visible = tf.config.list_physical_devices, tf.config.get_visible_devices
@@ -112,12 +180,25 @@ def test_tf_split_devices_names_this_ranks_gpus_as_tensorflow_sees_them(monkeypa
 
 
 @needs_tf
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_tf_start_up_shows_the_gpus_model_split_then_names(monkeypatch, local_rank):
+    """What pin_devices leaves visible (rank_gpus) is what split_devices looks for, stage by stage."""
+    import tensorflow as tf
+
+    from hvd_runtime.tf.context import rank_gpus
+    from hvd_runtime.tf.model_split import split_devices
+
+    fake_gpus(monkeypatch, tf, 4, rank_gpus(local_rank, 2, 4, devices_per_rank=2))
+    assert split_devices(2, local_rank=local_rank, local_size=2) == ["/GPU:0", "/GPU:1"]
+
+
+@needs_tf
 def test_tf_split_devices_refuses_too_few_gpus_even_after_they_were_hidden(monkeypatch):
     import tensorflow as tf
 
     from hvd_runtime.tf.model_split import split_devices
 
-    fake_gpus(monkeypatch, tf, 1, [])     # init_horovod hides GPUs it cannot split over
+    fake_gpus(monkeypatch, tf, 1, [])     # GPUs hidden by hand: the host's count still decides
     with pytest.raises(TooFewGpus, match="need 2 GPUs, but this host shows 1"):
         split_devices(2, local_rank=0, local_size=1)
 
