@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
+from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline_checkpoint import checkpoint_payload, gather_stages, own_rng, own_stage, restored_state
 from hvd_runtime.tf.stage import Stage, build_stage
-from hvd_runtime.tf.state import _assign, load_latest, rng_state, set_rng_state
+from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state
 
 
 def _gather_stages(stage: Stage, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:
@@ -43,8 +44,34 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: Stage, optimizer, st
     return store.save(state.step, write)
 
 
+def _fitting_stage(hvd, payload: dict, stage: Stage, optimizer, dims, where: str) -> dict:
+    """This rank's part of the checkpoint, once every rank has found that its own part fits.
+
+    Only the rank holding a stage can tell whether that stage's part loads into it (another
+    model.hidden, another dataset's classes, another optimizer's slots), so each rank judges its
+    own part and the verdicts are gathered: every rank then stops with the same config-error
+    line, instead of one rank failing while the others wait for it. A checkpoint of another
+    pipeline shape is named before a misfit, since it explains the misfits of the other stages.
+    """
+    try:
+        mine = own_stage(payload, dims, where)
+        problem = misfit(stage.variables, mine["model"], "stage")
+        if problem is None and optimizer is not None and mine["optimizer"] is not None:
+            problem = misfit(optimizer.variables, mine["optimizer"], "optimizer")
+        verdict = None if problem is None else (1, problem)
+    except ValueError as exc:  # this stage is not in the checkpoint
+        mine, verdict = None, (0, str(exc))
+    verdicts = [v for v in hvd.allgather_object(verdict, name="pp.restore_fits") if v is not None]
+    if verdicts:
+        raise ConfigError(min(verdicts)[1])
+    return mine
+
+
 def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resume: bool = True) -> TrainState:
-    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage."""
+    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage.
+
+    A checkpoint that does not fit this pipeline stops every rank with the same ConfigError.
+    """
     import horovod.tensorflow as hvd
 
     found = load_latest(store) if hvd.rank() == 0 and resume else None
@@ -52,7 +79,7 @@ def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resu
     if found is None:
         return TrainState()
     path, payload = found
-    mine = own_stage(payload, dims, f"the checkpoint {path}")
+    mine = _fitting_stage(hvd, payload, stage, optimizer, dims, f"the checkpoint {path}")
     _assign(stage.variables, mine["model"], "stage", Path(path))
     if optimizer is not None and mine["optimizer"] is not None:
         _assign(optimizer.variables, mine["optimizer"], "optimizer", Path(path))
@@ -60,6 +87,7 @@ def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resu
     if rng is not None:
         set_rng_state(rng)
     return restored_state(payload)
+
 
 def gather_full_model(model, stage: Stage, dims):
     """Every rank calls; on rank 0, `model` (the unsplit original) ends up with the trained variables."""

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
+from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline_checkpoint import checkpoint_payload, gather_stages, own_rng, own_stage, restored_state
-from hvd_runtime.torch.state import _to_cpu, load_latest, rng_state, set_rng_state
+from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, set_rng_state
 
 
 def _gather_stages(stage: nn.Module, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:
@@ -34,15 +35,39 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer
     return store.save(state.step, lambda path: torch.save(payload, path))
 
 
+def _fitting_stage(hvd, payload: dict, stage: nn.Module, dims, where: str) -> dict:
+    """This rank's part of the checkpoint, once every rank has found that its own part fits.
+
+    Only the rank holding a stage can tell whether that stage's part loads into it (another
+    model.hidden, another dataset's classes), so each rank judges its own part and the verdicts
+    are gathered: every rank then stops with the same config-error line, instead of one rank
+    dying on a state_dict error while the others wait for it. A checkpoint of another pipeline
+    shape is named before a misfit, since it explains the misfits of the other stages.
+    """
+    try:
+        mine = own_stage(payload, dims, where)
+        problem = model_misfit(mine["model"], stage.state_dict())
+        verdict = None if problem is None else (1, problem)
+    except ValueError as exc:  # this stage is not in the checkpoint
+        mine, verdict = None, (0, str(exc))
+    verdicts = [v for v in hvd.allgather_object(verdict, name="pp.restore_fits") if v is not None]
+    if verdicts:
+        raise ConfigError(min(verdicts)[1])
+    return mine
+
+
 def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, resume: bool = True) -> TrainState:
-    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage."""
+    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage.
+
+    A checkpoint that does not fit this pipeline stops every rank with the same ConfigError.
+    """
     import horovod.torch as hvd
 
     payload = load_latest(store) if hvd.rank() == 0 and resume else None
     payload = hvd.broadcast_object(payload, root_rank=0, name="pp.restore")
     if payload is None:
         return TrainState()
-    mine = own_stage(payload, dims, f"the checkpoint in {store.directory}")
+    mine = _fitting_stage(hvd, payload, stage, dims, f"the checkpoint in {store.directory}")
     stage.load_state_dict(mine["model"])
     if optimizer is not None and mine["optimizer"] is not None:
         optimizer.load_state_dict(mine["optimizer"])

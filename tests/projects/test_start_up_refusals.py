@@ -1,0 +1,83 @@
+"""Settings a job cannot run with stop every rank at start-up: one `config error:` line each, nothing written.
+
+Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.py` in its folder.
+- `--horovod.adasum true` on Gloo (Horovod has Adasum only in its MPI controller): refused before
+  the first step, where it would fail with HorovodInternalError (an endless reset when elastic).
+- a pipeline resumed from a checkpoint of another model (`--model.hidden` changed after an
+  epoch): each rank holds its own stage, so each judges its own part, and all stop with the same
+  line instead of one rank dying on a state_dict error while the others wait.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_horovod
+
+pytestmark = pytest.mark.slow
+FRAMEWORKS = ["torch", "tensorflow"]
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+SMALL_DATA = ("--data.source", "synthetic", "--data.synthetic_samples", "512")
+
+
+def generate(tmp_path: Path, framework: str, strategy: str) -> Path:
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,
+                    "--output", str(tmp_path)], check=True, capture_output=True)
+    return tmp_path / "proj"
+
+
+def files(project: Path) -> dict[str, tuple[int, int]]:
+    """Every file of the project with its size and modification time (Python's own caches aside)."""
+    return {str(p.relative_to(project)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in project.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def rank_stderr(stderr: str, rank: int) -> list[str]:
+    """What one rank wrote to its stderr: horovodrun forwards it as `[rank]<stderr>:line`."""
+    prefix = f"[{rank}]<stderr>:"
+    return [line[len(prefix):] for line in stderr.splitlines() if line.startswith(prefix)]
+
+
+def refused(project: Path, *args: str) -> str:
+    """Run train.py under horovodrun -np 2; assert every rank stopped on the same single config-error
+    line, and nothing in the project changed. Returns that line."""
+    before = files(project)
+    proc = run_horovod(2, [sys.executable, "train.py", *args], cwd=project, env=QUIET, timeout=400, check=False)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    lines = []
+    for rank in range(2):
+        said = [line for line in rank_stderr(proc.stderr, rank) if line.strip()]
+        assert said and said[-1].startswith("config error: "), f"rank {rank}:\n" + "\n".join(said[-30:])
+        assert not any("Traceback" in line for line in said), f"rank {rank}:\n" + "\n".join(said[-30:])
+        assert sum(line.startswith("config error:") for line in said) == 1
+        lines.append(said[-1])
+    assert lines[0] == lines[1], lines
+    assert files(project) == before, "a refused run wrote or changed files"
+    return lines[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_adasum_on_gloo_stops_every_rank_at_start_up(tmp_path, framework):
+    project = generate(tmp_path, framework, "data")
+    line = refused(project, "--horovod.adasum", "true")
+    assert "horovod.adasum needs Horovod's MPI controller, but this job runs on Gloo" in line
+    assert "--horovod.adasum false" in line and "horovodrun --mpi" in line
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_pipeline_resumed_from_another_model_stops_every_rank(tmp_path, framework):
+    project = generate(tmp_path, framework, "pipeline")
+    run_horovod(2, [sys.executable, "train.py", "--train.epochs", "1", "--tracking.enabled", "false", *SMALL_DATA],
+                cwd=project, env=QUIET, timeout=400)
+    assert list((project / "checkpoints").iterdir()), "the first run left no checkpoint"
+
+    # tracking on (the default) this time: a run that got past the restore would create mlflow.db
+    line = refused(project, "--train.epochs", "2", "--model.hidden", "[32]", *SMALL_DATA)
+    assert line.startswith("config error: the newest checkpoint holds a different model (")
+    assert "--checkpoint.dir DIR" in line and "--checkpoint.resume false" in line
