@@ -161,7 +161,24 @@ def wheel_cache_dir(target: BuildTarget) -> Path:
 
 
 def cached_wheel(target: BuildTarget) -> Path | None:
+    """The wheel built for exactly this target, else one built for it plus another framework.
+
+    Each framework's Horovod extension is a library of its own that loads only when imported, so
+    a wheel built for torch and TensorFlow serves a torch-only (or TF-only) environment with the
+    same Python, the same version of its framework, controllers, GPU toolchain and patches: a
+    project's fresh virtualenv then reuses the build its developer already has.
+    """
     wheels = sorted(wheel_cache_dir(target).glob("horovod-*.whl"))
+    if wheels:
+        return wheels[-1]
+    pattern = target.key
+    if target.torch is None:
+        pattern = pattern.replace("_torch-none_", "_torch*_")
+    if target.tensorflow is None:
+        pattern = pattern.replace("_tf-none_", "_tf*_")
+    if pattern == target.key:
+        return None
+    wheels = sorted((cache_dir() / "horovod-wheels").glob(f"{pattern}/horovod-*.whl"))
     return wheels[-1] if wheels else None
 
 

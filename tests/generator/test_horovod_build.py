@@ -110,3 +110,21 @@ def test_parse_check_build_reads_horovodrun_output():
     assert build["Frameworks"]["PyTorch"] is True
     assert build["Controllers"]["Gloo"] is True
     assert set(build) == {"Frameworks", "Controllers", "Tensor Operations"}
+
+
+def test_a_wheel_built_for_both_frameworks_serves_either_alone(tmp_path, monkeypatch):
+    """A project's torch-only venv reuses its developer's torch+TF build: same Python, same torch
+    version, same controllers and patches; a different torch version or controller set does not."""
+    from hvdgen.horovod_build import BuildTarget, cached_wheel, wheel_cache_dir
+
+    monkeypatch.setenv("HVDGEN_CACHE_DIR", str(tmp_path))
+    both = BuildTarget(python="311", torch="2.13.0+cpu", tensorflow="2.21.0", mpi=False)
+    folder = wheel_cache_dir(both)
+    folder.mkdir(parents=True)
+    wheel = folder / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    wheel.write_bytes(b"wheel")
+    assert cached_wheel(BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=False)) == wheel
+    assert cached_wheel(BuildTarget(python="311", torch=None, tensorflow="2.21.0", mpi=False)) == wheel
+    assert cached_wheel(BuildTarget(python="311", torch="2.12.0+cpu", tensorflow=None, mpi=False)) is None
+    assert cached_wheel(BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=True)) is None
+    assert cached_wheel(BuildTarget(python="312", torch="2.13.0+cpu", tensorflow=None, mpi=False)) is None
