@@ -44,7 +44,6 @@ class GpuBuildBlocked(Exception):
         self.install = install
 
 
-
 @dataclass(frozen=True)
 class CudaToolkit:
     """A CUDA toolkit to compile with: bin/nvcc, the runtime headers, and libcudart."""
