@@ -9,7 +9,10 @@ pipeline_state modules only convert states and read and write files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hvd_runtime.checkpoint import TrainState, state_fields
+from hvd_runtime.config import ConfigError
 
 
 def gather_stages(hvd, dims, model_state, optimizer_state, rng) -> tuple[dict[int, dict], list]:
@@ -40,3 +43,25 @@ def own_rng(payload: dict, rank: int, size: int):
 
 def restored_state(payload: dict) -> TrainState:
     return TrainState(**payload["state"])
+
+
+def fitting_own_stage(hvd, payload: dict, dims, where: str, misfit_of: Callable[[dict], str | None]) -> dict:
+    """This rank's part of the checkpoint, once every rank has found that its own part fits.
+
+    Only the rank holding a stage can tell whether that stage's part loads into it (another
+    model.hidden, another dataset's classes, another optimizer's slots): `misfit_of(part)` says
+    why not, or None. Each rank judges its own part and the verdicts are gathered, so every rank
+    stops with the same config-error line instead of one rank failing while the others wait for
+    it. A checkpoint of another pipeline shape is named before a misfit, since it explains the
+    misfits of the other stages.
+    """
+    try:
+        mine = own_stage(payload, dims, where)
+        problem = misfit_of(mine)
+        verdict = None if problem is None else (1, problem)
+    except ValueError as exc:  # this stage is not in the checkpoint
+        mine, verdict = None, (0, str(exc))
+    verdicts = [v for v in hvd.allgather_object(verdict, name="pp.restore_fits") if v is not None]
+    if verdicts:
+        raise ConfigError(min(verdicts)[1])
+    return mine

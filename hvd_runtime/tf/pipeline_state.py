@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
-from hvd_runtime.config import ConfigError
-from hvd_runtime.pipeline_checkpoint import checkpoint_payload, gather_stages, own_rng, own_stage, restored_state
+from hvd_runtime.pipeline_checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
 from hvd_runtime.tf.stage import Stage, build_stage
 from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state
 
@@ -45,26 +44,15 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: Stage, optimizer, st
 
 
 def _fitting_stage(hvd, payload: dict, stage: Stage, optimizer, dims, where: str) -> dict:
-    """This rank's part of the checkpoint, once every rank has found that its own part fits.
+    """This rank's part of the checkpoint; every rank stops alike if any part does not fit."""
 
-    Only the rank holding a stage can tell whether that stage's part loads into it (another
-    model.hidden, another dataset's classes, another optimizer's slots), so each rank judges its
-    own part and the verdicts are gathered: every rank then stops with the same config-error
-    line, instead of one rank failing while the others wait for it. A checkpoint of another
-    pipeline shape is named before a misfit, since it explains the misfits of the other stages.
-    """
-    try:
-        mine = own_stage(payload, dims, where)
-        problem = misfit(stage.variables, mine["model"], "stage")
-        if problem is None and optimizer is not None and mine["optimizer"] is not None:
-            problem = misfit(optimizer.variables, mine["optimizer"], "optimizer")
-        verdict = None if problem is None else (1, problem)
-    except ValueError as exc:  # this stage is not in the checkpoint
-        mine, verdict = None, (0, str(exc))
-    verdicts = [v for v in hvd.allgather_object(verdict, name="pp.restore_fits") if v is not None]
-    if verdicts:
-        raise ConfigError(min(verdicts)[1])
-    return mine
+    def misfit_of(part: dict) -> str | None:
+        problem = misfit(stage.variables, part["model"], "stage")
+        if problem is None and optimizer is not None and part["optimizer"] is not None:
+            problem = misfit(optimizer.variables, part["optimizer"], "optimizer")
+        return problem
+
+    return fitting_own_stage(hvd, payload, dims, where, misfit_of)
 
 
 def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resume: bool = True) -> TrainState:

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
-from hvd_runtime.config import ConfigError
-from hvd_runtime.pipeline_checkpoint import checkpoint_payload, gather_stages, own_rng, own_stage, restored_state
+from hvd_runtime.pipeline_checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
 from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, set_rng_state
 
 
@@ -36,24 +35,8 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer
 
 
 def _fitting_stage(hvd, payload: dict, stage: nn.Module, dims, where: str) -> dict:
-    """This rank's part of the checkpoint, once every rank has found that its own part fits.
-
-    Only the rank holding a stage can tell whether that stage's part loads into it (another
-    model.hidden, another dataset's classes), so each rank judges its own part and the verdicts
-    are gathered: every rank then stops with the same config-error line, instead of one rank
-    dying on a state_dict error while the others wait for it. A checkpoint of another pipeline
-    shape is named before a misfit, since it explains the misfits of the other stages.
-    """
-    try:
-        mine = own_stage(payload, dims, where)
-        problem = model_misfit(mine["model"], stage.state_dict())
-        verdict = None if problem is None else (1, problem)
-    except ValueError as exc:  # this stage is not in the checkpoint
-        mine, verdict = None, (0, str(exc))
-    verdicts = [v for v in hvd.allgather_object(verdict, name="pp.restore_fits") if v is not None]
-    if verdicts:
-        raise ConfigError(min(verdicts)[1])
-    return mine
+    """This rank's part of the checkpoint; every rank stops alike if any part does not fit."""
+    return fitting_own_stage(hvd, payload, dims, where, lambda part: model_misfit(part["model"], stage.state_dict()))
 
 
 def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, resume: bool = True) -> TrainState:
