@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -33,6 +34,10 @@ DEFAULT_TOOLKIT_ROOTS = (Path("/usr/local/cuda"),)
 TOOLKIT_VARIABLES = ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")
 # Library folders inside a toolkit, NCCL home or pip wheel, in the order CUDA's own layouts use them.
 LIB_SUBDIRS = ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib")
+# nvcc's name for the machine in targets/<name>-linux.
+TARGET_ARCH = {"x86_64": "x86_64", "aarch64": "sbsa"}
+# nvcc finds its profile, and the profile finds the toolkit, from where the nvcc binary really lies.
+NVCC_OWN_FILES = ("nvcc", "nvcc.profile")
 
 
 class GpuBuildBlocked(Exception):
@@ -57,15 +62,31 @@ class CudaToolkit:
     def nvcc(self) -> Path:
         return self.root / "bin" / "nvcc"
 
+    @property
+    def from_pip(self) -> bool:
+        """pip's nvidia/cuNN: nvcc, headers and libraries side by side, without a toolkit's layout."""
+        return self.root.parent.name == "nvidia" and re.fullmatch(r"cu\d+", self.root.name) is not None
+
     def build_root(self, cache: Path) -> Path:
-        """A root CMake's FindCUDAToolkit accepts: this one, or (for pip's wheels, which leave out
-        the unversioned libcudart.so) a folder of links to it that adds lib/libcudart.so."""
-        if self.cudart.name == "libcudart.so":
+        """A root that nvcc and CMake's FindCUDAToolkit both accept: an installed toolkit as it is;
+        for pip's wheels, a toolkit layout assembled in the cache.
+
+        pip's nvidia/cuNN lacks the unversioned libcudart.so that FindCUDAToolkit asks for and the
+        targets/<arch>/{include,lib} folders that nvcc.profile points at (relative to where the nvcc
+        binary really is, so nvcc itself and its profile are copied; everything else is linked).
+        """
+        if not self.from_pip:
             return self.root
-        links = {entry.name: entry for entry in self.root.iterdir() if entry.name not in LIB_SUBDIRS}
+        arch = f"targets/{TARGET_ARCH.get(platform.machine(), platform.machine())}-linux"
+        links: dict[str, Path] = {entry.name: entry for entry in self.root.iterdir()
+                                  if entry.name not in ("bin", *LIB_SUBDIRS)}
+        links.update({f"bin/{entry.name}": entry for entry in (self.root / "bin").iterdir()
+                      if entry.name not in NVCC_OWN_FILES})
         links.update({f"lib/{lib.name}": lib for lib in self.cudart.parent.iterdir()})
-        links["lib/libcudart.so"] = self.cudart
-        return assembled_home(cache / "cuda-homes", f"cuda{self.version}", links)
+        links.update({"lib/libcudart.so": self.cudart, "lib64": Path("lib"),
+                      f"{arch}/include": Path("../../include"), f"{arch}/lib": Path("../../lib")})
+        copies = {f"bin/{name}": self.root / "bin" / name for name in NVCC_OWN_FILES}
+        return assembled_home(cache / "cuda-homes", f"cuda{self.version}", links, copies)
 
 
 @dataclass(frozen=True)
@@ -250,14 +271,21 @@ def find_nccl(env: Mapping[str, str] = os.environ, sites: Sequence[Path] = (),
                           "wheel, the CUDA toolkit, /usr)", install)
 
 
-def assembled_home(parent: Path, prefix: str, links: Mapping[str, Path]) -> Path:
-    """A folder of symlinks `{relative name: target}` under `parent`, made once and atomically.
+def assembled_home(parent: Path, prefix: str, links: Mapping[str, Path],
+                   copies: Mapping[str, Path] | None = None) -> Path:
+    """A folder of symlinks `{relative name: target}` (and of `copies`) under `parent`, made once, atomically.
 
-    Its name carries a digest of the links, so another venv gets its own folder; it is built beside
-    its final name and renamed into place, so a reader sees all of it or none of it.
+    A relative target stays relative (a link inside the folder). The name carries a digest of the
+    contents, so another venv gets its own folder; it is built beside its final name and renamed
+    into place, so a reader sees all of it or none of it.
     """
-    digest = hashlib.sha256("\0".join(f"{k}\0{v.resolve()}" for k, v in sorted(links.items())).encode())
-    home = parent / f"{prefix}-{digest.hexdigest()[:10]}"
+    def absolute(target: Path) -> Path:
+        return target.resolve() if target.is_absolute() else target
+
+    copies = copies or {}
+    entries = [f"{k}\0{absolute(v)}" for k, v in sorted(links.items())]
+    entries += [f"{k}\0{v.resolve()}\0{v.stat().st_size}\0{v.stat().st_mtime_ns}" for k, v in sorted(copies.items())]
+    home = parent / f"{prefix}-{hashlib.sha256(chr(0).join(entries).encode()).hexdigest()[:10]}"
     if home.is_dir():
         return home
     parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +293,13 @@ def assembled_home(parent: Path, prefix: str, links: Mapping[str, Path]) -> Path
     for name, target in links.items():
         link = staging / name
         link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(target.resolve())
+        link.symlink_to(absolute(target))
+    for name, source in copies.items():
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, staging / name)  # same file system: no bytes copied
+        except OSError:
+            shutil.copy2(source, staging / name)
     try:
         staging.rename(home)
     except OSError:  # another build made it first, from the same links

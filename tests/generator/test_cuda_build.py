@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 from pathlib import Path
 
@@ -120,6 +121,77 @@ def test_cuda_torch_gets_horovod_with_nccl_from_pips_wheel(cuda_venv):
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert f"(CUDA {torch_cuda} build)" in doctor.stdout and "tensor ops   NCCL" in doctor.stdout
     assert "warning" not in doctor.stderr
+
+
+HOROVOD_CUDA_PROBE = """\
+cmake_minimum_required(VERSION 3.18)
+project(probe LANGUAGES CXX)
+# Horovod's own CMake modules, and its CMakeLists' CUDA and NCCL steps, as in 0.28.1
+list(APPEND CMAKE_MODULE_PATH "{modules}/Modules" "{modules}/upstream")
+if(DEFINED ENV{{HOROVOD_CUDA_HOME}})
+    set(CMAKE_CUDA_COMPILER "$ENV{{HOROVOD_CUDA_HOME}}/bin/nvcc")
+endif()
+include(CheckLanguage)
+check_language(CUDA)
+if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+endif()
+find_package(CUDAToolkit REQUIRED)
+find_package(NCCL REQUIRED)
+"""
+
+
+@pytest.fixture(scope="module")
+def horovod_cmake_modules(tmp_path_factory) -> Path:
+    """cmake/ of the real horovod sdist: its FindNCCL and the FindCUDAToolkit it vendors."""
+    from hvdgen.horovod_build import HOROVOD_VERSION
+
+    work = tmp_path_factory.mktemp("sdist")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(work), f"horovod=={HOROVOD_VERSION}"], check=True, timeout=300)
+    with tarfile.open(next(work.glob("horovod-*.tar.gz"))) as archive:
+        members = [m for m in archive.getmembers() if "/cmake/" in m.name]
+        archive.extractall(work, members=members, filter="data")
+    return work / f"horovod-{HOROVOD_VERSION}" / "cmake"
+
+
+def test_horovods_cmake_finds_the_toolkit_behind_a_wrapper_and_pips_nccl_once_told(tmp_path, horovod_cmake_modules):
+    """The failure users met: with nvcc on PATH being a wrapper script, Horovod's vendored FindCUDAToolkit
+    takes the wrapper's folder for the toolkit; GpuBuild.environment() points it at the real one."""
+    toolkit = next(filter(None, (cuda_env.toolkit_at(r, str(r)) for r in cuda_env.DEFAULT_TOOLKIT_ROOTS)), None)
+    if toolkit is None:
+        pytest.skip("Requires: a CUDA toolkit in /usr/local/cuda")
+    wrapper_bin = tmp_path / "wrapper-bin"
+    wrapper_bin.mkdir()
+    (wrapper_bin / "nvcc").write_text(f'#!/bin/sh\nexec {toolkit.nvcc.resolve()} "$@"\n')
+    (wrapper_bin / "nvcc").chmod(0o755)
+    site = tmp_path / "site-packages"  # pip's NCCL wheel: nccl.h and libnccl.so.2 only
+    (site / "nvidia/nccl/include").mkdir(parents=True)
+    (site / "nvidia/nccl/lib").mkdir(parents=True)
+    (site / "nvidia/nccl/include/nccl.h").write_text("#define NCCL_MAJOR 2\n#define NCCL_MINOR 29\n#define NCCL_PATCH 7\n")
+    (site / "nvidia/nccl/lib/libnccl.so.2").write_text("")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text(HOROVOD_CUDA_PROBE.format(modules=horovod_cmake_modules))
+    cmake = shutil.which("cmake", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    path = f"{wrapper_bin}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    plain = {k: v for k, v in os.environ.items() if k not in (*cuda_env.TOOLKIT_VARIABLES, "CUDACXX")}
+
+    def configure(build: str, env: dict[str, str]) -> str:
+        (tmp_path / build).mkdir()
+        proc = subprocess.run([cmake, str(project)], cwd=tmp_path / build, capture_output=True, text=True,
+                              env={**plain, "PATH": path, **env}, timeout=600)
+        return proc.stdout + proc.stderr
+
+    without = configure("without", {"HOROVOD_NCCL_HOME": str(site / "nvidia/nccl")})
+    assert "Could NOT find CUDAToolkit" in without  # the bug, reproduced
+
+    env = {"PATH": path, "HOROVOD_NCCL_HOME": "", "HOROVOD_NCCL_INCLUDE": "", "HOROVOD_NCCL_LIB": ""}
+    gpu = cuda_env.find_gpu_build(toolkit.version, env, sites=[site])
+    assert gpu.toolkit.root == toolkit.root.resolve() and gpu.toolkit.found_by == f"{wrapper_bin / 'nvcc'} on PATH"
+    told = configure("told", gpu.environment(tmp_path / "cache"))
+    assert "Found CUDAToolkit" in told and "Could NOT" not in told, told[-3000:]
+    assert f"library: {tmp_path / 'cache'}/nccl-homes/nccl2.29.7-" in told
 
 
 def _installed_horovod(venv: Path) -> str:

@@ -119,20 +119,31 @@ def test_no_toolkit_anywhere_names_every_place_looked(tmp_path):
     assert "\n" not in message
 
 
-def test_pips_cuda_wheels_with_nvcc_are_made_whole_in_the_cache(tmp_path):
-    """pip's nvidia/cu13 has libcudart.so.13 only; CMake's FindCUDAToolkit wants libcudart.so."""
+def test_pips_cuda_wheels_with_nvcc_get_a_toolkit_layout_in_the_cache(tmp_path):
+    """pip's nvidia/cu13 has libcudart.so.13 only (CMake's FindCUDAToolkit wants libcudart.so) and no
+    targets/<arch>/ folders (nvcc.profile points there, relative to where the nvcc binary lies)."""
     site = tmp_path / "site-packages"
     pip_root = make_toolkit(site / "nvidia" / "cu13", cudart="libcudart.so.13", lib="lib")
+    _write(pip_root / "bin" / "nvcc.profile", "TOP = $(_HERE_)/..\n")
+    _write(pip_root / "bin" / "ptxas", executable=True)
     _write(pip_root / "lib" / "libcublas.so.13")
+    _write(pip_root / "nvvm" / "bin" / "cicc", executable=True)
     toolkit = find_toolkit("13.0", {"PATH": str(tmp_path / "empty")}, sites=[site],
                            default_roots=no_defaults(tmp_path))
-    assert (toolkit.root, toolkit.found_by) == (pip_root, "pip's nvidia wheels")
+    assert (toolkit.root, toolkit.found_by, toolkit.from_pip) == (pip_root, "pip's nvidia wheels", True)
     cache = tmp_path / "cache"
     home = toolkit.build_root(cache)
     assert home.parent == cache / "cuda-homes"
     assert (home / "lib" / "libcudart.so").resolve() == pip_root / "lib" / "libcudart.so.13"
-    assert (home / "lib" / "libcublas.so.13").resolve() == pip_root / "lib" / "libcublas.so.13"
-    assert (home / "bin" / "nvcc").resolve() == pip_root / "bin" / "nvcc"
+    assert (home / "lib64" / "libcublas.so.13").resolve() == pip_root / "lib" / "libcublas.so.13"
+    arch = f"targets/{cuda_env.TARGET_ARCH.get(cuda_env.platform.machine(), cuda_env.platform.machine())}-linux"
+    assert (home / arch / "include" / "cuda_runtime_api.h").resolve() == pip_root / "include" / "cuda_runtime_api.h"
+    assert (home / arch / "lib" / "libcudart.so").exists()
+    for own in ("nvcc", "nvcc.profile"):  # real files, so nvcc's _HERE_ is the assembled bin/
+        assert not (home / "bin" / own).is_symlink() and (home / "bin" / own).read_bytes() == \
+            (pip_root / "bin" / own).read_bytes()
+    assert (home / "bin" / "ptxas").resolve() == pip_root / "bin" / "ptxas"
+    assert (home / "nvvm" / "bin" / "cicc").resolve() == pip_root / "nvvm" / "bin" / "cicc"
     assert cuda_env.toolkit_at(home, "assembled").cudart.name == "libcudart.so"
     assert toolkit.build_root(cache) == home
     assert [p.name for p in (cache / "cuda-homes").iterdir()] == [home.name]  # no staging left behind
