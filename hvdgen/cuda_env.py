@@ -36,6 +36,8 @@ TOOLKIT_VARIABLES = ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")
 LIB_SUBDIRS = ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib")
 # nvcc's name for the machine in targets/<name>-linux.
 TARGET_ARCH = {"x86_64": "x86_64", "aarch64": "sbsa"}
+# pip's wheels that make a CUDA 13+ compiler beside torch's runtime, in nvidia/cuNN (checked to build Horovod).
+PIP_CUDA_COMPILER = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl")
 # nvcc finds its profile, and the profile finds the toolkit, from where the nvcc binary really lies.
 NVCC_OWN_FILES = ("nvcc", "nvcc.profile")
 
@@ -203,7 +205,7 @@ def find_toolkit(cuda_version: str, env: Mapping[str, str] = os.environ, sites: 
     report, not to route around). Otherwise the first toolkit whose major version matches torch's:
     nvcc on PATH, pip's nvidia/cuNN (once nvidia-cuda-nvcc is installed), then /usr/local/cuda.
     """
-    install = f"install the CUDA {_major(cuda_version)} toolkit (nvcc) and set CUDA_HOME to it"
+    install = toolkit_install_hint(cuda_version)
     for name in TOOLKIT_VARIABLES:
         if env.get(name):
             root = Path(env[name])
@@ -226,6 +228,14 @@ def find_toolkit(cuda_version: str, env: Mapping[str, str] = os.environ, sites: 
                               install)
     raise GpuBuildBlocked(f"torch was built for CUDA {cuda_version} but no CUDA compiler was found "
                           "(CUDA_HOME, CUDA_PATH, nvcc on PATH, pip's nvidia wheels, /usr/local/cuda)", install)
+
+
+def toolkit_install_hint(cuda_version: str) -> str:
+    """How to get a compiler for torch's CUDA: the toolkit, or (CUDA 13 on) pip's compiler wheels."""
+    hint = f"install the CUDA {_major(cuda_version)} toolkit (nvcc) and set CUDA_HOME to it"
+    if _major(cuda_version).isdigit() and int(_major(cuda_version)) >= 13:
+        hint += ", or pip install " + " ".join(f"{name}=={cuda_version}.*" for name in PIP_CUDA_COMPILER)
+    return hint
 
 
 def _toolkit_candidates(env: Mapping[str, str], sites: Sequence[Path],

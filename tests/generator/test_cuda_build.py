@@ -201,7 +201,6 @@ def test_horovods_cmake_finds_the_toolkit_behind_a_wrapper_and_pips_nccl_once_to
     assert f"library: {tmp_path / 'cache'}/nccl-homes/nccl2.29.7-" in told
 
 
-PIP_CUDA_COMPILER = ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-cccl")
 KERNEL = """\
 #include <cuda_runtime.h>
 __global__ void scale(float* x, float a, int n) { int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] *= a; }
@@ -220,7 +219,7 @@ def test_pips_cuda_compiler_wheels_are_a_toolkit_for_nvcc_and_horovods_cmake(cud
     marker = cuda_venv / f".hvdgen-pip-nvcc-{major}"
     if not marker.exists():  # ~150 MB, once per cached venv
         subprocess.run([python, "-m", "pip", "install", "--quiet",
-                        *(f"{name}=={torch_cuda}.*" for name in PIP_CUDA_COMPILER)], check=True, timeout=1800)
+                        *(f"{name}=={torch_cuda}.*" for name in cuda_env.PIP_CUDA_COMPILER)], check=True, timeout=1800)
         marker.write_text("")
     cache = tmp_path / "cache"
     clean_path = f"{cuda_venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"

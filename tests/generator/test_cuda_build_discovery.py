@@ -117,6 +117,12 @@ def test_no_toolkit_anywhere_names_every_place_looked(tmp_path):
     assert "torch was built for CUDA 13.0 but no CUDA compiler was found" in message
     assert all(place in message for place in ("CUDA_HOME", "nvcc on PATH", "/usr/local/cuda"))
     assert "\n" not in message
+    assert info.value.install == ("install the CUDA 13 toolkit (nvcc) and set CUDA_HOME to it, or pip install "
+                                  "nvidia-cuda-nvcc==13.0.* nvidia-cuda-crt==13.0.* nvidia-nvvm==13.0.* "
+                                  "nvidia-cuda-cccl==13.0.*")
+    with pytest.raises(GpuBuildBlocked) as info:  # CUDA 12's wheels have another layout: only the toolkit
+        find_toolkit("12.8", {"PATH": str(tmp_path)}, default_roots=no_defaults(tmp_path))
+    assert info.value.install == "install the CUDA 12 toolkit (nvcc) and set CUDA_HOME to it"
 
 
 def test_pips_cuda_wheels_with_nvcc_get_a_toolkit_layout_in_the_cache(tmp_path):
