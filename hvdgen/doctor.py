@@ -82,10 +82,9 @@ def build_mismatches(torch_cuda: str | None, tensor_ops: dict[str, bool]) -> lis
     nccl = tensor_ops.get("NCCL", False)
     if torch_cuda and not nccl:
         return [f"torch is a CUDA {torch_cuda} build but horovod has no NCCL ops, so GPU tensors are reduced "
-                "through host memory: rebuild with hvdgen install-horovod --force (needs the toolchain above)"]
+                "through host memory: hvdgen install-horovod builds (or reinstalls) one with NCCL"]
     if nccl and not torch_cuda:
-        return ["horovod has NCCL ops but torch is a CPU build: rebuild for this torch with "
-                "hvdgen install-horovod --force"]
+        return ["horovod has NCCL ops but torch is a CPU build: hvdgen install-horovod builds one for this torch"]
     return []
 
 
