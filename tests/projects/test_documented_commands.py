@@ -7,6 +7,7 @@ epoch without tracking, which has tests of its own, so the run is short); each o
 named with its reason, and an unknown kind of command fails the test, so new documentation cannot
 slip past it.
 
+`make ui` serves the project's MLflow store and nothing else, so it runs in the first shape only.
 Commands that only add options whose handling does not depend on the strategy (your own data,
 config overrides: data.py and hvd_runtime.config are the same in every shape) run once per
 framework, in the data-parallel shape; the other shapes must show them as exactly the launch line
@@ -137,20 +138,20 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
                          capture_output=True, text=True, check=True).stdout.strip()
     assert dry == cpu_launch, f"make train runs {dry!r}, the README shows {cpu_launch!r}"
     ran, skipped = [cpu_launch], {}
-    for command in commands:
+    for command in dict.fromkeys(expand(c, cpu_launch) for c in commands):  # each once, as it runs
         if command == cpu_launch:
             continue
         reason = next((why for pattern, why in NOT_HERE if re.search(pattern, command)), None)
         if reason:
             skipped[command] = reason
             continue
-        command = expand(command, cpu_launch)
         options = command.removeprefix(cpu_launch)
         if strategy != "data" and options != command and options.startswith(" --"):
             ran.append(command)  # the launch line this shape runs anyway, plus shape-independent options
             continue
         if command == "make ui":
-            run_ui(command, project, env)
+            if (framework, strategy, extra) == SHAPES[0]:  # serves the MLflow store: the same in every shape
+                run_ui(command, project, env)
         elif re.match(r"(horovodrun|make|hvdgen) ", command):
             if "--data.source" in command:  # other data is a new training: a user's checkpoints would not fit it
                 shutil.rmtree(project / "checkpoints", ignore_errors=True)
@@ -159,6 +160,8 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
             proc = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True,
                                   timeout=600)
             assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            if "--data.source" in command:  # its checkpoints belong to that data, not to the next command's
+                shutil.rmtree(project / "checkpoints", ignore_errors=True)
         else:
             pytest.fail(f"the project documents a command this test does not know how to run: {command}")
         ran.append(command)
