@@ -34,6 +34,8 @@ DEFAULT_TOOLKIT_ROOTS = (Path("/usr/local/cuda"),)
 TOOLKIT_VARIABLES = ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")
 # Library folders inside a toolkit, NCCL home or pip wheel, in the order CUDA's own layouts use them.
 LIB_SUBDIRS = ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib")
+# pip's NCCL as seen from Horovod's libraries: both lie in site-packages, at horovod/<framework>/ and nvidia/nccl/lib.
+PIP_NCCL_RUNPATH = "$ORIGIN/../../nvidia/nccl/lib"
 # nvcc's name for the machine in targets/<name>-linux.
 TARGET_ARCH = {"x86_64": "x86_64", "aarch64": "sbsa"}
 # pip's wheels that make a CUDA 13+ compiler beside torch's runtime, in nvidia/cuNN (checked to build Horovod).
@@ -99,14 +101,16 @@ class Nccl:
     library: Path
     version: str  # "2.29.7", from nccl.h
     found_by: str
+    runpath: str | None = None  # where Horovod's installed libraries find this NCCL, relative to themselves
 
     def build_env(self, cache: Path) -> dict[str, str]:
         """Horovod's HOROVOD_NCCL_* variables, assembling a home when only libnccl.so.N exists.
 
         Horovod's FindNCCL asks the linker for `libnccl.so`; pip's wheel has only `libnccl.so.2`.
         The assembled home links `include/` and `lib/libnccl.so` to pip's files. The built library
-        records the soname libnccl.so.2, which torch has already loaded from its wheel by the time
-        Horovod's ops load, so one NCCL serves both.
+        needs libnccl.so.2 at run time: torch has loaded it from its wheel before horovod.torch
+        loads, but TensorFlow has not, so pip's NCCL also goes on the libraries' RUNPATH, relative
+        to where they are installed (LDFLAGS, which CMake reads at configure time).
         """
         if self.library.name == "libnccl.so":
             home, include, lib = self.include.parent, self.include, self.library.parent
@@ -114,8 +118,11 @@ class Nccl:
             home = assembled_home(cache / "nccl-homes", f"nccl{self.version}",
                                   {"include": self.include, "lib/libnccl.so": self.library})
             include, lib = home / "include", home / "lib"
-        return {"HOROVOD_NCCL_HOME": str(home), "HOROVOD_NCCL_INCLUDE": str(include),
-                "HOROVOD_NCCL_LIB": str(lib), "HOROVOD_NCCL_LINK": "SHARED"}
+        env = {"HOROVOD_NCCL_HOME": str(home), "HOROVOD_NCCL_INCLUDE": str(include),
+               "HOROVOD_NCCL_LIB": str(lib), "HOROVOD_NCCL_LINK": "SHARED"}
+        if self.runpath:
+            env["LDFLAGS"] = f"-Wl,-rpath,{self.runpath}"
+        return env
 
 
 def header_define(header: Path, name: str) -> int | None:
@@ -269,14 +276,15 @@ def find_nccl(env: Mapping[str, str] = os.environ, sites: Sequence[Path] = (),
                                   "point it at a folder with include/nccl.h and lib/libnccl.so, or unset it to use "
                                   "pip's nvidia-nccl wheel")
         return Nccl(include=include, library=library, version=version, found_by=found_by)
-    roots = [(site / "nvidia" / "nccl", "pip's nvidia-nccl wheel") for site in sites]
-    roots += [(toolkit.root, f"the CUDA toolkit at {toolkit.root}")] if toolkit else []
-    roots += [(root, str(root)) for root in system_roots]
-    for root, found_by in roots:
+    roots = [(site / "nvidia" / "nccl", "pip's nvidia-nccl wheel", PIP_NCCL_RUNPATH) for site in sites]
+    roots += [(toolkit.root, f"the CUDA toolkit at {toolkit.root}", None)] if toolkit else []
+    roots += [(root, str(root), None) for root in system_roots]
+    for root, found_by, runpath in roots:
         version = nccl_header_version(root / "include")
         library = find_library(root, "libnccl")
         if version and library:
-            return Nccl(include=root / "include", library=library, version=version, found_by=found_by)
+            return Nccl(include=root / "include", library=library, version=version, found_by=found_by,
+                        runpath=runpath)
     raise GpuBuildBlocked("torch is a CUDA build but no NCCL was found (HOROVOD_NCCL_HOME, pip's nvidia-nccl "
                           "wheel, the CUDA toolkit, /usr)", install)
 

@@ -10,7 +10,9 @@ it was not built for (that fails with a version mismatch at import).
 A CUDA build of torch gets NCCL ops, compiled against the toolkit and NCCL that `cuda_env` finds
 (pip's NCCL wheel included). When either is missing the command stops before downloading
 anything, with one line naming what is missing and the two ways on: install it, or
-`--cpu-only`. A CPU-only build on a CUDA torch has its own cache key.
+`--cpu-only`. A CPU-only build on a CUDA torch has its own cache key. TensorFlow beside a CUDA
+torch is refused the same way: Horovod compiles GPU ops for all frameworks or none, and its
+TensorFlow GPU ops no longer link against TF 2.21 (checked: the build succeeds, the import fails).
 
 Some of TensorFlow's pip headers include `highwayhash/arch_specific.h` and `farmhash.h` without
 putting them on its include path (through the XLA headers; with xla_mpi_ops.cc left out, TF
@@ -149,6 +151,12 @@ def detect_target(cpu_only: bool = False) -> tuple[BuildTarget, GpuBuild | None]
         return target, None
     if cpu_only:
         return replace(target, cpu_only=True), None
+    if tensorflow:
+        raise HvdgenError(f"TensorFlow {tensorflow} is installed beside a CUDA build of torch, and Horovod "
+                          f"{HOROVOD_VERSION} builds its NCCL ops for every framework at once, and its TensorFlow GPU "
+                          "ops do not load with current TensorFlow (checked with 2.21: "
+                          "stream_executor::gpu::AsGpuStreamValue is gone): build NCCL in a venv without "
+                          f"TensorFlow, {CPU_ONLY_WAY}")
     try:
         gpu = find_gpu_build(cuda)
     except GpuBuildBlocked as blocked:
@@ -231,10 +239,18 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
-def imports_cleanly(target: BuildTarget) -> bool:
+def import_error(target: BuildTarget) -> str | None:
+    """The last line of the error importing Horovod for each built framework, None if all import."""
     modules = [m for m, v in (("horovod.torch", target.torch), ("horovod.tensorflow", target.tensorflow)) if v]
     code = "; ".join(f"import {m}" for m in modules)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if probe.returncode == 0:
+        return None
+    return (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+
+
+def imports_cleanly(target: BuildTarget) -> bool:
+    return import_error(target) is None
 
 
 def apply_patches(source: Path) -> None:
@@ -288,7 +304,8 @@ def build_environment(target: BuildTarget, jobs: int, include_dirs: list[Path] =
     env["HOROVOD_WITH_PYTORCH" if target.torch else "HOROVOD_WITHOUT_PYTORCH"] = "1"
     env["HOROVOD_WITH_TENSORFLOW" if target.tensorflow else "HOROVOD_WITHOUT_TENSORFLOW"] = "1"
     env["HOROVOD_WITH_MPI" if target.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
-    env.update(gpu_env or {})
+    for name, value in (gpu_env or {}).items():  # the user's own linker flags stay, ours go after them
+        env[name] = f"{env[name]} {value}" if name == "LDFLAGS" and env.get(name) else value
     return env
 
 
@@ -376,7 +393,10 @@ def install_horovod(jobs: int, force: bool, cpu_only: bool = False) -> Path:
         click.echo(f"using cached wheel {wheel}")
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", str(wheel)],
                    check=True)
-    if not imports_cleanly(target):
-        raise HvdgenError(f"horovod from {wheel} does not import; rebuild it: hvdgen install-horovod --force")
+    error = import_error(target)
+    if error is not None:
+        shutil.rmtree(wheel.parent, ignore_errors=True)  # never offer a wheel that does not import again
+        raise HvdgenError(f"horovod from {wheel} does not import ({error}); it is removed from the cache: "
+                          "rerun hvdgen install-horovod to rebuild it, and report this error if it persists")
     click.echo(f"installed horovod {HOROVOD_VERSION} for {', '.join(target.frameworks)} from {wheel}")
     return wheel

@@ -119,6 +119,12 @@ def test_cuda_torch_gets_horovod_with_nccl_from_pips_wheel(cuda_venv):
     assert build["Tensor Operations"]["NCCL"] is True, check.stdout + check.stderr
     assert build["Frameworks"]["PyTorch"] is True and build["Controllers"]["Gloo"] is True
 
+    readelf = shutil.which("readelf")
+    if readelf:  # horovod.tensorflow loads without torch having loaded pip's NCCL first: it must find it itself
+        libs = list((cuda_venv / "lib").glob("python*/site-packages/horovod/torch/mpi_lib_v2*.so"))
+        dynamic = subprocess.run([readelf, "-d", str(libs[0])], capture_output=True, text=True, check=True).stdout
+        assert "libnccl.so.2" in dynamic and "$ORIGIN/../../nvidia/nccl/lib" in dynamic, dynamic
+
     doctor = subprocess.run([python, "-m", "hvdgen", "doctor"], capture_output=True, text=True,
                             env=hvdgen_env(cuda_venv), timeout=300)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr

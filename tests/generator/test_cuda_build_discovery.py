@@ -175,6 +175,8 @@ def test_pips_nccl_wheel_gets_a_home_with_the_unversioned_library(tmp_path):
     assert (home / "include" / "nccl.h").resolve() == pip_nccl / "include" / "nccl.h"
     assert env["HOROVOD_NCCL_INCLUDE"] == str(home / "include") and env["HOROVOD_NCCL_LIB"] == str(home / "lib")
     assert env["HOROVOD_NCCL_LINK"] == "SHARED"
+    # TensorFlow does not load pip's NCCL before Horovod's library: the library finds it beside itself
+    assert env["LDFLAGS"] == "-Wl,-rpath,$ORIGIN/../../nvidia/nccl/lib"
 
 
 def test_another_venvs_nccl_gets_its_own_home(tmp_path):
@@ -190,6 +192,7 @@ def test_nccl_from_the_toolkit_then_the_system_with_debians_multiarch_folder(tmp
     assert nccl.found_by == f"the CUDA toolkit at {tmp_path / 'cuda'}"
     env = nccl.build_env(tmp_path / "cache")
     assert env["HOROVOD_NCCL_LIB"] == str(tmp_path / "cuda" / "lib64") and not (tmp_path / "cache").exists()
+    assert "LDFLAGS" not in env  # CMake's build RUNPATH already names the toolkit's folder
     multiarch = cuda_env.sysconfig.get_config_var("MULTIARCH")
     if multiarch:
         system = make_nccl(tmp_path / "usr", library=f"lib/{multiarch}/libnccl.so", version=(2, 21, 5))

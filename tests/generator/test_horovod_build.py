@@ -62,6 +62,28 @@ def test_build_environment_selects_frameworks_and_controllers(monkeypatch):
     assert "HOROVOD_GPU_OPERATIONS" not in env
 
 
+def test_tensorflow_beside_a_cuda_torch_is_refused_before_the_build_unless_cpu_only(monkeypatch):
+    versions = {"torch": "2.13.0", "tensorflow": "2.21.0"}
+    monkeypatch.setattr(horovod_build, "_dist_version", versions.get)
+    monkeypatch.setattr(horovod_build, "torch_cuda_version", lambda: "13.0")
+    with pytest.raises(HvdgenError) as info:
+        horovod_build.detect_target()
+    message = info.value.message
+    assert "TensorFlow 2.21.0 is installed beside a CUDA build of torch" in message and "\n" not in message
+    assert message.endswith("or build without GPU ops: hvdgen install-horovod --cpu-only")
+    target, gpu = horovod_build.detect_target(cpu_only=True)
+    assert gpu is None and target.cpu_only and "_tf2.21.0_gloo" in target.key and target.key.endswith("_cpu-only")
+
+
+def test_gpu_linker_flags_follow_the_users_own(monkeypatch):
+    monkeypatch.setenv("LDFLAGS", "-L/opt/mine")
+    target = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow=None, mpi=False, cuda="13.0",
+                                       nccl="2.29.7")
+    env = horovod_build.build_environment(target, jobs=1, gpu_env={"LDFLAGS": "-Wl,-rpath,$ORIGIN/x",
+                                                                   "HOROVOD_GPU_OPERATIONS": "NCCL"})
+    assert env["LDFLAGS"] == "-L/opt/mine -Wl,-rpath,$ORIGIN/x" and env["HOROVOD_GPU_OPERATIONS"] == "NCCL"
+
+
 def test_failure_explains_the_likely_fix(tmp_path):
     log = tmp_path / "build.log"
     log.write_text("compiling\n" * 50 + "fatal error: highwayhash/arch_specific.h: No such file or directory\n")
