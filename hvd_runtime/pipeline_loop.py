@@ -54,11 +54,16 @@ def evaluate_pipeline(engine, batches) -> dict[str, float]:
 
 
 def close_timeline(engine, run_dir: Path, is_root: bool) -> dict | None:
-    """Every rank calls: gather the timelines; rank 0 draws them and returns the bubble against theory."""
+    """Every rank calls: gather the timelines; rank 0 draws them and returns the bubble against theory.
+
+    None on other ranks, and when this run trained no step (a restart after the last epoch).
+    """
     engine.save_timeline(run_dir)
     if not is_root:
         return None
     timeline = load_timeline(run_dir)
+    if not timeline.steps:
+        return None
     stages, m = engine.dims.stages, engine.micro_batches
     return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),
             "bubble_measured": measured_bubble(timeline), "bubble_theory": (stages - 1) / (m + stages - 1)}

@@ -8,6 +8,7 @@ named with its reason, and an unknown kind of command fails the test, so new doc
 slip past it.
 
 `make ui` serves the project's MLflow store and nothing else, so it runs in the first shape only.
+A one-node GPU line needs its GPUs; its rank count is held to the runtime's placement rules.
 Commands that only add options whose handling does not depend on the strategy (your own data,
 config overrides: data.py and hvd_runtime.config are the same in every shape) run once per
 framework, in the data-parallel shape; the other shapes must show them as exactly the launch line
@@ -74,6 +75,26 @@ def documented_commands(project: Path) -> list[str]:
     targets = re.findall(r"^([a-z]+):.*## ", (project / "Makefile").read_text(), re.M)
     commands += [f"make {target}" for target in targets]
     return list(dict.fromkeys(commands))  # each once, in order
+
+
+GPU_NODE_LINE = re.compile(r"horovodrun -np (\d+) -H localhost:\1 python train\.py$")
+
+
+def gpu_node_fits(command: str, strategy: str, stages: int) -> bool:
+    """A one-node GPU line (`horovodrun -np N -H localhost:N python train.py  # one node, G GPUs`)
+    needs G GPUs to run; here it is held to the rules the runtime applies at start-up instead:
+    a pipeline's ranks are a multiple of its stages, and model-split's ranks each find their
+    stages' GPUs on the node (hvd_runtime.devices.stage_gpus)."""
+    from hvd_runtime.devices import stage_gpus
+
+    ranks = int(GPU_NODE_LINE.match(command).group(1))
+    gpus = ranks * (stages if strategy == "model-split" else 1)
+    if strategy == "pipeline":
+        return ranks % stages == 0
+    if strategy == "model-split":
+        return all(stage_gpus(stages, rank, ranks, gpus) for rank in range(ranks))
+    return True
+
 
 
 def expand(command: str, cpu_launch: str) -> str:
@@ -148,6 +169,11 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
         options = command.removeprefix(cpu_launch)
         if strategy != "data" and options != command and options.startswith(" --"):
             ran.append(command)  # the launch line this shape runs anyway, plus shape-independent options
+            continue
+        if GPU_NODE_LINE.match(command):  # one GPU per rank (model-split: per stage): not on this machine
+            stages = 2 if "--stages" not in extra else int(extra[extra.index("--stages") + 1])
+            assert gpu_node_fits(command, strategy, stages), command
+            skipped[command] = "GPUs: checked against the runtime's placement rules"
             continue
         if command == "make ui":
             if (framework, strategy, extra) == SHAPES[0]:  # serves the MLflow store: the same in every shape
