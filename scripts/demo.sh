@@ -3,6 +3,10 @@
 # the CPU under horovodrun, tracked in the project's embedded MLflow store.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# torch only by default: on Python 3.12+ pip's torch is a CUDA build, and Horovod's TensorFlow GPU
+# ops no longer load beside it (TF 2.21), so install-horovod refuses that pair. On 3.11 the test
+# command's torch+TensorFlow wheel also serves this torch-only environment when it is built first.
+export HVDGEN_FRAMEWORKS="${HVDGEN_FRAMEWORKS:-torch}"
 source "$ROOT/scripts/setup.sh"
 
 cd "$ROOT"
