@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from hvdgen.cuda_env import GpuBuildBlocked, find_gpu_build, torch_cuda_version
-from hvdgen.horovod_build import installed_wheel_url
+from hvdgen.horovod_build import NCCL_WITH_TENSORFLOW, installed_wheel_url
 
 
 def parse_check_build(text: str) -> dict[str, dict[str, bool]]:
@@ -67,8 +67,10 @@ def _enabled(section: dict[str, bool]) -> str:
     return ", ".join(name for name, on in section.items() if on) or "none"
 
 
-def _gpu_toolchain(cuda: str) -> str:
-    """What a rebuild with NCCL ops would compile against, or what it lacks."""
+def _gpu_toolchain(cuda: str, tensorflow: str | None) -> str:
+    """What a rebuild with NCCL ops would compile against, or why there can be none."""
+    if tensorflow:
+        return f"none beside TensorFlow: {NCCL_WITH_TENSORFLOW}"
     try:
         gpu = find_gpu_build(cuda)
     except GpuBuildBlocked as blocked:
@@ -77,12 +79,14 @@ def _gpu_toolchain(cuda: str) -> str:
             f"NCCL {gpu.nccl.version} ({gpu.nccl.found_by})")
 
 
-def build_mismatches(torch_cuda: str | None, tensor_ops: dict[str, bool]) -> list[str]:
+def build_mismatches(torch_cuda: str | None, tensor_ops: dict[str, bool], tensorflow: str | None = None) -> list[str]:
     """Warnings for a Horovod whose GPU ops do not fit the installed torch (CPU or CUDA build)."""
     nccl = tensor_ops.get("NCCL", False)
     if torch_cuda and not nccl:
+        way = ("NCCL ops need a venv without TensorFlow (see gpu build above)" if tensorflow
+               else "hvdgen install-horovod builds (or reinstalls) one with NCCL")
         return [f"torch is a CUDA {torch_cuda} build but horovod has no NCCL ops, so GPU tensors are reduced "
-                "through host memory: hvdgen install-horovod builds (or reinstalls) one with NCCL"]
+                f"through host memory: {way}"]
     if nccl and not torch_cuda:
         return ["horovod has NCCL ops but torch is a CPU build: hvdgen install-horovod builds one for this torch"]
     return []
@@ -98,7 +102,7 @@ def run_doctor() -> int:
     if torch:
         click.echo(f"torch        {torch} ({f'CUDA {torch_cuda}' if torch_cuda else 'CPU'} build)")
         if torch_cuda:
-            click.echo(f"  gpu build    {_gpu_toolchain(torch_cuda)}")
+            click.echo(f"  gpu build    {_gpu_toolchain(torch_cuda, tf)}")
     else:
         click.echo("torch        not installed")
     click.echo(f"tensorflow   {tf or 'not installed'}")
@@ -121,7 +125,7 @@ def run_doctor() -> int:
         if wheel:
             click.echo(f"  wheel        {wheel}")
         if torch:
-            warnings += build_mismatches(torch_cuda, build.get("Tensor Operations", {}))
+            warnings += build_mismatches(torch_cuda, build.get("Tensor Operations", {}), tf)
         for name, installed in (("PyTorch", torch), ("TensorFlow", tf)):
             if installed and not frameworks.get(name):
                 problems.append(f"horovod was built without {name} support although {name} is installed: "

@@ -131,6 +131,10 @@ def _dist_version(name: str) -> str | None:
 
 
 CPU_ONLY_WAY = "or build without GPU ops: hvdgen install-horovod --cpu-only"
+# Why a CUDA torch gets no NCCL ops while TensorFlow is installed (doctor says it too).
+NCCL_WITH_TENSORFLOW = (f"Horovod {HOROVOD_VERSION} builds NCCL ops for every framework at once, and its TensorFlow "
+                        "GPU ops do not load with current TensorFlow (checked with 2.21: "
+                        "stream_executor::gpu::AsGpuStreamValue is gone)")
 
 
 def detect_target(cpu_only: bool = False) -> tuple[BuildTarget, GpuBuild | None]:
@@ -152,11 +156,8 @@ def detect_target(cpu_only: bool = False) -> tuple[BuildTarget, GpuBuild | None]
     if cpu_only:
         return replace(target, cpu_only=True), None
     if tensorflow:
-        raise HvdgenError(f"TensorFlow {tensorflow} is installed beside a CUDA build of torch, and Horovod "
-                          f"{HOROVOD_VERSION} builds its NCCL ops for every framework at once, and its TensorFlow GPU "
-                          "ops do not load with current TensorFlow (checked with 2.21: "
-                          "stream_executor::gpu::AsGpuStreamValue is gone): build NCCL in a venv without "
-                          f"TensorFlow, {CPU_ONLY_WAY}")
+        raise HvdgenError(f"TensorFlow {tensorflow} is installed beside a CUDA build of torch: "
+                          f"{NCCL_WITH_TENSORFLOW}: build NCCL in a venv without TensorFlow, {CPU_ONLY_WAY}")
     try:
         gpu = find_gpu_build(cuda)
     except GpuBuildBlocked as blocked:

@@ -47,3 +47,8 @@ def test_nccl_horovod_with_a_cpu_torch_is_warned_about():
     [warning] = build_mismatches(None, _ops(CHECK_BUILD_NCCL))
     assert "horovod has NCCL ops but torch is a CPU build" in warning
     assert warning.endswith("hvdgen install-horovod builds one for this torch")
+
+
+def test_beside_tensorflow_the_warning_does_not_promise_an_nccl_rebuild():
+    [warning] = build_mismatches("13.0", _ops(CHECK_BUILD_CPU), tensorflow="2.21.0")
+    assert warning.endswith("NCCL ops need a venv without TensorFlow (see gpu build above)")
