@@ -49,3 +49,15 @@ def stage_gpus(stages: int, local_rank: int, local_size: int, visible_gpus: int)
         raise TooFewGpus(too_few_gpus_message(stages, local_size, visible_gpus))
     first = local_rank * stages
     return list(range(first, first + stages))
+
+
+def local_rank_and_size(horovod_module: str) -> tuple[int, int]:
+    """(local rank, local size) under Horovod (`horovod.torch` or `horovod.tensorflow`), else (0, 1):
+    workers on a host share its GPUs."""
+    import importlib
+
+    try:
+        hvd = importlib.import_module(horovod_module)
+    except ImportError:
+        return 0, 1
+    return (hvd.local_rank(), hvd.local_size()) if hvd.is_initialized() else (0, 1)

@@ -21,21 +21,10 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from hvd_runtime.devices import stage_gpus
+from hvd_runtime.devices import local_rank_and_size, stage_gpus
 from hvd_runtime.partition import Partition
 from hvd_runtime.tf.stage import build_stage, plan_stages
 
-
-def _local() -> tuple[int, int]:
-    """(local rank, local size) under Horovod, else (0, 1): workers on a host share its GPUs."""
-    try:
-        import horovod.tensorflow as hvd
-
-        if hvd.is_initialized():
-            return hvd.local_rank(), hvd.local_size()
-    except ImportError:
-        pass
-    return 0, 1
 
 
 def split_devices(stages: int, local_rank: int | None = None, local_size: int | None = None) -> list[str]:
@@ -47,7 +36,7 @@ def split_devices(stages: int, local_rank: int | None = None, local_size: int | 
     the GPUs this process still sees.
     """
     if local_rank is None or local_size is None:
-        local_rank, local_size = _local()
+        local_rank, local_size = local_rank_and_size("horovod.tensorflow")
     physical = tf.config.list_physical_devices("GPU")
     gpus = stage_gpus(stages, local_rank, local_size, len(physical))
     if gpus is not None:

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hvd_runtime.devices import stage_gpus
+from hvd_runtime.devices import local_rank_and_size, stage_gpus
 from hvd_runtime.partition import Partition
 from hvd_runtime.torch.stage import build_stage, plan_stages
 
@@ -36,17 +36,6 @@ def split_devices(stages: int, local_rank: int = 0, local_size: int = 1) -> list
     return [torch.device("cuda", g) for g in gpus]
 
 
-def _local() -> tuple[int, int]:
-    """(local rank, local size) under Horovod, else (0, 1): workers on a host share its GPUs."""
-    try:
-        import horovod.torch as hvd
-
-        if hvd.is_initialized():
-            return hvd.local_rank(), hvd.local_size()
-    except ImportError:
-        pass
-    return 0, 1
-
 
 class ModelSplit(nn.Module):
     """The model's blocks in `stages` groups, each on its device; forward moves activations along."""
@@ -58,7 +47,7 @@ class ModelSplit(nn.Module):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         plan = plan_stages(model, stages, partition, sample)
-        devices = [torch.device(d) for d in devices] if devices is not None else split_devices(stages, *_local())
+        devices = [torch.device(d) for d in devices] if devices is not None else split_devices(stages, *local_rank_and_size("horovod.torch"))
         if len(devices) != stages:
             raise ValueError(f"got {len(devices)} devices for {stages} stages: give one device per stage")
         self.plan, self.devices, self.micro_batches = plan, devices, micro_batches
