@@ -163,6 +163,9 @@ class PipelineEngine(PipelineEngineBase):
         self._grads = [None] * len(self.variables)
 
     def _finish_step(self):
+        if not self.variables:  # a weight-free stage (a lone flatten): nothing to average or update
+            self._grads = []
+            return
         grads = [g if g is not None else tf.zeros_like(v) for g, v in zip(self._grads, self.variables)]
         if self.dims.dp_set is not None:
             # Horovod: average this stage's gradients over its dp replicas only

@@ -65,7 +65,7 @@ def docstring_commands(train_py: str) -> list[str]:
     doc = ast.get_docstring(ast.parse(train_py)) or ""
     lines = doc.replace("\\\n", " ").splitlines()
     return [re.sub(r"\s+", " ", re.sub(r"\s+#.*$", "", line)).strip() for line in lines
-            if line.strip().startswith("horovodrun")]
+            if re.match(r'(\w+=("[^"]*"|\S+) +)*horovodrun ', line.strip())]  # with its environment, if any
 
 
 def documented_commands(project: Path) -> list[str]:

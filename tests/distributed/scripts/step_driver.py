@@ -27,7 +27,7 @@ def parse_args(pipeline: bool) -> argparse.Namespace:
         ap.add_argument("--run-dir", default=None)
         ap.add_argument("--hvd-init-first", action="store_true", help="torch only: hvd.init() before init_pipeline")
         ap.add_argument("--flatten-first", action="store_true",
-                        help="torch only: the model starts with a weight-free block (nn.Flatten)")
+                        help="the model starts with a weight-free block (a flatten)")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if pipeline and args.partition not in ("params", "time"):

@@ -27,10 +27,11 @@ BLOCKS = [f"b{i}" for i in range(7)]
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def make_model(seed: int = 1234) -> keras.Sequential:
-    """Seven blocks: Dense and tanh in turn, named b0..b6."""
+def make_model(seed: int = 1234, flatten_first: bool = False) -> keras.Sequential:
+    """Seven blocks: Dense and tanh in turn, named b0..b6; with flatten_first, a weight-free
+    Flatten named "flat" before them (a stage may hold only it)."""
     keras.utils.set_random_seed(seed)
-    layers = [keras.Input((FEATURES,))]
+    layers = [keras.Input((FEATURES,)), *([keras.layers.Flatten(name="flat")] if flatten_first else [])]
     for i in range(7):
         if i % 2:
             layers.append(keras.layers.Activation("tanh", name=f"b{i}"))
@@ -52,9 +53,9 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def reference(xs, ys, x_val, y_val):
+def reference(xs, ys, x_val, y_val, flatten_first: bool = False):
     """The unsplit model trained in this process: losses, accuracies, val loss, updates."""
-    ref = make_model()
+    ref = make_model(flatten_first=flatten_first)
     before = {k: v.numpy().copy() for k, v in named_variables(ref.layers).items()}
     opt = keras.optimizers.SGD(0.5)
     losses, accs = [], []
@@ -80,16 +81,17 @@ def main():
     ys = [rng.integers(0, CLASSES, global_batch) for _ in range(args.steps)]
     x_val = rng.standard_normal((3 * global_batch, FEATURES)).astype("float32")
     y_val = rng.integers(0, CLASSES, 3 * global_batch)
-    ref_losses, ref_accs, ref_val, ref_updates = reference(xs, ys, x_val, y_val)
+    ref_losses, ref_accs, ref_val, ref_updates = reference(xs, ys, x_val, y_val, args.flatten_first)
 
-    model = make_model(seed=1234 + 1000 * dims.replica)   # replica 0's copy must win
+    model = make_model(seed=1234 + 1000 * dims.replica, flatten_first=args.flatten_first)  # replica 0's must win
     stage = build_stage(model, dims, partition=args.partition, sample=xs[0][:args.batch])
     before = {k: v.numpy().copy() for k, v in named_variables(stage.layers).items()}
     engine = PipelineEngine(stage, dims, LOSS, keras.optimizers.SGD(0.5), schedule=args.schedule,
                             micro_batches=args.micro_batches, metrics_fn=accuracy, timeline=args.run_dir is not None)
     if dims.replica:
         # what replica 0 started from: the engine broadcast it over this stage's replicas
-        before = {k: v.numpy().copy() for k, v in named_variables(make_model().layers).items() if k in before}
+        before = {k: v.numpy().copy() for k, v in named_variables(make_model(flatten_first=args.flatten_first).layers).items()
+                  if k in before}
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 
     update_err = {k: rel(v.numpy() - before[k], ref_updates[k]) for k, v in named_variables(stage.layers).items()}
