@@ -52,7 +52,11 @@ def main() -> None:
 @click.option("--cpu-only", is_flag=True,
               help="Leave out GPU ops (NCCL) even for a CUDA build of torch, e.g. where no CUDA compiler or NCCL is "
                    "at hand; cached under its own key.")
-def install_horovod_cmd(jobs: int, force: bool, cpu_only: bool) -> None:
+@click.option("--cuda-arch", envvar="HVDGEN_CUDA_ARCH", metavar="CC[,CC...]",
+              help="Compile Horovod's CUDA kernels only for these compute capabilities, e.g. 90 (H100) or 80,90: "
+                   "minutes shorter than the default, every GPU the toolkit knows; cached under its own key. "
+                   "Also read from HVDGEN_CUDA_ARCH.")
+def install_horovod_cmd(jobs: int, force: bool, cpu_only: bool, cuda_arch: str | None) -> None:
     """Build Horovod for the installed frameworks (cached), then install it.
 
     A CUDA build of torch gets NCCL ops, compiled with the CUDA toolkit and NCCL found here
@@ -60,7 +64,7 @@ def install_horovod_cmd(jobs: int, force: bool, cpu_only: bool) -> None:
     """
     from hvdgen.horovod_build import install_horovod
 
-    install_horovod(jobs=jobs, force=force, cpu_only=cpu_only)
+    install_horovod(jobs=jobs, force=force, cpu_only=cpu_only, cuda_arch=cuda_arch)
 
 
 @main.command("list")

@@ -348,6 +348,16 @@ def find_gpu_build(cuda_version: str, env: Mapping[str, str] = os.environ,
     return GpuBuild(toolkit=toolkit, nccl=find_nccl(env, sites, toolkit))
 
 
+def compute_capabilities(nvcc: Path) -> list[int]:
+    """What this nvcc compiles kernels for (75, 80, ... as `nvcc --list-gpu-arch` names them); empty if
+    it cannot say."""
+    try:
+        listed = subprocess.run([str(nvcc), "--list-gpu-arch"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return sorted({int(cc) for cc in re.findall(r"compute_(\d+)", listed)})
+
+
 def torch_cuda_version() -> str | None:
     """The CUDA version the installed torch was built for ('13.0'), None for a CPU torch.
 

@@ -42,8 +42,8 @@ from pathlib import Path
 import click
 
 from hvdgen.errors import HvdgenError
-from hvdgen.cuda_env import (TOOLKIT_VARIABLES, GpuBuild, GpuBuildBlocked, find_gpu_build, find_toolkit,
-                             site_dirs, torch_cuda_version)
+from hvdgen.cuda_env import (TOOLKIT_VARIABLES, GpuBuild, GpuBuildBlocked, compute_capabilities, find_gpu_build,
+                             find_toolkit, site_dirs, torch_cuda_version)
 from hvdgen.horovod_patches import PATCHES, patches_digest
 from hvdgen.paths import cache_dir
 
@@ -92,7 +92,8 @@ class BuildTarget:
 
     `cuda` and `nccl` are the toolkit and NCCL versions the GPU ops are compiled against (None: no
     GPU ops); `cpu_only` marks a build that leaves them out of a CUDA torch on request, which must
-    not be mistaken for the NCCL wheel of the same torch.
+    not be mistaken for the NCCL wheel of the same torch. `cuda_arch` narrows Horovod's CUDA
+    kernels to these compute capabilities (empty: every one the toolkit knows, a wheel for any GPU).
     """
 
     python: str
@@ -102,6 +103,7 @@ class BuildTarget:
     cuda: str | None = None
     nccl: str | None = None
     cpu_only: bool = False
+    cuda_arch: tuple[int, ...] = ()
     patches: str = field(default_factory=patches_digest)
 
     @property
@@ -116,6 +118,8 @@ class BuildTarget:
             parts.append(f"nccl{self.nccl}")
         if self.cpu_only:
             parts.append("cpu-only")
+        if self.cuda_arch:
+            parts.append("sm" + "-".join(map(str, self.cuda_arch)))
         return "_".join(parts)
 
     @property
@@ -137,11 +141,27 @@ NCCL_WITH_TENSORFLOW = (f"Horovod {HOROVOD_VERSION} builds NCCL ops for every fr
                         "stream_executor::gpu::AsGpuStreamValue is gone)")
 
 
-def detect_target(cpu_only: bool = False) -> tuple[BuildTarget, GpuBuild | None]:
+def parse_cuda_arch(text: str, supported: list[int], cuda: str) -> tuple[int, ...]:
+    """'90' or '8.0,9.0' -> (80, 90), each one a compute capability this toolkit compiles for."""
+    try:
+        wanted = sorted({int(round(float(part) * 10)) if "." in part else int(part)
+                         for part in text.replace(" ", "").split(",") if part})
+    except ValueError:
+        wanted = []
+    unknown = [cc for cc in wanted if supported and cc not in supported]
+    if not wanted or unknown:
+        known = ", ".join(map(str, supported)) or "75, 80, 86, 89, 90, 100, 120"
+        raise HvdgenError(f"--cuda-arch {text}: CUDA {cuda}'s nvcc compiles for {known}: pick from those, "
+                          "comma-separated (e.g. 90 for H100, 80 for A100, 80,90 for both)")
+    return tuple(wanted)
+
+
+def detect_target(cpu_only: bool = False, cuda_arch: str | None = None) -> tuple[BuildTarget, GpuBuild | None]:
     """Read framework versions from package metadata (no framework import) and find the toolchain.
 
     A CUDA torch gets NCCL ops unless `cpu_only`; if its compiler or NCCL is missing this stops
     here, before anything is downloaded or built, with the one line GpuBuildBlocked composes.
+    `cuda_arch` (only for GPU ops) is checked against what the toolkit found compiles for.
     """
     torch = _dist_version("torch")
     tensorflow = _dist_version("tensorflow") or _dist_version("tensorflow-cpu")
@@ -151,6 +171,10 @@ def detect_target(cpu_only: bool = False) -> tuple[BuildTarget, GpuBuild | None]
     target = BuildTarget(python=f"{sys.version_info.major}{sys.version_info.minor}", torch=torch,
                          tensorflow=tensorflow, mpi=shutil.which("mpicxx") is not None)
     cuda = torch_cuda_version() if torch else None
+    if cuda_arch and (cuda is None or cpu_only):
+        why = "--cpu-only leaves GPU ops out" if cuda is not None else "torch is a CPU build"
+        raise HvdgenError(f"--cuda-arch {cuda_arch} selects GPUs for Horovod's CUDA kernels, but this build has none "
+                          f"({why}): drop --cuda-arch (and unset HVDGEN_CUDA_ARCH)")
     if cuda is None:
         return target, None
     if cpu_only:
@@ -162,7 +186,8 @@ def detect_target(cpu_only: bool = False) -> tuple[BuildTarget, GpuBuild | None]
         gpu = find_gpu_build(cuda)
     except GpuBuildBlocked as blocked:
         raise HvdgenError(f"{blocked}, {CPU_ONLY_WAY}") from None
-    return replace(target, cuda=gpu.toolkit.version, nccl=gpu.nccl.version), gpu
+    archs = parse_cuda_arch(cuda_arch, compute_capabilities(gpu.toolkit.nvcc), gpu.toolkit.version) if cuda_arch else ()
+    return replace(target, cuda=gpu.toolkit.version, nccl=gpu.nccl.version, cuda_arch=archs), gpu
 
 
 def wheel_cache_dir(target: BuildTarget) -> Path:
@@ -180,6 +205,8 @@ def cached_wheel(target: BuildTarget) -> Path | None:
     wheels = sorted(wheel_cache_dir(target).glob("horovod-*.whl"))
     if wheels:
         return wheels[-1]
+    if target.cuda_arch:  # kernels for every GPU include these
+        return cached_wheel(replace(target, cuda_arch=()))
     pattern = target.key
     if target.torch is None:
         pattern = pattern.replace("_torch-none_", "_torch*_")
@@ -305,6 +332,10 @@ def build_environment(target: BuildTarget, jobs: int, include_dirs: list[Path] =
     env["HOROVOD_WITH_PYTORCH" if target.torch else "HOROVOD_WITHOUT_PYTORCH"] = "1"
     env["HOROVOD_WITH_TENSORFLOW" if target.tensorflow else "HOROVOD_WITHOUT_TENSORFLOW"] = "1"
     env["HOROVOD_WITH_MPI" if target.mpi else "HOROVOD_WITHOUT_MPI"] = "1"
+    if target.cuda_arch:
+        env["HOROVOD_BUILD_CUDA_CC_LIST"] = ",".join(map(str, target.cuda_arch))
+    else:
+        env.pop("HOROVOD_BUILD_CUDA_CC_LIST", None)  # the key says every GPU: a stray variable must not narrow it
     for name, value in (gpu_env or {}).items():  # the user's own linker flags stay, ours go after them
         env[name] = f"{env[name]} {value}" if name == "LDFLAGS" and env.get(name) else value
     return env
@@ -382,8 +413,8 @@ def build_wheel(target: BuildTarget, jobs: int, gpu: GpuBuild | None = None) -> 
     return dest / wheel.name
 
 
-def install_horovod(jobs: int, force: bool, cpu_only: bool = False) -> Path:
-    target, gpu = detect_target(cpu_only)
+def install_horovod(jobs: int, force: bool, cpu_only: bool = False, cuda_arch: str | None = None) -> Path:
+    target, gpu = detect_target(cpu_only, cuda_arch)
     wheel = None if force else cached_wheel(target)
     if wheel and installed_wheel_url() == wheel.as_uri() and imports_cleanly(target):
         click.echo(f"horovod {HOROVOD_VERSION} is installed from the cached wheel {wheel}")

@@ -17,6 +17,11 @@ if ! { [ -x /usr/sbin/sshd ] && command -v ssh >/dev/null; }; then
     echo "note: openssh-server/openssh-client are missing and this user cannot apt-get them: the ssh tests will skip" >&2
   fi
 fi
+# root's sshd wants its privilege-separation directory, which systemd makes on a booted machine
+# (RuntimeDirectory=sshd) but nothing makes in a container.
+if [ "$(id -u)" -eq 0 ] && [ -x /usr/sbin/sshd ] && [ ! -d /run/sshd ]; then
+  install -d -m 0755 /run/sshd
+fi
 
 step "checking that Horovod was built for both frameworks"
 build="$(horovodrun --check-build 2>/dev/null)"

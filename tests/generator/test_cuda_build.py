@@ -21,6 +21,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,10 +109,19 @@ def test_cuda_torch_gets_horovod_with_nccl_from_pips_wheel(cuda_venv):
     assert read == torch_cuda  # read from torch/version.py without importing torch
 
     jobs = str(os.cpu_count() or 1)
-    install = subprocess.run([python, "-m", "hvdgen", "install-horovod", "--jobs", jobs], capture_output=True,
-                             text=True, env=hvdgen_env(cuda_venv), timeout=BUILD_TIMEOUT)
+    # One compute capability: the kernels for every GPU the toolkit knows are 24 nvcc passes, the
+    # longest part of the build; the default (no --cuda-arch) differs only in that list.
+    install = subprocess.run([python, "-m", "hvdgen", "install-horovod", "--jobs", jobs, "--cuda-arch", "9.0"],
+                             capture_output=True, text=True, env=hvdgen_env(cuda_venv), timeout=BUILD_TIMEOUT)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-6000:]
     assert f"_cuda{torch_cuda}_nccl" in install.stdout  # the cache key names CUDA and NCCL
+    built = re.search(r"\(key (\S+)\); log: (\S+)", install.stdout)
+    if built:  # built here: for sm_90 alone, under a key that says so
+        assert built.group(1).endswith("_sm90")
+        gencode = set(re.findall(r"-gencode arch=compute_(\d+)", Path(built.group(2)).read_text()))
+        assert gencode == {"90"}, gencode
+    else:  # a wheel for every GPU, sm_90 among them, was in the cache already
+        assert re.search(r"using cached wheel \S+_nccl[\d.]+/horovod-", install.stdout), install.stdout
 
     check = subprocess.run([str(cuda_venv / "bin" / "horovodrun"), "--check-build"], capture_output=True,
                            text=True, env=hvdgen_env(cuda_venv), timeout=300)
@@ -283,3 +293,20 @@ def test_cuda_torch_without_compiler_or_nccl_is_refused_in_one_line_before_any_b
     assert lines[0].endswith("or build without GPU ops: hvdgen install-horovod --cpu-only")
     assert not cache.exists()  # nothing downloaded, assembled or built
     assert _installed_horovod(cuda_venv) == before
+
+
+def test_cuda_arch_is_checked_against_what_the_toolkits_nvcc_compiles_for():
+    toolkit = next(filter(None, (cuda_env.toolkit_at(r, str(r)) for r in cuda_env.DEFAULT_TOOLKIT_ROOTS)), None)
+    if toolkit is None:
+        pytest.skip("Requires: a CUDA toolkit in /usr/local/cuda")
+    from hvdgen.errors import HvdgenError
+    from hvdgen.horovod_build import parse_cuda_arch
+
+    supported = cuda_env.compute_capabilities(toolkit.nvcc)
+    assert 90 in supported and 80 in supported, supported
+    assert parse_cuda_arch("9.0,80", supported, toolkit.version) == (80, 90)
+    for bad in ("95", "sm_90", ","):
+        with pytest.raises(HvdgenError) as info:
+            parse_cuda_arch(bad, supported, toolkit.version)
+        assert info.value.message.startswith(f"--cuda-arch {bad}: CUDA {toolkit.version}'s nvcc compiles for 75, 80")
+        assert "\n" not in info.value.message

@@ -150,3 +150,21 @@ def test_a_wheel_built_for_both_frameworks_serves_either_alone(tmp_path, monkeyp
     assert cached_wheel(BuildTarget(python="311", torch="2.12.0+cpu", tensorflow=None, mpi=False)) is None
     assert cached_wheel(BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=True)) is None
     assert cached_wheel(BuildTarget(python="312", torch="2.13.0+cpu", tensorflow=None, mpi=False)) is None
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_cuda_arch_on_a_cpu_torch_is_refused_in_one_line_leaving_horovod_alone(tmp_path, how):
+    from hvdgen.cuda_env import torch_cuda_version
+
+    if torch_cuda_version() is not None:
+        pytest.skip("Requires: a CPU build of torch in this environment")
+    before = horovod_build.installed_wheel_url()
+    args, extra = (["--cuda-arch", "90"], {}) if how == "option" else ([], {"HVDGEN_CUDA_ARCH": "90"})
+    proc = subprocess.run([str(BIN / "hvdgen"), "install-horovod", *args], capture_output=True, text=True,
+                          env=dict(os.environ, HVDGEN_CACHE_DIR=str(tmp_path / "cache"), **extra), timeout=120)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, lines
+    assert ("--cuda-arch 90 selects GPUs for Horovod's CUDA kernels, but this build has none (torch is a CPU build): "
+            "drop --cuda-arch") in lines[0]
+    assert not (tmp_path / "cache").exists()
+    assert horovod_build.installed_wheel_url() == before
