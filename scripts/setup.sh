@@ -26,7 +26,11 @@ SETUP_STARTED=$SECONDS
 step() { printf '\n==> [%4ds] %s\n' "$((SECONDS - SETUP_STARTED))" "$*"; }
 
 if [ ! -x "$VENV/bin/python" ]; then
-  step "creating virtualenv $VENV ($("$PYTHON" --version))"
+  if ! version="$("$PYTHON" --version 2>/dev/null)"; then
+    echo "PYTHON=$PYTHON does not run here (not installed, or a pyenv shim of a version not enabled): set PYTHON to an interpreter that runs, e.g. PYTHON=\$(pyenv prefix 3.12)/bin/python" >&2
+    exit 1
+  fi
+  step "creating virtualenv $VENV ($version)"
   "$PYTHON" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
