@@ -62,6 +62,16 @@ def test_build_environment_selects_frameworks_and_controllers(monkeypatch):
     assert "HOROVOD_GPU_OPERATIONS" not in env
 
 
+def test_cuda_arch_narrows_the_kernels_and_a_stray_variable_does_not(monkeypatch):
+    monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "75")  # the key would say every GPU; the wheel would not
+    gpu = dict(python="312", torch="2.13.0", tensorflow=None, mpi=False, cuda="13.0", nccl="2.29.7")
+    every = horovod_build.BuildTarget(**gpu)
+    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in horovod_build.build_environment(every, jobs=1)
+    narrow = horovod_build.BuildTarget(**gpu, cuda_arch=(80, 90))
+    assert horovod_build.build_environment(narrow, jobs=1)["HOROVOD_BUILD_CUDA_CC_LIST"] == "80,90"
+    assert narrow.key == every.key + "_sm80-90"
+
+
 def test_tensorflow_beside_a_cuda_torch_is_refused_before_the_build_unless_cpu_only(monkeypatch):
     versions = {"torch": "2.13.0", "tensorflow": "2.21.0"}
     monkeypatch.setattr(horovod_build, "_dist_version", versions.get)
