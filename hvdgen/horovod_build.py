@@ -150,9 +150,10 @@ def parse_cuda_arch(text: str, supported: list[int], cuda: str) -> tuple[int, ..
         wanted = []
     unknown = [cc for cc in wanted if supported and cc not in supported]
     if not wanted or unknown:
-        known = ", ".join(map(str, supported)) or "75, 80, 86, 89, 90, 100, 120"
-        raise HvdgenError(f"--cuda-arch {text}: CUDA {cuda}'s nvcc compiles for {known}: pick from those, "
-                          "comma-separated (e.g. 90 for H100, 80 for A100, 80,90 for both)")
+        choices = (f"CUDA {cuda}'s nvcc compiles for {', '.join(map(str, supported))}: pick from those"
+                   if supported else "give compute capabilities")
+        raise HvdgenError(f"--cuda-arch {text}: {choices}, comma-separated (e.g. 90 for H100, 80 for A100, "
+                          "80,90 for both)")
     return tuple(wanted)
 
 

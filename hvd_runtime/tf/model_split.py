@@ -26,7 +26,6 @@ from hvd_runtime.partition import Partition
 from hvd_runtime.tf.stage import build_stage, plan_stages
 
 
-
 def split_devices(stages: int, local_rank: int | None = None, local_size: int | None = None) -> list[str]:
     """One device per stage: this rank's share of the host's GPUs, else its logical CPU devices, else CPU:0.
 

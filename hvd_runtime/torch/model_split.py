@@ -36,7 +36,6 @@ def split_devices(stages: int, local_rank: int = 0, local_size: int = 1) -> list
     return [torch.device("cuda", g) for g in gpus]
 
 
-
 class ModelSplit(nn.Module):
     """The model's blocks in `stages` groups, each on its device; forward moves activations along."""
 
@@ -47,7 +46,9 @@ class ModelSplit(nn.Module):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         plan = plan_stages(model, stages, partition, sample)
-        devices = [torch.device(d) for d in devices] if devices is not None else split_devices(stages, *local_rank_and_size("horovod.torch"))
+        if devices is None:
+            devices = split_devices(stages, *local_rank_and_size("horovod.torch"))
+        devices = [torch.device(d) for d in devices]
         if len(devices) != stages:
             raise ValueError(f"got {len(devices)} devices for {stages} stages: give one device per stage")
         self.plan, self.devices, self.micro_batches = plan, devices, micro_batches

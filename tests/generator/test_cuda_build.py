@@ -58,6 +58,14 @@ def find_python(version: str) -> str | None:
     return None
 
 
+def system_toolkit() -> cuda_env.CudaToolkit:
+    """The toolkit in its standard place (the one the wrapper nvcc on PATH calls), else skip."""
+    toolkit = next(filter(None, (cuda_env.toolkit_at(r, str(r)) for r in cuda_env.DEFAULT_TOOLKIT_ROOTS)), None)
+    if toolkit is None:
+        pytest.skip("Requires: a CUDA toolkit in /usr/local/cuda")
+    return toolkit
+
+
 def venv_key(python: str) -> str:
     """Changes when the interpreter, the torch spec or hvdgen's declared dependencies change."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -192,9 +200,7 @@ def configure_horovod_cuda(modules: Path, work: Path, env: dict[str, str]) -> st
 def test_horovods_cmake_finds_the_toolkit_behind_a_wrapper_and_pips_nccl_once_told(tmp_path, horovod_cmake_modules):
     """The failure users met: with nvcc on PATH being a wrapper script, Horovod's vendored FindCUDAToolkit
     takes the wrapper's folder for the toolkit; GpuBuild.environment() points it at the real one."""
-    toolkit = next(filter(None, (cuda_env.toolkit_at(r, str(r)) for r in cuda_env.DEFAULT_TOOLKIT_ROOTS)), None)
-    if toolkit is None:
-        pytest.skip("Requires: a CUDA toolkit in /usr/local/cuda")
+    toolkit = system_toolkit()
     wrapper_bin = tmp_path / "wrapper-bin"
     wrapper_bin.mkdir()
     (wrapper_bin / "nvcc").write_text(f'#!/bin/sh\nexec {toolkit.nvcc.resolve()} "$@"\n')
@@ -297,9 +303,7 @@ def test_cuda_torch_without_compiler_or_nccl_is_refused_in_one_line_before_any_b
 
 
 def test_cuda_arch_is_checked_against_what_the_toolkits_nvcc_compiles_for():
-    toolkit = next(filter(None, (cuda_env.toolkit_at(r, str(r)) for r in cuda_env.DEFAULT_TOOLKIT_ROOTS)), None)
-    if toolkit is None:
-        pytest.skip("Requires: a CUDA toolkit in /usr/local/cuda")
+    toolkit = system_toolkit()
     from hvdgen.errors import HvdgenError
     from hvdgen.horovod_build import parse_cuda_arch
 
