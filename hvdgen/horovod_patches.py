@@ -7,6 +7,7 @@ so a changed sdist fails loudly instead of building something unpatched. The whe
 includes `patches_digest()`, so changing a patch never reuses an old wheel.
 
 Each Keras 3 patch is checked under `horovodrun -np 2` by tests/distributed/test_horovod_keras3.py.
+The launcher patches are checked by tests/distributed/test_horovod_launcher.py.
 """
 
 from __future__ import annotations
@@ -200,7 +201,72 @@ KERAS_3_PATCHES = (
           "never passed, so the layer never used the batch statistics"),
 )
 
-PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES
+# Before every job horovodrun asks whether Horovod was built with Gloo (or MPI) and answers by
+# importing horovod.tensorflow in a forked process: TensorFlow's import, about 4 s of CPU before any
+# rank starts, and TensorFlow's log lines in the output of a PyTorch job. The answer is compiled into
+# each framework's extension library and Horovod's own `HorovodBasics` reads it with ctypes; loading
+# that library beside its framework's shared libraries gives the same answer without the import.
+_COMPILED_FLAGS = (
+    "def _compiled_flags(ext_base_name):\n"
+    "    \"\"\"hvdgen: what a framework's Horovod extension was built with, read from its library without\n"
+    "    importing the framework (horovodrun asks before every job; importing TensorFlow to answer cost\n"
+    "    seconds). The same HorovodBasics the framework's module exposes; None when the library cannot be\n"
+    "    loaded this way, and then the import decides as before.\"\"\"\n"
+    "    import ctypes\n"
+    "    import importlib.util\n"
+    "    from horovod.common.basics import HorovodBasics\n"
+    "    libraries = {'torch': ('mpi_lib_v2', 'lib', ('libc10.so', 'libc10_cuda.so', 'libtorch_cpu.so',\n"
+    "                                                  'libtorch_cuda.so', 'libtorch.so', 'libtorch_python.so')),\n"
+    "                 'tensorflow': ('mpi_lib', '', ('libtensorflow_framework.so.2', 'libtensorflow_cc.so.2'))}\n"
+    "    if ext_base_name not in libraries:\n"
+    "        return None\n"
+    "    library, folder, framework_libraries = libraries[ext_base_name]\n"
+    "    try:\n"
+    "        framework = importlib.util.find_spec(ext_base_name)\n"
+    "        extension = importlib.util.find_spec('horovod.' + ext_base_name)\n"
+    "        if framework is None or extension is None or not framework.submodule_search_locations:\n"
+    "            return None\n"
+    "        for name in framework_libraries:  # what the extension links to, as the framework's import loads it\n"
+    "            path = os.path.join(framework.submodule_search_locations[0], folder, name)\n"
+    "            if os.path.exists(path):\n"
+    "                ctypes.CDLL(path)  # RTLD_LOCAL: the framework's own import may still follow\n"
+    "        if not os.path.exists(get_extension_full_path(extension.origin, library)):\n"
+    "            return None\n"
+    "        return HorovodBasics(extension.origin, library)\n"
+    "    except OSError:\n"
+    "        return None\n"
+    "\n"
+    "\n"
+)
+
+LAUNCHER_PATCHES = (
+    Patch("horovod/common/util.py",
+          "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n",
+          _COMPILED_FLAGS + "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n",
+          "horovodrun imported TensorFlow before every job to learn how Horovod was built"),
+    Patch("horovod/common/util.py",
+          "            ext = importlib.import_module('.' + ext_base_name, 'horovod')\n"
+          "            result = fn(ext)\n",
+          "            ext = _compiled_flags(ext_base_name) if fn_desc.startswith('built with') else None\n"
+          "            if ext is None:\n"
+          "                ext = importlib.import_module('.' + ext_base_name, 'horovod')\n"
+          "            result = fn(ext)\n",
+          "horovodrun imported TensorFlow before every job to learn how Horovod was built"),
+    Patch("horovod/common/util.py",
+          "            sys.stdout = open(os.devnull, 'w')\n"
+          "            sys.stderr = open(os.devnull, 'w')\n",
+          "            sys.stdout = open(os.devnull, 'w')\n"
+          "            sys.stderr = open(os.devnull, 'w')\n"
+          "            os.dup2(sys.stdout.fileno(), 1)  # the frameworks' C++ logs too, not only Python's\n"
+          "            os.dup2(sys.stderr.fileno(), 2)\n",
+          "a muted check still printed TensorFlow's C++ log lines into every job's output"),
+    Patch("horovod/common/util.py",
+          "EXTENSIONS = ['tensorflow', 'torch', 'mxnet']\n",
+          "EXTENSIONS = ['torch', 'tensorflow', 'mxnet']  # hvdgen: one build's extensions agree; torch's loads fastest\n",
+          "asking the extension that loads fastest first"),
+)
+
+PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + LAUNCHER_PATCHES
 
 
 def patches_digest() -> str:

@@ -1,3 +1,7 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -61,6 +65,24 @@ def test_digits_loads_offline_and_is_scaled():
     assert len(ds.train) + len(ds.val) == 1797
     assert 0.0 <= ds.train.x.min() and ds.train.x.max() <= 1.0
     assert ds.train.x.dtype == np.float32 and ds.train.y.dtype == np.int64
+
+
+def test_digits_equal_scikit_learns_own_loader_without_importing_it():
+    """Read straight from the file scikit-learn ships, they are its digits; and no rank imports it."""
+    from sklearn.datasets import load_digits as sk_digits
+    from hvd_runtime.data import load_digits, split_train_val
+
+    bunch = sk_digits()
+    ours = load_digits(0.25, seed=7)
+    train, val = split_train_val(bunch.data / 16.0, bunch.target, 0.25, seed=7)
+    for mine, theirs in ((ours.train, train), (ours.val, val)):
+        np.testing.assert_array_equal(mine.x, theirs.x.astype(np.float32))
+        np.testing.assert_array_equal(mine.y, theirs.y)
+    code = ("import sys; from hvd_runtime.data import load_digits; load_digits(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'scipy'}))")
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    assert imported == "[]"
 
 
 def test_npz_with_and_without_split(tmp_path):

@@ -1,0 +1,55 @@
+"""horovodrun's start-up in the wheel hvdgen builds: how Horovod was built is read from its
+extension libraries, not by importing a framework (hvdgen/horovod_patches.py, LAUNCHER_PATCHES).
+
+Unpatched, every `horovodrun` imported TensorFlow in a forked process before starting any rank:
+seconds per job, and TensorFlow's log lines in the output of a PyTorch job.
+"""
+
+import subprocess
+import sys
+from importlib import util
+from pathlib import Path
+
+import pytest
+
+from helpers import run_horovod
+from hvdgen.horovod_patches import LAUNCHER_PATCHES
+
+FRAMEWORKS = [name for name in ("torch", "tensorflow") if util.find_spec(name) is not None]
+
+
+def test_installed_horovod_carries_the_launcher_patches():
+    root = Path(next(iter(util.find_spec("horovod").submodule_search_locations))).parent
+    stale = sorted({p.path for p in LAUNCHER_PATCHES if p.new not in (root / p.path).read_text()})
+    assert not stale, f"the installed horovod lacks hvdgen's patches to {stale}: run `hvdgen install-horovod --force`"
+
+
+def build_flags(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_build_flags_read_without_the_framework_agree_with_its_module(framework):
+    """The light reading answers what `horovod.<framework>` itself answers, and imports no framework.
+    Two processes: Horovod's library, once loaded globally, must come after its framework's import."""
+    flags = "[bool(getattr(hvd, f + '_built')()) for f in ('gloo', 'mpi', 'nccl', 'cuda')]"
+    light = build_flags(f"""
+import sys
+from horovod.common import util
+hvd = util._compiled_flags({framework!r})
+assert hvd is not None, 'the extension library did not load without its framework'
+assert not {{'torch', 'tensorflow'}} & set(sys.modules), 'a framework was imported'
+print({flags})
+""")
+    assert light == build_flags(f"import horovod.{framework} as hvd; print({flags})")
+    assert light.startswith("[True"), f"this build has no Gloo: {light}"
+
+
+@pytest.mark.skipif("torch" not in FRAMEWORKS, reason="PyTorch is not installed")
+def test_a_torch_job_starts_without_tensorflow_in_its_output():
+    proc = run_horovod(2, [sys.executable, "-c", "import horovod.torch as hvd; hvd.init(); print('size', hvd.size())"])
+    assert proc.stdout.count("size 2") == 2, proc.stdout
+    output = proc.stdout + proc.stderr
+    assert "cudart_stub" not in output and "absl::InitializeLog" not in output, output[-3000:]
