@@ -14,7 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
+from hvd_runtime.config import ConfigError
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
+
+
+class DataError(ConfigError):
+    """The configured data cannot be read: a missing or malformed file, a folder without classes.
+
+    A ConfigError, because the fix is in the config (data.source, data.path) or in the user's
+    files: train.py prints it as one `config error:` line on every rank, not a traceback each.
+    """
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,7 @@ def digits_file() -> Path:
     spec = importlib.util.find_spec("sklearn")
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
     if path is None or not path.is_file():
-        raise FileNotFoundError("data.source digits needs scikit-learn, whose package ships the digits: "
+        raise DataError("data.source digits needs scikit-learn, whose package ships the digits: "
                                 "pip install scikit-learn, or set data.source to npz or image_folder")
     return path
 
@@ -83,17 +93,24 @@ def load_npz(path: str | Path, val_fraction: float = 0.2, seed: int = 0) -> Data
     """Arrays from an .npz: either x and y (split here) or x_train, y_train, x_val, y_val."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data.path {str(path)!r} is not a file: point it at an .npz with x and y arrays")
-    with np.load(path) as arrays:
-        keys = set(arrays.files)
-        if {"x_train", "y_train", "x_val", "y_val"} <= keys:
-            train = Split(arrays["x_train"].astype(np.float32), arrays["y_train"].astype(np.int64))
-            val = Split(arrays["x_val"].astype(np.float32), arrays["y_val"].astype(np.int64))
-            num_classes = int(max(train.y.max(), val.y.max())) + 1
-            return Dataset(train, val, num_classes)
-        if {"x", "y"} <= keys:
-            return _finish(arrays["x"], arrays["y"], val_fraction, seed)
-    raise ValueError(f"{path} must hold arrays x and y, or x_train, y_train, x_val and y_val; it has {sorted(keys)}")
+        raise DataError(f"data.path {str(path)!r} is not a file: point it at an .npz with x and y arrays")
+    try:
+        file = np.load(path)
+        if not isinstance(file, np.lib.npyio.NpzFile):
+            raise ValueError("it holds one array, as numpy.save writes: an .npz names its arrays")
+        with file:
+            arrays = {key: file[key] for key in file.files}
+    except (OSError, ValueError) as exc:  # not an .npz, truncated, or arrays of pickled objects
+        raise DataError(f"data.path {str(path)!r} is not a readable .npz ({exc}): "
+                        f"write it with numpy.savez(path, x=..., y=...)") from exc
+    if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
+        train = Split(arrays["x_train"].astype(np.float32), arrays["y_train"].astype(np.int64))
+        val = Split(arrays["x_val"].astype(np.float32), arrays["y_val"].astype(np.int64))
+        return Dataset(train, val, int(max(train.y.max(), val.y.max())) + 1)
+    if {"x", "y"} <= arrays.keys():
+        return _finish(arrays["x"], arrays["y"], val_fraction, seed)
+    raise DataError(f"data.path {str(path)!r} must hold arrays x and y, or x_train, y_train, x_val and y_val; "
+                    f"it has {sorted(arrays)}")
 
 
 def load_image_folder(path: str | Path, image_size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Dataset:
@@ -102,20 +119,24 @@ def load_image_folder(path: str | Path, image_size: int = 32, val_fraction: floa
 
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"data.path {str(root)!r} is not a folder: use ROOT/<class>/<image files>")
+        raise DataError(f"data.path {str(root)!r} is not a folder: use ROOT/<class>/<image files>")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     if not classes:
-        raise ValueError(f"{root} has no class sub-folders: use ROOT/<class>/<image files>")
+        raise DataError(f"data.path {str(root)!r} has no class sub-folders: use ROOT/<class>/<image files>")
     images, labels = [], []
     for label, name in enumerate(classes):
         for file in sorted((root / name).iterdir()):
             if file.suffix.lower() in IMAGE_SUFFIXES:
-                with Image.open(file) as img:
-                    rgb = img.convert("RGB").resize((image_size, image_size))
+                try:
+                    with Image.open(file) as img:
+                        rgb = img.convert("RGB").resize((image_size, image_size))
+                except OSError as exc:  # PIL's UnidentifiedImageError is one
+                    raise DataError(f"{file} is not a readable image ({exc}): "
+                                    f"replace or remove it from data.path") from exc
                 images.append(np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / 255.0)
                 labels.append(label)
     if not images:
-        raise ValueError(f"{root} has class folders but no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        raise DataError(f"data.path {str(root)!r} has class folders but no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
     return _finish(np.stack(images), np.asarray(labels), val_fraction, seed, classes)
 
 
@@ -138,7 +159,7 @@ def load_dataset(cfg, seed: int = 0) -> Dataset:
                                             cfg.val_fraction, seed),
     }
     if cfg.source not in loaders:
-        raise ValueError(f"unknown data.source {cfg.source!r}: choose one of {', '.join(loaders)}")
+        raise DataError(f"unknown data.source {cfg.source!r}: choose one of {', '.join(loaders)}")
     return loaders[cfg.source]()
 
 

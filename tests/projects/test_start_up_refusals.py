@@ -3,6 +3,8 @@
 Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.py` in its folder.
 - `--horovod.adasum true` on Gloo (Horovod has Adasum only in its MPI controller): refused before
   the first step, where it would fail with HorovodInternalError (an endless reset when elastic).
+- data that cannot be read (`--data.source npz --data.path` a file that is not there): the
+  loader's own message, not a traceback from every rank.
 - a pipeline resumed from a checkpoint of another model (`--model.hidden` changed after an
   epoch): each rank holds its own stage, so each judges its own part, and all stop with the same
   line instead of one rank dying on a state_dict error while the others wait.
@@ -68,6 +70,14 @@ def test_adasum_on_gloo_stops_every_rank_at_start_up(tmp_path, framework):
     line = refused(project, "--horovod.adasum", "true")
     assert "horovod.adasum needs Horovod's MPI controller, but this job runs on Gloo" in line
     assert "--horovod.adasum false" in line and "horovodrun --mpi" in line
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("framework, strategy", [("torch", "data"), ("tensorflow", "pipeline")])
+def test_unreadable_data_stops_every_rank_with_the_loaders_line(tmp_path, framework, strategy):
+    project = generate(tmp_path, framework, strategy)
+    line = refused(project, "--data.source", "npz", "--data.path", "mine.npz")
+    assert line == "config error: data.path 'mine.npz' is not a file: point it at an .npz with x and y arrays"
 
 
 @pytest.mark.timeout(900)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hvd_runtime.config import DataConfig
-from hvd_runtime.data import EpochShards, load_dataset, load_image_folder, load_npz, shard_indices
+from hvd_runtime.data import DataError, EpochShards, load_dataset, load_image_folder, load_npz, shard_indices
 
 
 @pytest.mark.parametrize("n, size", [(10, 3), (1797, 2), (7, 4), (8, 8), (5, 8)])
@@ -93,11 +93,29 @@ def test_npz_with_and_without_split(tmp_path):
     np.savez(tmp_path / "split.npz", x_train=x[:30], y_train=y[:30], x_val=x[30:], y_val=y[30:])
     ds = load_npz(tmp_path / "split.npz")
     assert (len(ds.train), len(ds.val)) == (30, 20)
-    np.savez(tmp_path / "bad.npz", features=x)
-    with pytest.raises(ValueError, match="must hold arrays x and y"):
-        load_npz(tmp_path / "bad.npz")
-    with pytest.raises(FileNotFoundError, match="is not a file"):
-        load_npz(tmp_path / "missing.npz")
+
+
+@pytest.mark.parametrize("write, problem", [
+    (lambda path: np.savez(path, features=np.zeros(3)), "must hold arrays x and y, or x_train, y_train, x_val and "
+                                                        "y_val; it has ['features']"),
+    (None, "is not a file: point it at an .npz with x and y arrays"),
+    (lambda path: path.write_text("x,y\n1,2\n"), "is not a readable .npz ("),
+    (lambda path: np.save(path.with_suffix(".npy"), np.zeros(3)) or path.with_suffix(".npy").rename(path),
+     "is not a readable .npz (it holds one array, as numpy.save writes"),
+    (lambda path: np.savez(path, x=np.array([object()]), y=np.zeros(1)), "is not a readable .npz (Object arrays"),
+])
+def test_unreadable_npz_is_a_data_error_of_one_line_naming_the_fix(tmp_path, write, problem):
+    """What a user gets wrong with their own arrays: a config error (train.py prints it as one
+    line per rank), naming data.path and how to write the file."""
+    path = tmp_path / "mine.npz"
+    if write:
+        write(path)
+    with pytest.raises(DataError) as error:
+        load_npz(path)
+    message = str(error.value)
+    assert message.startswith(f"data.path {str(path)!r} ") and problem in message and "\n" not in message
+    if problem.startswith("is not a readable"):
+        assert message.endswith("write it with numpy.savez(path, x=..., y=...)")
 
 
 def test_image_folder(tmp_path):
@@ -111,7 +129,14 @@ def test_image_folder(tmp_path):
     assert ds.classes == ("cats", "dogs") and ds.input_shape == (3, 8, 8)
     assert len(ds.train) + len(ds.val) == 10
 
+    (tmp_path / "dogs" / "notes.png").write_text("not a picture")
+    with pytest.raises(DataError, match=r"dogs/notes.png is not a readable image \(cannot identify image file .*\): "
+                                        r"replace or remove it from data.path$"):
+        load_image_folder(tmp_path, image_size=8)
+    with pytest.raises(DataError, match=r"has no class sub-folders: use ROOT/<class>/<image files>$"):
+        load_image_folder(tmp_path / "cats", image_size=8)
+
 
 def test_unknown_source_names_the_choices():
-    with pytest.raises(ValueError, match="unknown data.source 'csv'"):
+    with pytest.raises(DataError, match="unknown data.source 'csv'"):
         load_dataset(DataConfig(source="csv"))
