@@ -182,6 +182,9 @@ _INTERRUPT_AT = """
 import os, signal, sys
 import hvdgen.render, hvdgen.overwrite
 sig = getattr(signal, sys.argv.pop(1))
+# SIGINT as a terminal's Ctrl-C finds it: a shell that starts the test run in the background
+# (CI's, nohup) hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 where = sys.argv.pop(1)
 module, name = (hvdgen.render, "check_tree") if where == "rendered" else (hvdgen.overwrite, "_link_or_copy")
 original = getattr(module, name)
