@@ -75,7 +75,7 @@ def digits_file() -> Path:
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
     if path is None or not path.is_file():
         raise DataError("data.source digits needs scikit-learn, whose package ships the digits: "
-                                "pip install scikit-learn, or set data.source to npz or image_folder")
+                        "pip install scikit-learn, or set data.source to npz or image_folder")
     return path
 
 
@@ -136,7 +136,8 @@ def load_image_folder(path: str | Path, image_size: int = 32, val_fraction: floa
                 images.append(np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / 255.0)
                 labels.append(label)
     if not images:
-        raise DataError(f"data.path {str(root)!r} has class folders but no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        raise DataError(f"data.path {str(root)!r} has class folders but no images "
+                        f"({', '.join(sorted(IMAGE_SUFFIXES))})")
     return _finish(np.stack(images), np.asarray(labels), val_fraction, seed, classes)
 
 

@@ -104,8 +104,8 @@ def run_elsewhere(command: str, framework: str, strategy: str, extra: tuple[str,
     """Where another test runs this very command in this very shape, with more checks: there, not twice."""
     if command == "make test" and strategy == "data" and not extra:
         return "the default shape's tests: run in tests/projects/test_outside_checkout.py, in a fresh environment"
-    if (framework, strategy, 4, []) in staged_runs and not extra and re.fullmatch(r"horovodrun -np 4 -H localhost:4 --gloo python train\.py",
-                                                          command):
+    replicas_line = "horovodrun -np 4 -H localhost:4 --gloo python train.py"
+    if command == replicas_line and not extra and (framework, strategy, 4, []) in staged_runs:
         return "2 stages x 2 replicas: trained in tests/projects/test_staged_projects.py, each rank in its own folder"
     return None
 
