@@ -15,7 +15,8 @@ import argparse
 import horovod.torch as hvd
 import torch
 
-from hvd_runtime.torch.p2p import AlltoallLink, BroadcastLink, TorchDistLink, init_torch_distributed
+from hvd_runtime.socket_link import connect_neighbours
+from hvd_runtime.torch.p2p import AlltoallLink, BroadcastLink, SocketTensorLink, TorchDistLink, init_torch_distributed
 from pingpong import SIZES, iterations, pingpong, print_table
 
 
@@ -31,17 +32,20 @@ def main() -> None:
     me, peer = hvd.rank(), 1 - hvd.rank()
     links = {"hvd.alltoall": AlltoallLink(me, peer, hvd.global_process_set),
              "hvd.broadcast": BroadcastLink(me, peer, hvd.global_process_set),
-             "torch.distributed": TorchDistLink(me, peer)}
+             "torch.distributed": TorchDistLink(me, peer),
+             "socket": SocketTensorLink(next(link for link in connect_neighbours(hvd, 0 if me == 1 else None,
+                                                                                  1 if me == 0 else None) if link))}
     rows = []
     for nbytes in SIZES:
         x = torch.randn(nbytes // 4)
         for name, link in links.items():
-            for known in ([False] if name == "hvd.alltoall" else [False, True]):
+            for known in ([False] if name in ("hvd.alltoall", "socket") else [False, True]):
                 t = pingpong(link, x, me, iterations(nbytes, args.quick), known)
                 rows.append((name, "known" if known else "header", nbytes, t))
     hvd.barrier()
     if me == 0:
         print_table(rows)
+
 
 if __name__ == "__main__":
     main()

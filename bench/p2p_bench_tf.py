@@ -1,9 +1,9 @@
-"""Latency and throughput of the TensorFlow pipeline link (hvd.alltoall in a traced function per tag).
+"""Latency and throughput of the TensorFlow pipeline links: the socket link and hvd.alltoall.
 
     horovodrun -np 2 -H localhost:2 --gloo python bench/p2p_bench_tf.py [--quick]
 
-The same ping-pong as bench/p2p_bench.py, through `hvd_runtime.tf.p2p.AlltoallLink`, the code
-the TensorFlow pipeline runs. Rank 0 prints a Markdown table.
+The same ping-pong as bench/p2p_bench.py, through `hvd_runtime.tf.p2p`'s two links, the code the
+TensorFlow pipeline runs, taking turns size by size. Rank 0 prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import argparse
 import tensorflow as tf
 
 from hvd_runtime.tf.context import init_horovod
-from hvd_runtime.tf.p2p import AlltoallLink
+from hvd_runtime.socket_link import connect_neighbours
+from hvd_runtime.tf.p2p import AlltoallLink, SocketTensorLink
 from pingpong import SIZES, iterations, pingpong, print_table
 
 
@@ -27,12 +28,14 @@ def main() -> None:
     import horovod.tensorflow as hvd
 
     me = ctx.rank
-    link = AlltoallLink(me, 1 - me, hvd.global_process_set)
+    prev, next_ = connect_neighbours(hvd, 0 if me == 1 else None, 1 if me == 0 else None)
+    links = {"socket (TensorFlow)": SocketTensorLink(prev or next_),
+             "hvd.alltoall (TensorFlow)": AlltoallLink(me, 1 - me, hvd.global_process_set)}
     rows = []
     for nbytes in SIZES:
         x = tf.random.normal([nbytes // 4])
-        rows.append(("hvd.alltoall (TensorFlow)", "header", nbytes,
-                     pingpong(link, x, me, iterations(nbytes, args.quick), False)))
+        for name, link in links.items():
+            rows.append((name, "header", nbytes, pingpong(link, x, me, iterations(nbytes, args.quick), False)))
     hvd.allreduce(tf.zeros([1]), name="done")
     if me == 0:
         print_table(rows)

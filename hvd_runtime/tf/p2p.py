@@ -1,13 +1,17 @@
 """Point-to-point messages between two neighbouring pipeline stages, for TensorFlow.
 
-Horovod has no send/recv. A message is one `hvd.alltoall` inside the 2-rank process set of the
-pair (or the global set when the pair is the whole job): the sender splits its whole payload to
-the peer, the receiver contributes an empty tensor. alltoall sizes the output from the sender's
-splits, so the payload carries its own dtype and shape in a small header before the raw bytes.
-(PyTorch jobs use torch.distributed, measured faster; see docs/pipeline.md. TensorFlow's own
-collectives would need a tf.distribute cluster beside Horovod's; Horovod's alltoall needs nothing.)
+Two links, one interface (`send` non-blocking, `recv` blocking, `wait_sends` once a step):
 
-Two facts of horovod.tensorflow shape this module:
+- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.socket_link);
+  a tensor goes as its header words and its host bytes. No Horovod on the way: measured 10-100x
+  faster per message than the collective below (bench/p2p_bench_tf.py, docs/pipeline.md).
+- `AlltoallLink`: one `hvd.alltoall` inside the 2-rank process set of the pair (or the global set
+  when the pair is the whole job): the sender splits its whole payload to the peer, the receiver
+  contributes an empty tensor. alltoall sizes the output from the sender's splits, so the payload
+  carries its own dtype and shape in a small header before the raw bytes. It needs nothing beside
+  Horovod, and stays as the reference the benchmark and the equivalence tests compare with.
+
+Two facts of horovod.tensorflow shape the alltoall link:
 - In eager mode a Horovod op ignores its `name` and ranks match their ops by call order, so two
   messages in flight at once get mixed up. Inside a tf.function the name is the graph node's and
   is honoured: every message tag gets its own traced function, and messages match by name.
@@ -22,9 +26,11 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import tensorflow as tf
 
 from hvd_runtime.p2p_header import HEADER_WORDS, header_words, read_header_words
+from hvd_runtime.socket_link import SocketLink
 
 _HEADER = HEADER_WORDS
 _DTYPES = [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int64, tf.int32, tf.uint8, tf.int8]
@@ -105,3 +111,25 @@ class AlltoallLink:
         for future in self._pending:
             future.result()
         self._pending.clear()
+
+
+class SocketTensorLink:
+    """TensorFlow tensors over a SocketLink: header words and the tensor's bytes, copied to the host."""
+
+    def __init__(self, link: SocketLink):
+        self.rank, self.peer, self._link = link.rank, link.peer, link
+
+    def send(self, tensor, tag: str, shape_known: bool = False) -> None:
+        """Post `tensor` to the peer without waiting (the header is a few words: always sent)."""
+        tensor = tf.convert_to_tensor(tensor)
+        array = np.ascontiguousarray(tensor.numpy())
+        self._link.send_bytes(tag, header_words(_DTYPES, tensor.dtype, array.shape), array.reshape(-1).view(np.uint8))
+
+    def recv(self, tag: str, shape=None, dtype=None) -> tf.Tensor:
+        """Block until the peer's message `tag` arrives."""
+        words, body = self._link.recv_bytes(tag)
+        dtype, shape = read_header_words(_DTYPES, words)
+        return tf.convert_to_tensor(body.view(dtype.as_numpy_dtype).reshape(shape))
+
+    def wait_sends(self) -> None:
+        self._link.wait_sends()

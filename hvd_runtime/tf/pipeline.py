@@ -33,27 +33,43 @@ __all__ = ["PipelineConfigError", "PipelineDims", "PipelineEngine", "PipelineRan
            "init_pipeline", "replica_context"]
 
 
-def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0,
-                  cycle_time_ms: float = 0.0) -> tuple[Context, PipelineRank]:
-    """Initialise Horovod with the grid's process sets (dp per stage, neighbour pairs) and link neighbours."""
+P2P_LINKS = ("socket", "alltoall")
+
+
+def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
+                  p2p: str = "socket") -> tuple[Context, PipelineRank]:
+    """Initialise Horovod with the grid's process sets (dp per stage; neighbour pairs for alltoall) and link neighbours.
+
+    p2p: "socket" (a TCP connection per neighbour pair, the default: fastest, see docs/pipeline.md)
+    or "alltoall" (Horovod's alltoall in the pair's process set: nothing beside Horovod).
+    """
     import horovod.tensorflow as hvd
 
-    from hvd_runtime.tf.p2p import AlltoallLink
+    from hvd_runtime.socket_link import connect_neighbours
+    from hvd_runtime.tf.p2p import AlltoallLink, SocketTensorLink
 
+    if p2p not in P2P_LINKS:
+        raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(P2P_LINKS)} (e.g. 'socket')")
     world = int(os.environ.get("HOROVOD_SIZE", "0")) or 1
     dims = PipelineDims(world=world, stages=stages)
-    wanted = dims.process_set_ranks(pairs=True)
+    wanted = dims.process_set_ranks(pairs=p2p == "alltoall")
     sets = [hvd.ProcessSet(r) for r in wanted]
     ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets)
     if ctx.size != dims.world:
         raise PipelineConfigError(f"Horovod started {ctx.size} ranks but HOROVOD_SIZE said {world}: launch with horovodrun")
-    me = PipelineRank(dims=dims, rank=ctx.rank, p2p="alltoall", _sets={tuple(r): s for r, s in zip(wanted, sets)})
+    me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
     if dims.replicas > 1:
         me.dp_set = me.process_set(dims.stage_ranks(me.stage))
-    if not me.is_first:
-        me.prev = AlltoallLink(me.rank, me.rank - 1, me.process_set(dims.pair_ranks(me.stage - 1, me.replica)))
-    if not me.is_last:
-        me.next = AlltoallLink(me.rank, me.rank + 1, me.process_set(dims.pair_ranks(me.stage, me.replica)))
+    prev = None if me.is_first else me.rank - 1
+    next_ = None if me.is_last else me.rank + 1
+    if p2p == "socket":
+        links = connect_neighbours(hvd, prev, next_)
+        me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
+    else:
+        if prev is not None:
+            me.prev = AlltoallLink(me.rank, prev, me.process_set(dims.pair_ranks(me.stage - 1, me.replica)))
+        if next_ is not None:
+            me.next = AlltoallLink(me.rank, next_, me.process_set(dims.pair_ranks(me.stage, me.replica)))
     return ctx, me
 
 

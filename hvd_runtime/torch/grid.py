@@ -26,13 +26,14 @@ def init_pipeline(stages: int, p2p: str = "torch", threads: int | None = None) -
     import horovod.torch as hvd
     import torch
 
-    from hvd_runtime.torch.p2p import LINKS, TorchDistLink, init_torch_distributed
+    from hvd_runtime.socket_link import connect_neighbours
+    from hvd_runtime.torch.p2p import LINKS, SocketTensorLink, TorchDistLink, init_torch_distributed
 
     if p2p not in LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'torch')")
     world = int(os.environ.get("HOROVOD_SIZE", "0")) or (hvd.size() if hvd.is_initialized() else 1)
     dims = PipelineDims(world=world, stages=stages)
-    wanted = dims.process_set_ranks(pairs=p2p != "torch")
+    wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"))
     if hvd.is_initialized():
         if wanted and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
             raise PipelineConfigError("Horovod is already initialised: call init_pipeline() instead of hvd.init(), "
@@ -56,6 +57,10 @@ def init_pipeline(stages: int, p2p: str = "torch", threads: int | None = None) -
             return TorchDistLink(me.rank, peer)
         return LINKS[p2p](me.rank, peer, me.process_set(pair))
 
+    if p2p == "socket":
+        links = connect_neighbours(hvd, None if me.is_first else me.rank - 1, None if me.is_last else me.rank + 1)
+        me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
+        return me
     if not me.is_first:
         me.prev = link(me.rank - 1, dims.pair_ranks(me.stage - 1, me.replica))
     if not me.is_last:

@@ -12,6 +12,8 @@ a non-blocking `send` and a blocking `recv`. Three ways to build one are kept si
   must allocate the exact shape first, so an unknown shape costs a header broadcast first.
 - `TorchDistLink`: torch.distributed (gloo) `isend`/`recv`, a second communicator beside Horovod's.
   Real p2p, but torch only and one more rendezvous to set up.
+- `SocketTensorLink`: a TCP connection of the pair's own (hvd_runtime.socket_link), the link the
+  TensorFlow pipeline uses: a tensor goes as its header words and its host bytes.
 
 Messages are matched by tag, so a pair may exchange activations and gradients in either order:
 each side posts its sends without waiting, and the step ends with `wait_sends()`.
@@ -25,6 +27,7 @@ import socket
 import torch
 
 from hvd_runtime.p2p_header import HEADER_WORDS, header_words, read_header_words
+from hvd_runtime.socket_link import SocketLink, reachable_address
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.uint8, torch.int8, torch.bool]
@@ -164,19 +167,6 @@ class TorchDistLink(Link):
         self._pending.clear()
 
 
-def _reachable_address() -> str:
-    """This host's address on the route to horovodrun's rendezvous server, which every rank reaches.
-
-    gethostname() alone may resolve to a loopback alias (127.0.1.1) that other hosts cannot reach.
-    """
-    target = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-    if target:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))   # UDP: no packet is sent, the kernel only picks the route
-            return s.getsockname()[0]
-    return socket.gethostbyname(socket.gethostname())
-
-
 def init_torch_distributed() -> None:
     """Start a gloo process group beside Horovod: rank 0 picks a port and tells the others."""
     import horovod.torch as hvd
@@ -189,9 +179,29 @@ def init_torch_distributed() -> None:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        addr = _reachable_address()
+        addr = reachable_address()
     addr, port = hvd.broadcast_object((addr, port), root_rank=0, name="pp.rendezvous")
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(), world_size=hvd.size())
 
 
-LINKS = {"alltoall": AlltoallLink, "broadcast": BroadcastLink, "torch": TorchDistLink}
+class SocketTensorLink(Link):
+    """torch tensors over a SocketLink: header words and the tensor's bytes, staged through the host."""
+
+    def __init__(self, link: SocketLink):
+        super().__init__(link.rank, link.peer)
+        self._link = link
+
+    def send(self, tensor, tag, shape_known: bool = False):
+        t = tensor.detach().cpu().contiguous()
+        self._link.send_bytes(tag, header_words(_DTYPES, t.dtype, tuple(t.shape)), t.view(-1).view(torch.uint8).numpy())
+
+    def recv(self, tag, shape=None, dtype=None):
+        words, body = self._link.recv_bytes(tag)
+        dtype, shape = read_header_words(_DTYPES, words)
+        return torch.from_numpy(body).view(dtype).view(shape)
+
+    def wait_sends(self):
+        self._link.wait_sends()
+
+
+LINKS = {"alltoall": AlltoallLink, "broadcast": BroadcastLink, "torch": TorchDistLink, "socket": SocketTensorLink}

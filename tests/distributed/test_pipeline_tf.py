@@ -89,21 +89,23 @@ def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
 # -- real horovodrun jobs -----------------------------------------------------------------------
 
 PIPELINE_CASES = [
-    # (np, stages, schedule, micro-batches, what it covers)
-    (2, 2, "gpipe", 4, "pp=2 dp=1, GPipe, uneven micro-batches 3,3,2,2"),
-    (2, 2, "1f1b", 4, "pp=2 dp=1, 1F1B"),
-    (4, 2, "1f1b", 2, "pp=2 dp=2: replicas start from replica 0, gradients averaged per stage"),
-    (4, 4, "1f1b", 4, "pp=4 dp=1: middle stages get only the batch size"),
+    # (np, stages, schedule, micro-batches, link, what it covers)
+    (2, 2, "gpipe", 4, "alltoall", "pp=2 dp=1, GPipe, uneven micro-batches 3,3,2,2, over hvd.alltoall"),
+    (2, 2, "1f1b", 4, "socket", "pp=2 dp=1, 1F1B"),
+    (4, 2, "1f1b", 2, "socket", "pp=2 dp=2: replicas start from replica 0, gradients averaged per stage"),
+    (4, 2, "gpipe", 2, "alltoall", "pp=2 dp=2 over hvd.alltoall in the pairs' process sets"),
+    (4, 4, "1f1b", 4, "socket", "pp=4 dp=1: middle stages get only the batch size"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("np_,stages,schedule,m,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
-def test_tf_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, what):
+@pytest.mark.parametrize("np_,stages,schedule,m,p2p,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
+def test_tf_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, p2p, what):
     out = tmp_path / "result.json"
     run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages),
-                      "--schedule", schedule, "--micro-batches", str(m), "--out", str(out)], cwd=tmp_path, timeout=280)
+                      "--schedule", schedule, "--micro-batches", str(m), "--p2p", p2p, "--out", str(out)],
+                cwd=tmp_path, timeout=280)
     check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m, BLOCKS)
 
 

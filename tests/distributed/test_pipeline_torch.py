@@ -139,6 +139,7 @@ PIPELINE_CASES = [
     # (np, stages, schedule, micro-batches, p2p, what it covers)
     (2, 2, "gpipe", 4, "torch", "pp=2 dp=1, GPipe, uneven micro-batches 3,3,2,2"),
     (2, 2, "1f1b", 4, "torch", "pp=2 dp=1, 1F1B"),
+    (2, 2, "1f1b", 4, "socket", "pp=2 dp=1, 1F1B over the socket link"),
     (2, 2, "1f1b", 3, "alltoall", "pp=2 dp=1, 1F1B over Horovod alltoall"),
     (2, 2, "gpipe", 2, "broadcast", "pp=2 dp=1, GPipe over Horovod broadcast"),
     (4, 2, "1f1b", 2, "torch", "pp=2 dp=2: gradients averaged per stage over replicas"),

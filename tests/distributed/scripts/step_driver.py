@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 
-def parse_args(pipeline: bool) -> argparse.Namespace:
-    """The common flags; with pipeline=True also stages, schedule, partition and timeline."""
+def parse_args(pipeline: bool, p2p: str = "torch") -> argparse.Namespace:
+    """The common flags; with pipeline=True also stages, schedule, link (default `p2p`), partition and timeline."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro-batches", type=int, default=4 if pipeline else 3)
     ap.add_argument("--batch", type=int, default=10, help="per replica (pipeline) or per worker (model-split)")
@@ -22,7 +22,7 @@ def parse_args(pipeline: bool) -> argparse.Namespace:
     if pipeline:
         ap.add_argument("--stages", type=int, default=2)
         ap.add_argument("--schedule", default="1f1b")
-        ap.add_argument("--p2p", default="torch", help="torch only: torch, alltoall or broadcast")
+        ap.add_argument("--p2p", default=p2p, help="torch: torch, socket, alltoall or broadcast; TF: socket or alltoall")
         ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
         ap.add_argument("--run-dir", default=None)
         ap.add_argument("--hvd-init-first", action="store_true", help="torch only: hvd.init() before init_pipeline")

@@ -72,9 +72,9 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False):
 
 
 def main():
-    args = parse_args(pipeline=True)
+    args = parse_args(pipeline=True, p2p="socket")
 
-    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1)
+    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p)
     rng = np.random.default_rng(7)
     global_batch = args.batch * dims.replicas
     xs = [rng.standard_normal((global_batch, FEATURES)).astype("float32") for _ in range(args.steps)]

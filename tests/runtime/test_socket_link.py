@@ -1,0 +1,68 @@
+"""The pipeline's socket link on real TCP connections, without Horovod: what a stage relies on."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from hvd_runtime.socket_link import MessageOrderError, SocketLink
+
+
+@pytest.fixture
+def pair():
+    """Two linked ends over loopback TCP, as two neighbouring stages hold them."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    first, second = SocketLink(0, 1, a), SocketLink(1, 0, b)
+    yield first, second
+    first.close()
+    second.close()
+
+
+def test_messages_arrive_whole_and_in_order(pair):
+    first, second = pair
+    bodies = [np.arange(n, dtype=np.uint8) for n in (0, 1, 5000, 3 << 20)]
+    for i, body in enumerate(bodies):
+        first.send_bytes(f"act{i}", [i, 1, body.size] + [0] * 7, body)
+    for i, body in enumerate(bodies):
+        header, got = second.recv_bytes(f"act{i}")
+        assert header[:3] == [i, 1, body.size]
+        assert got.flags.writeable and np.array_equal(got, body)
+    first.wait_sends()
+
+
+def test_both_sides_sending_large_messages_at_once_do_not_block_each_other(pair):
+    """1F1B has each neighbour send before it receives; sends must not wait for the reader."""
+    big = np.ones(32 << 20, np.uint8)    # far more than the kernel's socket buffers hold
+    got = {}
+
+    def other_side():
+        pair[1].send_bytes("grad0", [0] * 10, big)
+        got["act"] = pair[1].recv_bytes("act0")[1]
+        pair[1].wait_sends()
+
+    thread = threading.Thread(target=other_side)
+    thread.start()
+    pair[0].send_bytes("act0", [0] * 10, big)
+    assert pair[0].recv_bytes("grad0")[1].sum() == big.size
+    pair[0].wait_sends()
+    thread.join(timeout=60)
+    assert got["act"].sum() == big.size
+
+
+def test_a_message_out_of_schedule_order_is_an_error_naming_both(pair):
+    first, second = pair
+    first.send_bytes("grad3", [0] * 10, b"x")
+    with pytest.raises(MessageOrderError, match="rank 1 expected message 'act3' from rank 0, got 'grad3'"):
+        second.recv_bytes("act3")
+
+
+def test_a_peer_that_went_away_is_an_error_not_a_hang(pair):
+    first, second = pair
+    first.close()
+    with pytest.raises(ConnectionError, match="rank 0 closed its link to rank 1"):
+        second.recv_bytes("act0")
