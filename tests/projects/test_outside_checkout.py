@@ -5,6 +5,9 @@ this checkout on PATH or PYTHONPATH, run its image build script (`docker/build-e
 Dockerfiles run) into a fresh virtualenv, then `make setup` and `make test` with that
 virtualenv's Python. hvdgen must come from the wheel the project carries, not from any index or
 from this checkout; Horovod is built (or taken from the user's cache) for that environment.
+
+The build scripts of all frameworks start together, when the first test needs one: each is a
+pip install of about 2 GB of packages on one core, minutes long, and they do not share a venv.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,21 +46,57 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> subpro
     return proc
 
 
-@pytest.mark.parametrize("framework", catalog.FRAMEWORKS)
-def test_project_sets_up_and_passes_its_tests_away_from_the_checkout(tmp_path, framework):
-    made = tmp_path / "made"
-    result = CliRunner().invoke(main, ["new", "moved", "-o", str(made), "--framework", framework],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    project = tmp_path / "elsewhere" / "moved"
-    shutil.copytree(made / "moved", project, symlinks=True)
-    shutil.rmtree(made)
-    venv = tmp_path / "env"
-    env = _clean_env(venv)
-    python = str(venv / "bin" / "python")
+@dataclass
+class Moved:
+    """A generated project copied away from the checkout, and its image build script, running."""
 
-    # The images' build steps, run as the Dockerfiles run them (minus the system packages).
-    _run(["docker/build-env.sh", str(venv)], project, dict(env, PYTHON=sys.executable), timeout=1500)
+    project: Path
+    venv: Path
+    env: dict[str, str]
+    build: subprocess.Popen
+
+    def built(self) -> None:
+        """Wait for the build script; it must have succeeded."""
+        try:
+            out, err = self.build.communicate(timeout=1500)
+        except subprocess.TimeoutExpired:
+            self.build.kill()
+            raise
+        assert self.build.returncode == 0, f"docker/build-env.sh {self.venv}\n{out[-4000:]}\n{err[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def moved_projects(tmp_path_factory) -> Iterator[dict[str, Moved]]:
+    """Per framework, the project moved elsewhere, its build script started; all build at once."""
+    moved = {}
+    for framework in catalog.FRAMEWORKS:
+        root = tmp_path_factory.mktemp(framework)
+        made = root / "made"
+        result = CliRunner().invoke(main, ["new", "moved", "-o", str(made), "--framework", framework],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        project = root / "elsewhere" / "moved"
+        shutil.copytree(made / "moved", project, symlinks=True)
+        shutil.rmtree(made)
+        venv = root / "env"
+        env = _clean_env(venv)
+        # The images' build steps, run as the Dockerfiles run them (minus the system packages).
+        build = subprocess.Popen(["docker/build-env.sh", str(venv)], cwd=project, env=dict(env, PYTHON=sys.executable),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        moved[framework] = Moved(project, venv, env, build)
+    yield moved
+    for each in moved.values():
+        if each.build.poll() is None:
+            each.build.kill()
+            each.build.wait()
+
+
+@pytest.mark.parametrize("framework", catalog.FRAMEWORKS)
+def test_project_sets_up_and_passes_its_tests_away_from_the_checkout(moved_projects, framework):
+    moved = moved_projects[framework]
+    project, venv, env = moved.project, moved.venv, moved.env
+    python = str(venv / "bin" / "python")
+    moved.built()
     # Then the README's set-up and test commands.
     _run(["make", "setup", f"PYTHON={python}"], project, env, timeout=600)
     tests = _run(["make", "test", f"PYTHON={python}"], project, env, timeout=600)
