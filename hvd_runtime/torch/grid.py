@@ -16,11 +16,12 @@ from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, Pipelin
 __all__ = ["PipelineConfigError", "PipelineDims", "PipelineRank", "init_pipeline"]
 
 
-def init_pipeline(stages: int, p2p: str = "torch", threads: int | None = None) -> PipelineRank:
+def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None) -> PipelineRank:
     """Initialise Horovod with the pipeline's process sets and open the neighbour links.
 
-    p2p: "torch" (torch.distributed gloo send/recv, the default: fastest, see docs/pipeline.md),
-    "alltoall" or "broadcast" (Horovod collectives in 2-rank process sets, framework-neutral).
+    p2p: "socket" (a TCP connection per neighbour pair, the default, as for TensorFlow: fastest,
+    see docs/pipeline.md), "torch" (torch.distributed gloo send/recv), "alltoall" or "broadcast"
+    (Horovod collectives in 2-rank process sets).
     threads: torch CPU threads for this rank; default cores / ranks on this host.
     """
     import horovod.torch as hvd
@@ -30,7 +31,7 @@ def init_pipeline(stages: int, p2p: str = "torch", threads: int | None = None) -
     from hvd_runtime.torch.p2p import LINKS, SocketTensorLink, TorchDistLink, init_torch_distributed
 
     if p2p not in LINKS:
-        raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'torch')")
+        raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'socket')")
     world = int(os.environ.get("HOROVOD_SIZE", "0")) or (hvd.size() if hvd.is_initialized() else 1)
     dims = PipelineDims(world=world, stages=stages)
     wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"))

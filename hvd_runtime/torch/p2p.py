@@ -4,7 +4,7 @@ Horovod has collectives only, no send/recv. A `Link` joins this rank to one peer
 a non-blocking `send` and a blocking `recv`. Three ways to build one are kept side by side, so
 `bench/p2p_bench.py` can measure them on the same code the pipeline runs:
 
-- `AlltoallLink` (the default): `hvd.alltoall` inside the 2-rank process set of the pair, the
+- `AlltoallLink`: `hvd.alltoall` inside the 2-rank process set of the pair, the
   sender splitting everything to the peer and the receiver sending an empty tensor. alltoall sizes
   its output from the sender's splits, so a message carries its own dtype and shape (a small
   header in front of the raw bytes) and costs one collective. Works the same for horovod.tensorflow.
@@ -12,8 +12,8 @@ a non-blocking `send` and a blocking `recv`. Three ways to build one are kept si
   must allocate the exact shape first, so an unknown shape costs a header broadcast first.
 - `TorchDistLink`: torch.distributed (gloo) `isend`/`recv`, a second communicator beside Horovod's.
   Real p2p, but torch only and one more rendezvous to set up.
-- `SocketTensorLink`: a TCP connection of the pair's own (hvd_runtime.socket_link), the link the
-  TensorFlow pipeline uses: a tensor goes as its header words and its host bytes.
+- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.socket_link),
+  the link the TensorFlow pipeline uses too: a tensor goes as its header words and its host bytes.
 
 Messages are matched by tag, so a pair may exchange activations and gradients in either order:
 each side posts its sends without waiting, and the step ends with `wait_sends()`.
