@@ -3,8 +3,9 @@
 Two links, one interface (`send` non-blocking, `recv` blocking, `wait_sends` once a step):
 
 - `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.socket_link);
-  a tensor goes as its header words and its host bytes. No Horovod on the way: measured 10-100x
-  faster per message than the collective below (bench/p2p_bench_tf.py, docs/pipeline.md).
+  a tensor goes as its header words and its host bytes. No Horovod on the way: measured 6-17x
+  faster per message than the collective below at activation sizes (bench/p2p_bench_tf.py,
+  docs/pipeline.md).
 - `AlltoallLink`: one `hvd.alltoall` inside the 2-rank process set of the pair (or the global set
   when the pair is the whole job): the sender splits its whole payload to the peer, the receiver
   contributes an empty tensor. alltoall sizes the output from the sender's splits, so the payload
