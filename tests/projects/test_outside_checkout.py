@@ -54,15 +54,16 @@ class Moved:
     venv: Path
     env: dict[str, str]
     build: subprocess.Popen
+    log: Path               # the build's output: a file, so a long build log never blocks it on a full pipe
 
     def built(self) -> None:
         """Wait for the build script; it must have succeeded."""
         try:
-            out, err = self.build.communicate(timeout=1500)
+            self.build.wait(timeout=1500)
         except subprocess.TimeoutExpired:
             self.build.kill()
             raise
-        assert self.build.returncode == 0, f"docker/build-env.sh {self.venv}\n{out[-4000:]}\n{err[-4000:]}"
+        assert self.build.returncode == 0, f"docker/build-env.sh {self.venv}\n{self.log.read_text()[-6000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,11 @@ def moved_projects(tmp_path_factory) -> Iterator[dict[str, Moved]]:
         venv = root / "env"
         env = _clean_env(venv)
         # The images' build steps, run as the Dockerfiles run them (minus the system packages).
-        build = subprocess.Popen(["docker/build-env.sh", str(venv)], cwd=project, env=dict(env, PYTHON=sys.executable),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        moved[framework] = Moved(project, venv, env, build)
+        log = root / "build-env.log"
+        with log.open("w") as out:
+            build = subprocess.Popen(["docker/build-env.sh", str(venv)], cwd=project,
+                                     env=dict(env, PYTHON=sys.executable), stdout=out, stderr=subprocess.STDOUT)
+        moved[framework] = Moved(project, venv, env, build, log)
     yield moved
     for each in moved.values():
         if each.build.poll() is None:
