@@ -30,11 +30,11 @@ def main() -> None:
         raise SystemExit(f"run with -np 2, got {hvd.size()} ranks")
     init_torch_distributed()
     me, peer = hvd.rank(), 1 - hvd.rank()
+    prev, next_ = connect_neighbours(hvd, 0 if me == 1 else None, 1 if me == 0 else None)
     links = {"hvd.alltoall": AlltoallLink(me, peer, hvd.global_process_set),
              "hvd.broadcast": BroadcastLink(me, peer, hvd.global_process_set),
              "torch.distributed": TorchDistLink(me, peer),
-             "socket": SocketTensorLink(next(link for link in connect_neighbours(hvd, 0 if me == 1 else None,
-                                                                                  1 if me == 0 else None) if link))}
+             "socket": SocketTensorLink(prev or next_)}
     rows = []
     for nbytes in SIZES:
         x = torch.randn(nbytes // 4)
