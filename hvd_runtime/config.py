@@ -22,20 +22,28 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    source: str = "digits"          # digits | npz | image_folder | synthetic
-    path: str = ""                  # .npz file or image folder, for those sources
+    source: str = "digits"          # digits | npz | image_folder | tokens | synthetic
+    path: str = ""                  # .npz file, image folder or token folder, for those sources
     val_fraction: float = 0.2       # held out from the training set when the source has no split
     image_size: int = 32            # image_folder: images are resized to image_size x image_size
     synthetic_samples: int = 4096   # synthetic: samples, features and classes
     synthetic_features: int = 64
     synthetic_classes: int = 10
+    workers: int = 2                # image_folder, tokens: processes per rank reading batches (0 = the rank itself)
 
 
 @dataclass
 class ModelConfig:
-    hidden: list[int] = field(default_factory=lambda: [128, 64])  # widths of the hidden layers
-    dropout: float = 0.0
-    batch_norm: bool = False        # BatchNorm after each hidden layer (see horovod.sync_batchnorm)
+    """The generated model.py reads the keys of its own model: mlp, resnet18 or gpt."""
+
+    hidden: list[int] = field(default_factory=lambda: [128, 64])  # mlp: widths of the hidden layers
+    dropout: float = 0.0            # mlp, gpt
+    batch_norm: bool = False        # mlp: BatchNorm after each hidden layer (see horovod.sync_batchnorm)
+    width: int = 64                 # resnet18: channels of its first stage; gpt: embedding width
+    layers: int = 4                 # gpt: transformer blocks
+    heads: int = 4                  # gpt: attention heads (width must divide by it)
+    context: int = 128              # gpt: tokens per training window
+    tie_embeddings: bool = True     # gpt: the output head shares the token embedding
 
 
 @dataclass
@@ -43,7 +51,8 @@ class TrainConfig:
     epochs: int = 20
     batch_size: int = 32            # per rank; the global batch is batch_size x world size
     eval_batch_size: int = 256
-    log_every: int = 10             # steps between averaged train-loss points sent to tracking; 0 = off
+    log_every: int = 10             # steps between averaged train-loss and throughput points; 0 = off
+    precision: str = "fp32"         # fp32 | bf16 | fp16 (fp16 needs a GPU: its gradients are loss-scaled)
 
 
 @dataclass
@@ -54,6 +63,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     scale_lr: bool = True           # lr x world size (Goyal et al.), since the global batch grows with it
     warmup_epochs: float = 2.0      # linear ramp from lr to the scaled lr, then constant
+    clip_norm: float = 0.0          # clip gradients to this global norm after the allreduce; 0 = off
 
 
 @dataclass
@@ -178,12 +188,14 @@ def partition_spec(text: str) -> str | list:
 
 # Settings with a fixed set of values: checked at start-up, before any rank does work.
 CHOICES = {
-    "data.source": ("digits", "npz", "image_folder", "synthetic"),
+    "data.source": ("digits", "npz", "image_folder", "tokens", "synthetic"),
+    "train.precision": ("fp32", "bf16", "fp16"),
     "optim.name": ("sgd", "adam", "adamw"),
     "parallel.schedule": ("gpipe", "1f1b"),
 }
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
-                "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches")
+                "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches",
+                "model.width", "model.layers", "model.heads", "model.context")
 
 
 def check_values(config) -> None:
@@ -194,8 +206,21 @@ def check_values(config) -> None:
     for key in AT_LEAST_ONE:
         if key in flat and flat[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {flat[key]}")
-    if flat.get("data.source") in ("npz", "image_folder") and not flat.get("data.path"):
+    for key in ("data.workers", "optim.clip_norm"):
+        if key in flat and flat[key] < 0:
+            raise ConfigError(f"{key} must be 0 or more, got {flat[key]}")
+    if flat.get("data.source") in ("npz", "image_folder", "tokens") and not flat.get("data.path"):
         raise ConfigError(f"data.source {flat['data.source']} needs data.path: e.g. --data.path my_data.npz")
+
+
+def check_framework_support(config, framework: str) -> None:
+    """Settings this release offers for PyTorch only: refused at start-up rather than silently ignored."""
+    if framework == "tensorflow":
+        if config.train.precision != "fp32":
+            raise ConfigError(f"train.precision {config.train.precision} is offered for PyTorch projects only "
+                              "in this release: use fp32")
+        if config.optim.clip_norm:
+            raise ConfigError("optim.clip_norm is offered for PyTorch projects only in this release: set it to 0")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RunConfig):

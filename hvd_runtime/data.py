@@ -1,8 +1,11 @@
-"""Datasets as in-memory NumPy arrays, and how they are cut into per-rank shards.
+"""Datasets, and how they are cut into per-rank shards.
 
-Framework-free: the torch and TF runtimes both batch from these arrays. Nothing here downloads:
-the default dataset (scikit-learn's digits) ships inside a package, and the other sources read
-the user's own files or make synthetic data for benchmarks.
+A split is anything with a length and `take(indices, epoch)` returning a batch as NumPy arrays:
+small data lives in memory (`Split`); an image folder (hvd_runtime.image_files) and a token file
+(hvd_runtime.tokens) are read from disk batch by batch, so a dataset larger than memory trains.
+Framework-free: the torch and TF runtimes both batch from these. Nothing here downloads: the
+default dataset (scikit-learn's digits) ships inside a package, and the other sources read the
+user's own files or make synthetic data for benchmarks.
 """
 
 from __future__ import annotations
@@ -16,9 +19,6 @@ import numpy as np
 
 from hvd_runtime.config import ConfigError
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
-
-
 class DataError(ConfigError):
     """The configured data cannot be read: a missing or malformed file, a folder without classes.
 
@@ -29,23 +29,37 @@ class DataError(ConfigError):
 
 @dataclass(frozen=True)
 class Split:
+    """Samples held in memory: the batchers slice them directly, with no worker processes."""
+
     x: np.ndarray  # float32, (N, ...)
     y: np.ndarray  # int64, (N,)
+    streamed = False
 
     def __len__(self) -> int:
         return len(self.y)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    def take(self, indices: np.ndarray, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[indices], self.y[indices]
+
+    def first(self, n: int) -> np.ndarray:
+        """The inputs of the first n samples: an example batch (tracing, partitioning, model signatures)."""
+        return self.take(np.arange(min(n, len(self))))[0]
 
 
 @dataclass(frozen=True)
 class Dataset:
     train: Split
     val: Split
-    num_classes: int
+    num_classes: int            # classes, or a language model's vocabulary size
     classes: tuple[str, ...] = ()
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.train.x.shape[1:])
+        return self.train.sample_shape
 
 
 def split_train_val(x: np.ndarray, y: np.ndarray, val_fraction: float, seed: int) -> tuple[Split, Split]:
@@ -114,31 +128,17 @@ def load_npz(path: str | Path, val_fraction: float = 0.2, seed: int = 0) -> Data
 
 
 def load_image_folder(path: str | Path, image_size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Dataset:
-    """ROOT/<class name>/<image>: one sub-folder per class, images resized to a square, RGB, CHW."""
-    from PIL import Image
+    """ROOT/<class>/<image> (or ROOT/train/<class>/..., ROOT/val/<class>/...), read batch by batch."""
+    from hvd_runtime.image_files import load_image_folder as load
 
-    root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"data.path {str(root)!r} is not a folder: use ROOT/<class>/<image files>")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
-    if not classes:
-        raise DataError(f"data.path {str(root)!r} has no class sub-folders: use ROOT/<class>/<image files>")
-    images, labels = [], []
-    for label, name in enumerate(classes):
-        for file in sorted((root / name).iterdir()):
-            if file.suffix.lower() in IMAGE_SUFFIXES:
-                try:
-                    with Image.open(file) as img:
-                        rgb = img.convert("RGB").resize((image_size, image_size))
-                except OSError as exc:  # PIL's UnidentifiedImageError is one
-                    raise DataError(f"{file} is not a readable image ({exc}): "
-                                    f"replace or remove it from data.path") from exc
-                images.append(np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / 255.0)
-                labels.append(label)
-    if not images:
-        raise DataError(f"data.path {str(root)!r} has class folders but no images "
-                        f"({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return _finish(np.stack(images), np.asarray(labels), val_fraction, seed, classes)
+    return load(path, image_size, val_fraction, seed)
+
+
+def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
+    """PATH/train.bin and PATH/val.bin (uint16 tokens) with PATH/meta.json, read in context windows."""
+    from hvd_runtime.tokens import load_tokens as load
+
+    return load(path, context, seed)
 
 
 def make_synthetic(samples: int, features: int, classes: int, val_fraction: float = 0.2, seed: int = 0) -> Dataset:
@@ -150,14 +150,18 @@ def make_synthetic(samples: int, features: int, classes: int, val_fraction: floa
     return _finish(x, y, val_fraction, seed)
 
 
-def load_dataset(cfg, seed: int = 0) -> Dataset:
-    """Dispatch on `cfg.source` (a DataConfig)."""
+def load_dataset(cfg, seed: int = 0, context: int | None = None) -> Dataset:
+    """Dispatch on `cfg.source` (a DataConfig); `context` is a language model's window, for tokens."""
+    if cfg.source == "tokens" and context is None:
+        raise DataError("data.source tokens feeds a language model: generate one with hvdgen new --model gpt, "
+                        "or choose another data.source")
     loaders = {
         "digits": lambda: load_digits(cfg.val_fraction, seed),
         "npz": lambda: load_npz(cfg.path, cfg.val_fraction, seed),
         "image_folder": lambda: load_image_folder(cfg.path, cfg.image_size, cfg.val_fraction, seed),
         "synthetic": lambda: make_synthetic(cfg.synthetic_samples, cfg.synthetic_features, cfg.synthetic_classes,
                                             cfg.val_fraction, seed),
+        "tokens": lambda: load_tokens(cfg.path, context, seed),
     }
     if cfg.source not in loaders:
         raise DataError(f"unknown data.source {cfg.source!r}: choose one of {', '.join(loaders)}")

@@ -15,6 +15,7 @@ import numpy as np
 
 from hvd_runtime.checkpoint import TrainState
 from hvd_runtime.progress import progress
+from hvd_runtime.throughput import Throughput
 from hvd_runtime.timeline import load_timeline, measured_bubble, plot_timeline
 
 
@@ -24,13 +25,14 @@ def train_pipeline_epoch(engine, batches, state: TrainState, is_root: bool, log_
     """Train the rest of epoch `state.epoch`; return train_loss and train_<metric> means.
 
     before_step(step) runs before each step (e.g. a learning-rate schedule); every `log_every`
-    steps, on_log({"step_train_loss": loss}, step).
+    steps, on_log({"step_train_loss": loss, <throughput since the last point>}, step).
     """
     sums: dict[str, float] = {}
     seen = 0
-    batch_iter = batches.batches(state.epoch, state.samples_in_epoch)
-    for x, y in progress(batch_iter, enabled=is_root, desc=f"epoch {state.epoch}",
-                         total=batches.steps(state.samples_in_epoch)):
+    speed = Throughput(batches.samples_per_step)
+    batch_iter = progress(batches.batches(state.epoch, state.samples_in_epoch), enabled=is_root,
+                          desc=f"epoch {state.epoch}", total=batches.steps(state.samples_in_epoch))
+    for x, y in batch_iter:
         if before_step is not None:
             before_step(state.step)
         # Horovod: one step of the schedule; loss and metrics come averaged over replicas.
@@ -41,10 +43,17 @@ def train_pipeline_epoch(engine, batches, state: TrainState, is_root: bool, log_
         seen += n
         state.step += 1
         state.samples_in_epoch += batches.samples_per_step
+        speed.tokens_per_sample = int(np.prod(np.shape(y)[1:]))  # a language model's targets: one per token
+        speed.step()
         if log_every and on_log is not None and state.step % log_every == 0:
-            on_log({"step_train_loss": loss}, state.step)
+            point = {"step_train_loss": loss, **speed.since_last()}
+            if hasattr(batch_iter, "set_postfix_str"):
+                batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
+            on_log(point, state.step)
     state.epoch, state.samples_in_epoch = state.epoch + 1, 0
-    return {name: total / seen for name, total in sums.items()} if seen else {}
+    if not seen:
+        return {}
+    return {name: total / seen for name, total in sums.items()} | {f"train_{k}": v for k, v in speed.epoch().items()}
 
 
 def evaluate_pipeline(engine, batches) -> dict[str, float]:

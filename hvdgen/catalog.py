@@ -4,6 +4,16 @@ from __future__ import annotations
 
 FRAMEWORKS = ("torch", "tensorflow")
 STRATEGIES = ("data", "model-split", "pipeline")
+# The models a project can start from: model.py, data.py and config.yaml follow the choice.
+MODELS = {
+    "mlp": "a small multi-layer perceptron on 8x8 digits (fast; the default)",
+    "resnet18": "ResNet-18 for small images (digits by default, or your image folder streamed from disk)",
+    "gpt": "a GPT-style decoder-only language model over a token file read through memmap",
+}
+# Blocks each model is built of, at its generated config: the most stages it can be cut into.
+MODEL_BLOCKS = {"mlp": 4, "resnet18": 10, "gpt": 6}
+# (framework, model) pairs this release generates; the others are refused with one line.
+MODEL_FRAMEWORKS = {("torch", "mlp"), ("torch", "resnet18"), ("torch", "gpt"), ("tensorflow", "mlp")}
 
 # The framework release each generated project pins: the one this hvdgen release is tested with.
 # scripts/setup.sh installs the same (a test keeps the two in step).
@@ -24,7 +34,16 @@ def is_available(framework: str, strategy: str) -> bool:
     return (framework, strategy) in AVAILABLE
 
 
+def model_is_available(framework: str, model: str) -> bool:
+    return (framework, model) in MODEL_FRAMEWORKS
+
+
 def rows() -> list[tuple[str, str, bool, str]]:
     """Every framework x strategy, available or not, for `hvdgen list`."""
     return [(f, s, is_available(f, s), AVAILABLE.get((f, s), "not yet available"))
             for f in FRAMEWORKS for s in STRATEGIES]
+
+
+def model_rows() -> list[tuple[str, str, list[str]]]:
+    """Every model, what it is, and the frameworks that generate it (with every available strategy)."""
+    return [(m, what, [f for f in FRAMEWORKS if model_is_available(f, m)]) for m, what in MODELS.items()]

@@ -70,17 +70,21 @@ def install_horovod_cmd(jobs: int, force: bool, cpu_only: bool, cuda_arch: str |
 @main.command("list")
 def list_cmd() -> None:
     """Show every framework x strategy and whether this release can generate it."""
-    from hvdgen.catalog import rows
+    from hvdgen.catalog import model_rows, rows
 
     for framework, strategy, available, what in rows():
         mark = "available" if available else "planned  "
         click.echo(f"{framework:<11} {strategy:<12} {mark}  {what}")
+    click.echo("\nmodels (--model), each with every strategy above:")
+    for model, what, frameworks in model_rows():
+        click.echo(f"{model:<11} {'+'.join(frameworks):<17} {what}")
 
 
 @main.command("new")
 @click.argument("name")
 @click.option("--framework", "-f", default="torch", show_default=True, help="torch or tensorflow.")
 @click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split or pipeline.")
+@click.option("--model", "-m", default="mlp", show_default=True, help="mlp, resnet18 or gpt (see hvdgen list).")
 @click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Directory in which the project folder NAME is created.")
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
@@ -89,7 +93,7 @@ def list_cmd() -> None:
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
-def new_cmd(name: str, framework: str, strategy: str, stages: int | None, micro_batches: int | None,
+def new_cmd(name: str, framework: str, strategy: str, model: str, stages: int | None, micro_batches: int | None,
             schedule: str | None, elastic: bool, output: Path, dry_run: bool, force: bool) -> None:
     """Generate a training project NAME."""
     from hvdgen.errors import HvdgenError
@@ -104,7 +108,7 @@ def new_cmd(name: str, framework: str, strategy: str, stages: int | None, micro_
     if schedule is not None and strategy == "model-split":
         raise HvdgenError("--schedule applies to --strategy pipeline (model-split runs its micro-batches in order): "
                           "drop --schedule, or use --strategy pipeline")
-    spec = ProjectSpec(name=name, framework=framework, strategy=strategy, elastic=elastic, **given)
+    spec = ProjectSpec(name=name, framework=framework, strategy=strategy, model=model, elastic=elastic, **given)
     target = output / name
     result = generate(spec, target, force=force, dry_run=dry_run)
     if dry_run:
@@ -115,7 +119,7 @@ def new_cmd(name: str, framework: str, strategy: str, stages: int | None, micro_
             click.echo("over the existing project, --force would change:")
             click.echo("\n".join(result.plan.lines()) or "  nothing")
         return
-    click.echo(f"created {target} ({framework}, {strategy}, {len(result.files)} files)")
+    click.echo(f"created {target} ({framework}, {strategy}, {model}, {len(result.files)} files)")
     if result.plan is not None:
         click.echo("\n".join(result.plan.lines()) or "  (no generated file changed)")
         for rel in result.plan.user_changed:

@@ -35,6 +35,7 @@ PARTIAL_PREFIX = "_"  # included by other templates, never written on its own
 # Files only some projects get: output path -> whether this spec gets it.
 ONLY_WHEN = {
     "discover_hosts.sh": lambda spec: spec.elastic,
+    "prepare_tokens.py": lambda spec: spec.model == "gpt",
 }
 
 

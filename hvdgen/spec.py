@@ -22,9 +22,12 @@ TAKEN_NAMES = frozenset({"hvdgen", "hvd-runtime", "horovod", "torch", "tensorflo
                          "scikit-learn", "sklearn", "matplotlib", "pytest", "click", "jinja2", "pyyaml", "yaml",
                          "tqdm", "cloudpickle", "psutil", "packaging", "cffi", "jsonschema", "setuptools", "pip",
                          "wheel", "hatchling", "cmake", "train", "model", "data", "tests"})
-# The generated model and config: what --stages and --micro-batches can split.
-MODEL_BLOCKS = 4   # flatten, two hidden layers, the head (config.yaml model.hidden: [128, 64])
+# The generated config: what --micro-batches can split (model blocks: catalog.MODEL_BLOCKS).
 BATCH_SIZE = 32    # per rank (config.yaml train.batch_size)
+BLOCKS_DESCRIBED = {"mlp": "flatten, 2 hidden layers, head", "resnet18": "stem, 8 residual blocks, head",
+                    "gpt": "embedding, 4 transformer layers, head"}
+HOW_TO_ADD_BLOCKS = {"mlp": "add hidden layers (config.yaml model.hidden)", "resnet18": "split inside a block in model.py",
+                     "gpt": "add transformer layers (config.yaml model.layers)"}
 
 
 def package_name(name: str) -> str:
@@ -60,6 +63,7 @@ class ProjectSpec:
     name: str
     framework: str = "torch"
     strategy: str = "data"
+    model: str = "mlp"     # mlp | resnet18 | gpt (catalog.MODELS)
     elastic: bool = False  # Horovod elastic: survive lost workers (hvd.elastic.run, host discovery)
     stages: int = 2        # model-split: devices per worker; pipeline: ranks per pipeline
     micro_batches: int = 4
@@ -69,7 +73,7 @@ class ProjectSpec:
 
     def __post_init__(self) -> None:
         validate_name(self.name)
-        for key in ("framework", "strategy", "schedule", "hvdgen_version"):
+        for key in ("framework", "strategy", "model", "schedule", "hvdgen_version"):
             if not isinstance(getattr(self, key), str):
                 raise HvdgenError(f"{key} must be text, got {getattr(self, key)!r}: e.g. {key}: "
                                   f"{getattr(ProjectSpec, key, None) or __version__}")
@@ -87,12 +91,19 @@ class ProjectSpec:
             offered = ", ".join(f"{f}/{s}" for f, s in catalog.AVAILABLE)
             raise HvdgenError(f"{self.framework}/{self.strategy} is not available in hvdgen {__version__}: "
                               f"choose one of {offered} (see hvdgen list)")
+        if self.model not in catalog.MODELS:
+            raise HvdgenError(f"unknown model {self.model!r}: choose one of {', '.join(catalog.MODELS)}")
+        if not catalog.model_is_available(self.framework, self.model):
+            frameworks = [f for f in catalog.FRAMEWORKS if catalog.model_is_available(f, self.model)]
+            raise HvdgenError(f"--model {self.model} is not available for {self.framework} in hvdgen {__version__}: "
+                              f"use --framework {' or '.join(frameworks)}, or --model mlp (see hvdgen list)")
         if not _whole(self.stages) or self.stages < 2:
             raise HvdgenError(f"--stages must be an integer of at least 2, got {self.stages!r}: e.g. --stages 2")
-        if self.stages > MODEL_BLOCKS:
-            raise HvdgenError(f"--stages {self.stages} is more than the {MODEL_BLOCKS} blocks of the generated model "
-                              f"(flatten, 2 hidden layers, head): use --stages {MODEL_BLOCKS} or fewer; for more, add "
-                              "hidden layers (config.yaml model.hidden) and raise parallel.stages there")
+        blocks = catalog.MODEL_BLOCKS.get(self.model, 0)
+        if self.stages > blocks:
+            raise HvdgenError(f"--stages {self.stages} is more than the {blocks} blocks of the generated {self.model} "
+                              f"({BLOCKS_DESCRIBED[self.model]}): use --stages {blocks} or fewer; for more, "
+                              f"{HOW_TO_ADD_BLOCKS[self.model]} and raise parallel.stages there")
         if not _whole(self.micro_batches) or self.micro_batches < 1:
             raise HvdgenError(f"--micro-batches must be a positive integer, got {self.micro_batches!r}: "
                               "e.g. --micro-batches 4")

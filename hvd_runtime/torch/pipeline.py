@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline_engine import PipelineEngineBase
 from hvd_runtime.pipeline_grid import micro_batch_sizes
 from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims, PipelineRank, init_pipeline
+from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.stage import build_stage, plan_stages
 
 __all__ = ["PipelineConfigError", "PipelineDims", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
@@ -36,12 +38,17 @@ class PipelineEngine(PipelineEngineBase):
 
     def __init__(self, stage: torch.nn.Module, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
                  micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
-                 device=None):
+                 device=None, precision: str = "fp32", clip_norm: float = 0.0):
         import horovod.torch as hvd
 
         super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
         self.stage, self.loss_fn, self.optimizer = stage, loss_fn, optimizer
         self.device = torch.device(device) if device else next(stage.parameters(), torch.empty(0)).device
+        if precision == "fp16":  # one loss scale would have to be agreed by every stage, every step
+            raise ConfigError("train.precision fp16 is not offered for the pipeline strategy: use bf16 (no loss "
+                              "scaling needed) or fp32")
+        self._autocast = Precision(precision, self.device).autocast
+        self.clip_norm = clip_norm
         self._saved: dict[int, tuple] = {}     # micro-batch -> (input, output to backpropagate)
         self._sync_replicas()
 
@@ -60,7 +67,7 @@ class PipelineEngine(PipelineEngineBase):
         inp = inp.to(self.device)
         if train and not self.dims.is_first:
             inp.requires_grad_(True)
-        with torch.set_grad_enabled(train):
+        with torch.set_grad_enabled(train), self._autocast():
             out = self.stage(inp)
             loss = self.loss_fn(out, y.to(self.device)) if self.dims.is_last else None
         if train:
@@ -88,18 +95,34 @@ class PipelineEngine(PipelineEngineBase):
         self.optimizer.zero_grad(set_to_none=False)
 
     def _finish_step(self):
-        if self.dims.dp_set is not None:
-            params = [p for p in self.stage.parameters() if p.requires_grad]
-            if not params:  # every replica of a weight-free stage agrees: nothing to average
-                self.optimizer.step()
-                return
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        # every replica of a weight-free stage agrees: nothing to average
+        if self.dims.dp_set is not None and params:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             # Horovod: average this stage's gradients over its dp replicas only
             self.hvd.grouped_allreduce_([p.grad for p in params], op=self.hvd.Average, name="pp.grads",
                                         process_set=self.dims.dp_set)
+        if self.clip_norm:
+            self._clip_gradients()
         self.optimizer.step()
+
+    def _clip_gradients(self) -> None:
+        """Scale every stage's gradients so that the whole model's gradient norm is at most clip_norm.
+
+        The norm is the model's, not the stage's: squared norms are summed over all ranks (every
+        replica holds the same averaged gradients, so the sum is divided by the replicas), exactly
+        what torch.nn.utils.clip_grad_norm_ computes on the unsplit model.
+        """
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        squares = sum((g.detach().double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        # Horovod: every rank's share of the squared norm, summed over the whole job
+        total = self.hvd.allreduce(squares.cpu(), op=self.hvd.Sum, name="pp.grad_norm") / self.dims.replicas
+        scale = self.clip_norm / (total.sqrt().item() + 1e-6)
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
 
     def _allreduce_sum(self, values, name):
         return self.hvd.allreduce(torch.from_numpy(values), op=self.hvd.Sum, name=name).numpy()

@@ -1,0 +1,100 @@
+"""A language model's data: a flat file of uint16 tokens, read through np.memmap in context windows.
+
+The format nanoGPT uses: PATH/train.bin and PATH/val.bin hold the tokens back to back, and
+PATH/meta.json names the vocabulary size ({"vocab_size": 256} for bytes, as the project's
+prepare_tokens.py writes). Nothing is loaded: a batch reads only its windows' pages, so a token
+file of any size trains. Sample i of an epoch is the window starting at offset + i * context,
+its target the same window one token later; the offset is drawn per epoch for training (seeded,
+so a resumed job draws the same), which moves the window boundaries from epoch to epoch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hvd_runtime.data import Dataset, DataError
+
+TOKEN_DTYPE = np.uint16
+FILES = ("train.bin", "val.bin")
+MAKE_THEM = "make them with: python prepare_tokens.py my_text.txt --out DIR"
+
+
+@dataclass(frozen=True)
+class TokenWindows:
+    """Windows of `context` tokens (inputs) and the same shifted by one (targets)."""
+
+    path: str
+    context: int
+    shift_seed: int | None = None    # None: fixed windows from offset 0 (validation)
+    streamed = True
+
+    @property
+    def tokens(self) -> np.memmap:
+        # Opened on use, not held: a DataLoader worker pickles the split, and a path travels better.
+        return np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+
+    @property
+    def token_count(self) -> int:
+        return Path(self.path).stat().st_size // np.dtype(TOKEN_DTYPE).itemsize
+
+    def __len__(self) -> int:
+        room = self.token_count - 1 - (self.context - 1 if self.shift_seed is not None else 0)
+        return max(0, room // self.context)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return (self.context,)
+
+    def offset(self, epoch: int) -> int:
+        if self.shift_seed is None:
+            return 0
+        return int(np.random.default_rng((self.shift_seed, epoch)).integers(self.context))
+
+    def take(self, indices: np.ndarray, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        starts = self.offset(epoch) + np.asarray(indices, dtype=np.int64) * self.context
+        windows = self.tokens[starts[:, None] + np.arange(self.context + 1)].astype(np.int64)
+        return windows[:, :-1], windows[:, 1:]
+
+    def first(self, n: int) -> np.ndarray:
+        return self.take(np.arange(min(n, len(self))))[0]
+
+
+def vocab_size(root: Path) -> int:
+    meta = root / "meta.json"
+    try:
+        size = json.loads(meta.read_text())["vocab_size"]
+    except FileNotFoundError:
+        raise DataError(f"data.path {str(root)!r} has no meta.json naming the vocabulary size: "
+                        f"{MAKE_THEM}, or write {{\"vocab_size\": N}} there") from None
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{meta} must be JSON with an integer vocab_size, e.g. {{\"vocab_size\": 256}}") from None
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 < size <= np.iinfo(TOKEN_DTYPE).max + 1:
+        raise DataError(f"{meta}: vocab_size must be an integer from 2 to 65536 (tokens are uint16), got {size!r}")
+    return size
+
+
+def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"data.path {str(root)!r} is not a folder holding {' and '.join(FILES)}: {MAKE_THEM}")
+    if context < 1:
+        raise DataError(f"model.context must be at least 1, got {context}")
+    for name in FILES:
+        if not (root / name).is_file():
+            raise DataError(f"data.path {str(root)!r} has no {name}: {MAKE_THEM}")
+        size = (root / name).stat().st_size
+        if size % np.dtype(TOKEN_DTYPE).itemsize:
+            raise DataError(f"{root / name} is {size} bytes, not a whole number of uint16 tokens: {MAKE_THEM}")
+    vocab = vocab_size(root)
+    train = TokenWindows(str(root / "train.bin"), context, shift_seed=seed)
+    val = TokenWindows(str(root / "val.bin"), context)
+    for name, split in zip(FILES, (train, val)):
+        if len(split) < 1:
+            need = context + 1 + (context - 1 if split.shift_seed is not None else 0)
+            raise DataError(f"{root / name} holds {split.token_count} tokens, fewer than the {need} one context "
+                            f"window needs (model.context {context}): use more text, or lower model.context")
+    return Dataset(train, val, num_classes=vocab)

@@ -1,0 +1,56 @@
+"""Mixed precision under Horovod: autocast for the forward pass, loss scaling for fp16, clipping.
+
+bf16 keeps fp32's exponent range, so it needs no loss scaling: autocast alone, on CPU or GPU.
+fp16 does: the loss is scaled up before backward so small gradients survive, and unscaled before
+the update. Under Horovod the order matters: wait for the allreduced gradients (synchronize),
+unscale them, clip them by their global norm, then step *without* a second synchronize. Every
+rank then unscales the same averaged gradients, so every rank skips the same overflowed steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from hvd_runtime.config import ConfigError
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, name: str, device: torch.device, clip_norm: float = 0.0):
+        if name not in DTYPES:
+            raise ConfigError(f"train.precision is {name!r}: choose one of {', '.join(DTYPES)}")
+        if name == "fp16" and torch.device(device).type != "cuda":
+            raise ConfigError("train.precision fp16 needs a GPU (its loss scaling is CUDA's): "
+                              "use bf16 on the CPU, or fp32")
+        self.name, self.device, self.clip_norm = name, torch.device(device), clip_norm
+        self.dtype = DTYPES[name]
+        self.scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None
+
+    def autocast(self):
+        """Forward pass and loss in the low-precision dtype where it is safe; a no-op for fp32."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer, parameters) -> None:
+        """Apply the averaged gradients: optimizer is Horovod's DistributedOptimizer."""
+        if self.scaler is None and not self.clip_norm:
+            optimizer.step()  # Horovod: waits for the allreduced gradients, then applies them
+            return
+        optimizer.synchronize()  # Horovod: the averaged gradients, before touching them
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if self.clip_norm:
+            torch.nn.utils.clip_grad_norm_(parameters, self.clip_norm)
+        with optimizer.skip_synchronize():  # Horovod: already synchronized above
+            if self.scaler is not None:
+                self.scaler.step(optimizer)
+                self.scaler.update()
+            else:
+                optimizer.step()
