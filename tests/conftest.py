@@ -26,3 +26,19 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)
+
+
+@pytest.fixture(scope="session")
+def workload_projects(tmp_path_factory) -> dict[str, Path | None]:
+    """Torch projects generated with --model resnet18 and --model gpt, for their model.py (mlp: the tests' own)."""
+    from click.testing import CliRunner
+
+    from hvdgen.cli import main as cli
+
+    root = tmp_path_factory.mktemp("workloads")
+    projects: dict[str, Path | None] = {"mlp": None}
+    for model in ("resnet18", "gpt"):
+        result = CliRunner().invoke(cli, ["new", model, "--model", model, "--output", str(root)])
+        assert result.exit_code == 0, result.output
+        projects[model] = root / model
+    return projects

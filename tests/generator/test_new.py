@@ -85,9 +85,28 @@ def test_dry_run_writes_nothing(tmp_path):
 
 def test_list_shows_every_combination():
     result = run("list")
-    lines = result.output.strip().splitlines()
+    strategies, models = result.output.strip().split("\n\n")
+    lines = strategies.splitlines()
     assert len(lines) == len(catalog.FRAMEWORKS) * len(catalog.STRATEGIES)
     assert any(line.startswith("torch") and "data" in line and "available" in line for line in lines)
+    model_lines = models.splitlines()[1:]
+    assert [line.split()[:2] for line in model_lines] == [["mlp", "torch+tensorflow"], ["resnet18", "torch"],
+                                                          ["gpt", "torch"]]
+
+
+@pytest.mark.parametrize("args,problem", [
+    (["--model", "bert"], "unknown model 'bert': choose one of mlp, resnet18, gpt"),
+    (["--model", "gpt", "--framework", "tensorflow"],
+     "--model gpt is not available for tensorflow in hvdgen 0.1.0: use --framework torch, or --model mlp"),
+    (["--model", "gpt", "--strategy", "pipeline", "--stages", "7"],
+     "--stages 7 is more than the 6 blocks of the generated gpt (embedding, 4 transformer layers, head): use "
+     "--stages 6 or fewer; for more, add transformer layers (config.yaml model.layers)"),
+])
+def test_a_model_that_cannot_be_generated_is_refused_in_one_line(tmp_path, args, problem):
+    result = run("new", "proj", "--output", str(tmp_path), *args)
+    assert result.exit_code != 0
+    assert problem in result.output and result.output.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_starts_without_importing_frameworks():

@@ -11,28 +11,50 @@ from hvdgen.render import check_tree, render_tree
 from hvdgen.spec import ProjectSpec
 
 
-@pytest.mark.parametrize("framework, strategy", sorted(catalog.AVAILABLE))
-def test_renders_and_parses(tmp_path, framework, strategy):
-    spec = ProjectSpec(name="proj", framework=framework, strategy=strategy)
+SHAPES = [(f, s, m) for f, s in sorted(catalog.AVAILABLE) for m in catalog.MODELS
+          if catalog.model_is_available(f, m)]
+
+
+@pytest.mark.parametrize("framework, strategy, model", SHAPES)
+def test_renders_and_parses(tmp_path, framework, strategy, model):
+    spec = ProjectSpec(name="proj", framework=framework, strategy=strategy, model=model)
     written = render_tree(spec, tmp_path)
     check_tree(tmp_path)
     assert {"train.py", "model.py", "data.py", "config.yaml", "README.md", "Makefile"} <= set(written)
 
 
-@pytest.mark.parametrize("framework, strategy", sorted(catalog.AVAILABLE))
-def test_config_file_sets_every_runtime_field(tmp_path, framework, strategy):
-    """The generated config.yaml is the user's documentation: it must list every setting."""
-    render_tree(ProjectSpec(name="proj", framework=framework, strategy=strategy), tmp_path)
-    load_config(tmp_path / "config.yaml")  # validates keys and types
-    data = yaml.safe_load((tmp_path / "config.yaml").read_text())
+# The settings each model reads; a config.yaml lists its own model's and none of the others'.
+MODEL_KEYS = {"mlp": {"model.hidden", "model.dropout", "model.batch_norm"}, "resnet18": {"model.width"},
+              "gpt": {"model.layers", "model.heads", "model.width", "model.context", "model.dropout",
+                      "model.tie_embeddings"}}
+TOKEN_DATA_KEYS = {"data.source", "data.path", "data.workers"}   # a token folder has its own split and sizes
+TORCH_ONLY = {"train.precision", "optim.clip_norm", "data.workers"}
 
-    def keys(node, prefix=""):
-        out = set()
-        for k, v in node.items():
-            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
-        return out
 
+def keys(node: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for k, v in node.items():
+        out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+    return out
+
+
+def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
     expected = keys(dataclasses.asdict(RunConfig()))
     if strategy == "data":  # the stage settings only appear where there are stages
         expected = {k for k in expected if not k.startswith("parallel.")}
-    assert keys(data) == expected
+    expected = {k for k in expected if not k.startswith("model.")} | MODEL_KEYS[model]
+    if model == "gpt":  # AdamW: no momentum; tokens: no image or synthetic settings
+        expected = {k for k in expected if not k.startswith("data.") and k != "optim.momentum"} | TOKEN_DATA_KEYS
+    if framework == "tensorflow":
+        expected -= TORCH_ONLY
+    return expected
+
+
+@pytest.mark.parametrize("framework, strategy, model", SHAPES)
+def test_config_file_sets_every_runtime_field(tmp_path, framework, strategy, model):
+    """The generated config.yaml is the user's documentation: it must list every setting that applies."""
+    render_tree(ProjectSpec(name="proj", framework=framework, strategy=strategy, model=model), tmp_path)
+    load_config(tmp_path / "config.yaml")  # validates keys and types
+    data = yaml.safe_load((tmp_path / "config.yaml").read_text())
+
+    assert keys(data) == applicable_keys(framework, strategy, model)

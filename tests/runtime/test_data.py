@@ -133,7 +133,7 @@ def test_image_folder(tmp_path):
     with pytest.raises(DataError, match=r"dogs/notes.png is not a readable image \(cannot identify image file .*\): "
                                         r"replace or remove it from data.path$"):
         load_image_folder(tmp_path, image_size=8)
-    with pytest.raises(DataError, match=r"has no class sub-folders: use ROOT/<class>/<image files>$"):
+    with pytest.raises(DataError, match=r"has no class sub-folders: use ROOT/<class>/<image files>, or ROOT/train/"):
         load_image_folder(tmp_path / "cats", image_size=8)
 
 

@@ -3,8 +3,10 @@
     horovodrun -np 2 --gloo python pipeline_step.py --stages 2 --schedule 1f1b --micro-batches 4 --out r.json
 
 Every rank computes the single-process reference itself (the whole global batch through the
-whole model, plain SGD) and compares its own stage's parameters after the steps, and the
-reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
+whole model, plain SGD; for a model with BatchNorm, the same micro-batches one after the other,
+since BatchNorm's statistics are a micro-batch's) and compares its own stage's parameters after
+the steps, and the reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
+`--model resnet18|gpt --project DIR` splits a generated project's model instead of the MLP here.
 """
 
 import sys
@@ -12,13 +14,14 @@ from pathlib import Path
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hvd_runtime.torch.objective import accuracy, accuracy_sum, cross_entropy
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
+from workloads import load_workload  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 
@@ -31,55 +34,80 @@ def make_model(flatten_first: bool = False) -> nn.Sequential:
     return nn.Sequential(*([nn.Flatten()] if flatten_first else []), *blocks)
 
 
-def accuracy(out, y):
-    return {"accuracy": (out.argmax(1) == y).float().mean().item()}
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not a.is_floating_point():  # a step counter (BatchNorm's num_batches_tracked): exact or not
+        return float(not torch.equal(a, b))
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def mlp_batch(g, n):
+    return torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def reference_step(ref, opt, x, y, micro_batches: int | None, clip_norm: float) -> tuple[float, float, bool]:
+    """One SGD step of the unsplit model: the whole batch, or (BatchNorm) the pipeline's micro-batches.
+
+    With micro-batches each chunk's loss is weighted by its share of the batch, so the summed
+    gradients are the whole batch's mean. Returns loss, accuracy and whether clipping acted.
+    """
+    opt.zero_grad()
+    chunks = list(zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches))) if micro_batches else [(x, y)]
+    loss_total, hits = 0.0, 0.0
+    for xc, yc in chunks:
+        out = ref(xc)
+        loss = cross_entropy(out, yc) * (len(yc) / len(y))
+        loss.backward()
+        loss_total += loss.item()
+        hits += accuracy_sum(out.detach(), yc).item()
+    clipped = False
+    if clip_norm:
+        clipped = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip_norm).item() > clip_norm
+    opt.step()
+    return loss_total, hits / len(y), clipped
 
 
 def main():
     args = parse_args(pipeline=True)
+    work = load_workload(args.model, args.project, lambda: make_model(args.flatten_first), mlp_batch)
 
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
     dims = init_pipeline(stages=args.stages, p2p=args.p2p, threads=1)
     g = torch.Generator().manual_seed(7)
     global_batch = args.batch * dims.replicas
-    xs = [torch.randn(global_batch, FEATURES, generator=g) for _ in range(args.steps)]
-    ys = [torch.randint(0, CLASSES, (global_batch,), generator=g) for _ in range(args.steps)]
-    x_val, y_val = torch.randn(3 * global_batch, FEATURES, generator=g), torch.randint(0, CLASSES, (3 * global_batch,), generator=g)
+    batches = [work.batch(g, global_batch) for _ in range(args.steps)]
+    xs, ys = [b[0] for b in batches], [b[1] for b in batches]
+    x_val, y_val = work.batch(g, 3 * global_batch)
 
     # the single-process reference
-    ref = make_model(args.flatten_first)
+    ref = work.build()
     before = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    ref_losses, ref_accs = [], []
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=args.lr)
+    ref_losses, ref_accs, clipped = [], [], []
     for x, y in zip(xs, ys):
-        ref_opt.zero_grad()
-        out = ref(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
-        ref_accs.append(accuracy(out, y)["accuracy"])
+        loss, acc, was_clipped = reference_step(ref, ref_opt, x, y, args.micro_batches if work.batch_norm else None,
+                                                args.clip_norm)
+        ref_losses.append(loss)
+        ref_accs.append(acc)
+        clipped.append(was_clipped)
+    ref.eval()
     with torch.no_grad():
-        ref_val = F.cross_entropy(ref(x_val), y_val).item()
+        ref_val = cross_entropy(ref(x_val), y_val).item()
 
     # the pipeline: this rank's stage of a fresh copy of the same model
-    stage = build_stage(make_model(args.flatten_first), dims, partition=args.partition, sample=xs[0][: args.batch])
+    stage = build_stage(work.build(), dims, partition=args.partition, sample=xs[0][: args.batch])
     weights = list(stage.parameters()) or [{"params": []}]  # a weight-free stage, as plain_optimizer does
-    engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(weights, lr=0.5),
+    engine = PipelineEngine(stage, dims, loss_fn=cross_entropy, optimizer=torch.optim.SGD(weights, lr=args.lr),
                             schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=accuracy,
-                            timeline=args.run_dir is not None)
+                            timeline=args.run_dir is not None, clip_norm=args.clip_norm)
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 
     after = ref.state_dict()
     update_err = {name: rel(p.detach() - before[name], after[name] - before[name])
                   for name, p in stage.state_dict().items()}
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "blocks": list(stage.plan.stage_names(dims.stage)),
-              "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err, **run}
+              "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err,
+              "clipped": clipped, **run}
     write_results(hvd, result, args.out)
 
 

@@ -19,6 +19,10 @@ def parse_args(pipeline: bool, p2p: str = "torch") -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", required=True)
     ap.add_argument("--watchdog", type=float, default=150, help="seconds before a hung rank dumps its stack and exits")
+    ap.add_argument("--model", default="mlp", help="mlp, resnet18 or gpt (the last two from --project)")
+    ap.add_argument("--project", default=None, help="a project generated with that --model")
+    ap.add_argument("--clip-norm", type=float, default=0.0, help="clip gradients to this global norm")
+    ap.add_argument("--lr", type=float, default=0.5, help="SGD learning rate, pipeline and reference alike")
     if pipeline:
         ap.add_argument("--stages", type=int, default=2)
         ap.add_argument("--schedule", default="1f1b")
