@@ -82,7 +82,7 @@ class ParallelConfig:
     """model-split and pipeline only: how the model is cut into stages."""
 
     stages: int = 2                 # model-split: devices per worker; pipeline: ranks per replica (-np = stages x replicas)
-    micro_batches: int = 4          # each batch is cut into this many micro-batches
+    micro_batches: int = 4          # each batch is cut into this many (a smaller batch: one per sample)
     schedule: str = "1f1b"          # pipeline: gpipe | 1f1b (same bubble; 1f1b holds <= stages micro-batches)
     partition: str = "params"       # params | time | block names or indices where stages 2.. start, e.g. "3" or "2,4"
 

@@ -26,9 +26,8 @@ class PipelineEngineBase:
                  timeline: bool = False, timeline_steps: int = 20):
         self.hvd, self.dims, self.metrics_fn = hvd, dims, metrics_fn
         self.schedule, self.micro_batches = schedule, micro_batches
-        self.actions = build_schedule(schedule, dims.stages, micro_batches)[dims.stage]
-        self.forward_only = [a for a in build_schedule("gpipe", dims.stages, micro_batches)[dims.stage]
-                             if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)]
+        self._schedules: dict[int, tuple[list, list]] = {}
+        self._actions_for(micro_batches)   # built up front: a schedule that cannot be made fails at start-up
         self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline)
         self.timeline, self.timeline_steps = timeline, timeline_steps   # record the first steps only: bounded memory
         self.steps = 0
@@ -37,6 +36,19 @@ class PipelineEngineBase:
         self._act_sent: set[int] = set()            # micro-batch sizes whose shape the next stage knows
         self._metric_names: list[str] | None = None
         self._names_synced = False
+
+    def _actions_for(self, m: int) -> tuple[list, list]:
+        """This stage's training and forward-only actions for a batch of m micro-batches.
+
+        m is below `micro_batches` only for a batch with fewer samples than that (an epoch's or a
+        validation shard's last one): every stage of a replica sees the same batch, so all agree.
+        """
+        if m not in self._schedules:
+            train = build_schedule(self.schedule, self.dims.stages, m)[self.dims.stage]
+            forward = [a for a in build_schedule("gpipe", self.dims.stages, m)[self.dims.stage]
+                       if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)]
+            self._schedules[m] = (train, forward)
+        return self._schedules[m]
 
     # -- framework hooks ----------------------------------------------------------------------------
     def _forward(self, i: int, inp, y, weight: float, train: bool):
@@ -158,7 +170,7 @@ class PipelineEngineBase:
             raise PipelineConfigError(f"stage 0 (rank {self.dims.rank}) needs the inputs x")
         if self.dims.is_last and y is None:
             raise PipelineConfigError(f"the last stage (rank {self.dims.rank}) needs the targets y")
-        sizes = micro_batch_sizes(n, self.micro_batches)
+        sizes = micro_batch_sizes(n, min(self.micro_batches, n))  # a short last batch: fewer micro-batches
         xs = self._split_batch(x, sizes) if x is not None else None
         ys = self._split_batch(y, sizes) if y is not None else None
         return xs, ys, sizes, n
@@ -184,7 +196,7 @@ class PipelineEngineBase:
         self._begin_step()
         self.recorder.step = self.steps
         self.recorder.enabled = self.timeline and self.steps < self.timeline_steps
-        sums = self._run(self.actions, xs, ys, sizes, n, train=True)
+        sums = self._run(self._actions_for(len(sizes))[0], xs, ys, sizes, n, train=True)
         self._finish_step()
         self.steps += 1
         return self._report(sums, "pp.train_report")
@@ -197,7 +209,7 @@ class PipelineEngineBase:
         try:
             for x, y in batches:
                 xs, ys, sizes, n = self._split(x, y, None)
-                s = self._run(self.forward_only, xs, ys, sizes, n, train=False)
+                s = self._run(self._actions_for(len(sizes))[1], xs, ys, sizes, n, train=False)
                 sums = s if sums is None else sums + s
         finally:
             self.recorder.enabled = recording

@@ -11,6 +11,7 @@ from torch import nn
 from hvd_runtime.progress import progress
 from hvd_runtime.throughput import Throughput
 from hvd_runtime.torch.batches import ShardedBatches
+from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.objective import accuracy_sum
 from hvd_runtime.torch.optim import WarmupSchedule
@@ -103,7 +104,11 @@ def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, schedule: 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: ShardedBatches, loss_fn, ctx: Context,
              precision: Precision | None = None) -> dict[str, float]:
-    """Loss and accuracy over the whole validation set, each sample counted once on one rank."""
+    """Loss and accuracy over the whole validation set, each sample counted once on one rank.
+
+    Every rank first takes the job's mean BatchNorm statistics, so all ranks evaluate one model.
+    """
+    average_buffers(model, name="eval.buffers")
     model.eval()
     precision = precision or Precision("fp32", ctx.device)
     loss_sum, correct, seen = torch.zeros(()), torch.zeros(()), 0

@@ -14,13 +14,19 @@ from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.pipeline_checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
+from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, set_rng_state
 
 
 def _gather_stages(stage: nn.Module, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:
-    """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state)."""
+    """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state).
+
+    A stage's replicas first agree on its BatchNorm statistics (hvd_runtime.torch.buffers).
+    """
     import horovod.torch as hvd
 
+    if dims.dp_set is not None:
+        average_buffers(stage, process_set=dims.dp_set, name="pp.checkpoint.buffers")
     return gather_stages(hvd, dims, _to_cpu(stage.state_dict()),
                          _to_cpu(optimizer.state_dict()) if optimizer is not None else None, rng_state())
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
 from hvd_runtime.config import ConfigError
+from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
 
 
@@ -91,9 +92,10 @@ def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ct
 
 
 def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, state):
-    """Called by every rank (the RNG states are gathered); only rank 0 writes."""
+    """Called by every rank (running statistics are averaged, RNG states gathered); only rank 0 writes."""
     import horovod.torch as hvd
 
+    average_buffers(model, name="checkpoint.buffers")
     rngs = hvd.allgather_object(rng_state(), name="rng_states")
     if not store.is_writer:
         return None

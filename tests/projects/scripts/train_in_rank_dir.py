@@ -1,7 +1,9 @@
 """Run a generated project's train() with each rank in its own working directory.
 
 Relative paths (checkpoints/, runs/, mlflow.db) then land in rankN/, so a test can see exactly
-what each rank wrote. At the end, rank 0 records a digest of every rank's parameters.
+what each rank wrote. At the end, rank 0 records a digest of every rank's parameters (DIGEST=parameters: torch
+parameters only, leaving out buffers such as BatchNorm's running statistics, which are each
+worker's own by design).
 usage: horovodrun ... python train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
 """
 
@@ -28,7 +30,7 @@ if os.environ.get("SKIP_DIGEST"):  # pipeline ranks hold different stages
 if hasattr(model, "state_dict"):
     import horovod.torch as hvd
 
-    state = model.state_dict()
+    state = dict(model.named_parameters()) if os.environ.get("DIGEST") == "parameters" else model.state_dict()
     weights = b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))
 else:
     import horovod.tensorflow as hvd
