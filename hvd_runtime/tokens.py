@@ -57,7 +57,7 @@ class TokenWindows:
     def take(self, indices: np.ndarray, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
         starts = self.offset(epoch) + np.asarray(indices, dtype=np.int64) * self.context
         windows = self.tokens[starts[:, None] + np.arange(self.context + 1)].astype(np.int64)
-        return windows[:, :-1], windows[:, 1:]
+        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
 
     def first(self, n: int) -> np.ndarray:
         return self.take(np.arange(min(n, len(self))))[0]

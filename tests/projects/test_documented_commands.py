@@ -43,6 +43,9 @@ pytestmark = pytest.mark.slow
 
 SHAPES = [(framework, *shape) for framework in ("torch", "tensorflow") for shape in (
     ("data", ()), ("data", ("--elastic",)), ("model-split", ()), ("pipeline", ()), ("pipeline", ("--stages", "4")))]
+# The models other than the MLP change model.py, data.py, config.yaml and the README's model and
+# data sections; their strategy parts are the MLP's, run above.
+SHAPES += [("torch", "data", ("--model", "resnet18")), ("torch", "data", ("--model", "gpt"))]
 
 # Commands that need more than this machine, and where they are exercised instead.
 NOT_HERE = (
@@ -116,10 +119,11 @@ def expand(command: str, cpu_launch: str) -> str:
 
 
 def write_user_data(project: Path) -> None:
-    """The files the README's own-data commands name: my_data.npz and images/<class>/<file>."""
+    """The files the README's own-data commands name: my_data.npz, images/<class>/<file>, my_corpus.txt."""
     from PIL import Image
     from sklearn.datasets import load_digits
 
+    (project / "my_corpus.txt").write_text((project / "README.md").read_text() * 3)
     digits = load_digits()
     np.savez(project / "my_data.npz", x=digits.images.astype("float32") / 16.0, y=digits.target)
     for label in range(3):
@@ -169,8 +173,10 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
                       and "localhost" in c).split(" python train.py")[0] + " python train.py"
     # `make train` is the CPU launch line (make -n shows what it would run): one run serves both.
     dry = subprocess.run(["make", "-n", "train", "PYTHON=python", "HOROVODRUN=horovodrun"], cwd=project,
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert dry == cpu_launch, f"make train runs {dry!r}, the README shows {cpu_launch!r}"
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    assert dry[-1] == cpu_launch, f"make train runs {dry!r}, the README shows {cpu_launch!r}"
+    # before it, only a GPT project's data: made from the standard library when data/tokens is missing
+    assert dry[:-1] == (["python prepare_tokens.py --out data/tokens"] if "gpt" in extra else []), dry
     ran, skipped = [cpu_launch], {}
     for command in dict.fromkeys(expand(c, cpu_launch) for c in commands):  # each once, as it runs
         if command == cpu_launch:
@@ -192,15 +198,15 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
         if command == "make ui":
             if (framework, strategy, extra) == SHAPES[0]:  # serves the MLflow store: the same in every shape
                 run_ui(command, project, env)
-        elif re.match(r"(horovodrun|make|hvdgen) ", command):
-            if "--data.source" in command:  # other data is a new training: a user's checkpoints would not fit it
+        elif re.match(r"(horovodrun|make|hvdgen|python prepare_tokens\.py) ", command):
+            if "--data." in command:  # other data is a new training: a user's checkpoints would not fit it
                 shutil.rmtree(project / "checkpoints", ignore_errors=True)
             if command.startswith("make"):
                 command += f" PYTHON={sys.executable}"
             proc = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True,
                                   timeout=600)
             assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-            if "--data.source" in command:  # its checkpoints belong to that data, not to the next command's
+            if "--data." in command:  # its checkpoints belong to that data, not to the next command's
                 shutil.rmtree(project / "checkpoints", ignore_errors=True)
         else:
             pytest.fail(f"the project documents a command this test does not know how to run: {command}")
@@ -212,7 +218,11 @@ def test_every_documented_command_runs(tmp_path, framework, strategy, extra):
     else:
         assert any(c.startswith("make test") for c in ran)
     assert any(c == cpu_launch for c in ran), "the CPU launch line itself runs in every shape"
-    assert any("--data.source npz" in c for c in ran) and any("--data.source image_folder" in c for c in ran)
+    if "gpt" in extra:
+        assert any(c.startswith("python prepare_tokens.py my_corpus.txt") for c in ran)
+        assert (project / "data" / "tokens" / "meta.json").is_file()
+    else:
+        assert any("--data.source npz" in c for c in ran) and any("--data.source image_folder" in c for c in ran)
     if "--elastic" in extra:
         assert any("--host-discovery-script ./discover_hosts.sh" in c and "-H node" not in c for c in ran)
     assert all(reason for reason in skipped.values())

@@ -8,6 +8,9 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
 - a pipeline resumed from a checkpoint of another model (`--model.hidden` changed after an
   epoch): each rank holds its own stage, so each judges its own part, and all stop with the same
   line instead of one rank dying on a state_dict error while the others wait.
+- the ResNet-18 and GPT projects' own data and model problems: an image folder without images,
+  an image that is not one, a token file shorter than one context window, a tied GPT head split
+  from its embedding, fp16 on a CPU.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 SMALL_DATA = ("--data.source", "synthetic", "--data.synthetic_samples", "512")
 
 
-def generate(tmp_path: Path, framework: str, strategy: str) -> Path:
+def generate(tmp_path: Path, framework: str, strategy: str, model: str = "mlp") -> Path:
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,
-                    "--output", str(tmp_path)], check=True, capture_output=True)
+                    "--model", model, "--output", str(tmp_path)], check=True, capture_output=True)
     return tmp_path / "proj"
 
 
@@ -92,3 +95,54 @@ def test_pipeline_resumed_from_another_model_stops_every_rank(tmp_path, framewor
     line = refused(project, "--train.epochs", "2", "--model.hidden", "[32]", *SMALL_DATA)
     assert line.startswith("config error: the newest checkpoint holds a different model (")
     assert "--checkpoint.dir DIR" in line and "--checkpoint.resume false" in line
+
+
+def _no_images(project: Path) -> list[str]:
+    (project.parent / "images" / "cats").mkdir(parents=True)
+    return ["--data.source", "image_folder", "--data.path", str(project.parent / "images")]
+
+
+def _not_an_image(project: Path) -> list[str]:
+    (project.parent / "images" / "cats").mkdir(parents=True)
+    (project.parent / "images" / "cats" / "tabby.png").write_text("a cat, in words")
+    return ["--data.source", "image_folder", "--data.path", str(project.parent / "images")]
+
+
+def _short_tokens(project: Path) -> list[str]:
+    text = project.parent / "short.txt"
+    text.write_text("too short for a context window")
+    subprocess.run([sys.executable, "prepare_tokens.py", str(text), "--out", str(project.parent / "tokens")],
+                   cwd=project, check=True, capture_output=True)
+    return ["--data.path", str(project.parent / "tokens")]
+
+
+def _tokens(project: Path) -> list[str]:
+    text = project.parent / "corpus.txt"
+    text.write_text((project / "README.md").read_text())
+    subprocess.run([sys.executable, "prepare_tokens.py", str(text), "--out", str(project.parent / "tokens")],
+                   cwd=project, check=True, capture_output=True)
+    return ["--data.path", str(project.parent / "tokens")]
+
+
+WORKLOAD_REFUSALS = [
+    # (model, strategy, arguments made from the project, the line every rank prints)
+    ("resnet18", "data", _no_images, "has class folders but no images (.png, .jpg, .jpeg, .bmp, .gif, .webp): use "
+                                     "ROOT/<class>/<image files>"),
+    ("resnet18", "pipeline", _not_an_image, "tabby.png is not a readable image (cannot identify image file"),
+    ("gpt", "data", _short_tokens, "train.bin holds 27 tokens, fewer than the 128 one context window needs "
+                                   "(model.context 64): use more text, or lower model.context"),
+    ("gpt", "model-split", lambda p: [*_tokens(p), "--model.tie_embeddings", "true"],
+     "blocks 0 and 5 share a parameter (tied weights) but fall on different stages: untie them (a GPT's "
+     "model.tie_embeddings: false), or keep both on one stage"),
+    ("resnet18", "data", lambda p: ["--train.precision", "fp16"],
+     "train.precision fp16 needs a GPU (its loss scaling is CUDA's): use bf16 on the CPU, or fp32"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model, strategy, make_args, problem", WORKLOAD_REFUSALS,
+                         ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu"])
+def test_workload_data_and_model_problems_stop_every_rank(tmp_path, model, strategy, make_args, problem):
+    project = generate(tmp_path, "torch", strategy, model)
+    line = refused(project, *make_args(project))
+    assert problem in line, line
