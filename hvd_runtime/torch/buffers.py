@@ -22,5 +22,8 @@ def average_buffers(model: nn.Module, process_set=None, name: str = "buffers") -
     if not buffers or (process_set is None and hvd.size() == 1):
         return
     kwargs = {} if process_set is None else {"process_set": process_set}
-    # Horovod: one fused allreduce of every running statistic
-    hvd.grouped_allreduce_(buffers, op=hvd.Average, name=name, **kwargs)
+    # Horovod: every running statistic averaged in place, all in flight at once (fused by Horovod's
+    # background loop); one by one, since a split model's buffers may sit on several GPUs
+    handles = [hvd.allreduce_async_(b, op=hvd.Average, name=f"{name}.{i}", **kwargs) for i, b in enumerate(buffers)]
+    for handle in handles:
+        hvd.synchronize(handle)
