@@ -63,11 +63,13 @@ def main() -> None:
         while launcher.poll() is None:
             for proc in psutil.Process(launcher.pid).children(recursive=True):
                 try:
-                    if "train.py" in " ".join(proc.cmdline()) or proc.name() == "pt_data_worker":
-                        rss = proc.memory_info().rss
-                        kind = "rank" if "train.py" in " ".join(proc.cmdline()) else "loader worker"
-                        if rss > peaks.get(proc.pid, ("", 0))[1]:
-                            peaks[proc.pid] = (kind, rss)
+                    if "HOROVOD_RANK" not in proc.environ():
+                        continue
+                    # a DataLoader worker is a fork of its rank: a rank for parent
+                    kind = "loader worker" if "HOROVOD_RANK" in proc.parent().environ() else "rank"
+                    rss = proc.memory_info().rss
+                    if rss > peaks.get(proc.pid, ("", 0))[1]:
+                        peaks[proc.pid] = (kind, rss)
                 except psutil.Error:
                     pass
             time.sleep(0.5)
@@ -79,7 +81,8 @@ def main() -> None:
     workers = sorted((rss for kind, rss in peaks.values() if kind == "loader worker"), reverse=True)
     print(f"one epoch over {size / 1e9:.2f} GB of images in {seconds:.0f} s")
     print("peak resident memory per rank: " + ", ".join(f"{r / 2**20:,.0f} MiB" for r in ranks))
-    print("peak per DataLoader worker: " + (", ".join(f"{r / 2**20:,.0f} MiB" for r in workers) or "none seen"))
+    print(f"peak per DataLoader worker ({len(workers)} started, one per rank per pass over a split): "
+          + (", ".join(f"{r / 2**20:,.0f} MiB" for r in workers) or "none seen"))
     print(f"decoded in memory, the folder would take {count * 3 * 256 * 256 * 4 / 2**30:,.1f} GiB")
 
 

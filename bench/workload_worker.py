@@ -44,7 +44,7 @@ class Samples(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         x, y = self.split.take(np.array([i]))
-        return torch.from_numpy(x[0]), torch.from_numpy(y[0])
+        return torch.from_numpy(x[0]), torch.as_tensor(y[0])
 
 
 def load(args):
