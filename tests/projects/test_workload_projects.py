@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from helpers import run_horovod
+from test_pipeline_resume import assert_same
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -65,12 +66,6 @@ def train(project: Path, ranks: Path, epochs: int, *overrides: str, digest: bool
                        cwd=project, env=env, timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], proc.stdout
-
-
-def assert_same(got: dict, expected: dict, keys: tuple[str, ...]) -> None:
-    assert got["epoch"] == expected["epoch"] and got["step"] == expected["step"]
-    for key in keys:
-        assert got[key] == pytest.approx(expected[key], rel=1e-5), (got["epoch"], key)
 
 
 CASES = [(model, strategy) for model in ("resnet18", "gpt") for strategy in ("data", "model-split", "pipeline")]
