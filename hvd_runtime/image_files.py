@@ -109,9 +109,11 @@ def load_image_folder(path: str | Path, image_size: int = 32, val_fraction: floa
         parts = [_list_images(root / part, classes) for part in ("train", "val")]
     else:
         files, labels = _list_images(root, classes)
-        order = np.arange(len(files))
-        train, val = split_train_val(order, order, val_fraction, seed) if files else (None, None)
-        parts = [([files[i] for i in s.x], [labels[i] for i in s.x]) for s in (train, val)] if files else [([], [])]
+        parts = [([], [])]
+        if files:  # held out as for in-memory data: a seeded shuffle, the same on every rank
+            order = np.arange(len(files))
+            parts = [([files[i] for i in split.x], [labels[i] for i in split.x])
+                     for split in split_train_val(order, order, val_fraction, seed)]
     if not all(files for files, _ in parts):
         raise DataError(f"data.path {str(root)!r} has class folders but no images ({', '.join(IMAGE_SUFFIXES)}): "
                         f"{LAYOUT}")
