@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("inputs", nargs="*", type=Path, help="text files or folders (default: the standard library)")
     ap.add_argument("--out", type=Path, default=Path("data/tokens"), help="folder to write (default: data/tokens)")
     ap.add_argument("--val-fraction", type=float, default=0.1)
-    ap.add_argument("--max-bytes", type=int, default=500_000, help="stop reading after this many bytes")
+    ap.add_argument("--max-bytes", type=int, default=200_000, help="stop reading after this many bytes")
     args = ap.parse_args(argv)
     if not 0.0 < args.val_fraction < 1.0:
         sys.exit(f"error: --val-fraction must be between 0 and 1, got {args.val_fraction}")
