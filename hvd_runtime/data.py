@@ -27,8 +27,18 @@ class DataError(ConfigError):
     """
 
 
+class BatchSource:
+    """What every split offers beside `len` and `take`: splits in memory say streamed = False."""
+
+    streamed = True
+
+    def first(self, n: int) -> np.ndarray:
+        """The inputs of the first n samples: an example batch (tracing, partitioning, model signatures)."""
+        return self.take(np.arange(min(n, len(self))))[0]
+
+
 @dataclass(frozen=True)
-class Split:
+class Split(BatchSource):
     """Samples held in memory: the batchers slice them directly, with no worker processes."""
 
     x: np.ndarray  # float32, (N, ...)
@@ -44,10 +54,6 @@ class Split:
 
     def take(self, indices: np.ndarray, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
         return self.x[indices], self.y[indices]
-
-    def first(self, n: int) -> np.ndarray:
-        """The inputs of the first n samples: an example batch (tracing, partitioning, model signatures)."""
-        return self.take(np.arange(min(n, len(self))))[0]
 
 
 @dataclass(frozen=True)

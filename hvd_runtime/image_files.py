@@ -14,21 +14,20 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.data import Dataset, DataError, split_train_val
+from hvd_runtime.data import BatchSource, Dataset, DataError, split_train_val
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 LAYOUT = "use ROOT/<class>/<image files>, or ROOT/train/<class>/... with ROOT/val/<class>/..."
 
 
 @dataclass(frozen=True)
-class ImageFiles:
+class ImageFiles(BatchSource):
     """Images and labels of one split; `augment_seed` None means no augmentation (validation)."""
 
     files: tuple[str, ...]
     labels: np.ndarray          # int64, one per file
     image_size: int
     augment_seed: int | None = None
-    streamed = True
 
     def __len__(self) -> int:
         return len(self.files)
@@ -43,9 +42,6 @@ class ImageFiles:
         for row, i in enumerate(indices):
             x[row] = self._image(int(i), epoch)
         return x, self.labels[indices]
-
-    def first(self, n: int) -> np.ndarray:
-        return self.take(np.arange(min(n, len(self))))[0]
 
     def _image(self, i: int, epoch: int) -> np.ndarray:
         from PIL import Image

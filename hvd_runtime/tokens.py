@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.data import Dataset, DataError
+from hvd_runtime.data import BatchSource, Dataset, DataError
 
 TOKEN_DTYPE = np.uint16
 FILES = ("train.bin", "val.bin")
@@ -24,13 +24,12 @@ MAKE_THEM = "make them with: python prepare_tokens.py my_text.txt --out DIR"
 
 
 @dataclass(frozen=True)
-class TokenWindows:
+class TokenWindows(BatchSource):
     """Windows of `context` tokens (inputs) and the same shifted by one (targets)."""
 
     path: str
     context: int
     shift_seed: int | None = None    # None: fixed windows from offset 0 (validation)
-    streamed = True
 
     @property
     def tokens(self) -> np.memmap:
@@ -41,9 +40,13 @@ class TokenWindows:
     def token_count(self) -> int:
         return Path(self.path).stat().st_size // np.dtype(TOKEN_DTYPE).itemsize
 
+    @property
+    def min_tokens(self) -> int:
+        """Tokens one window and its target need, at the largest offset an epoch may draw."""
+        return self.context + 1 + (self.context - 1 if self.shift_seed is not None else 0)
+
     def __len__(self) -> int:
-        room = self.token_count - 1 - (self.context - 1 if self.shift_seed is not None else 0)
-        return max(0, room // self.context)
+        return max(0, (self.token_count - self.min_tokens) // self.context + 1)
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
@@ -58,9 +61,6 @@ class TokenWindows:
         starts = self.offset(epoch) + np.asarray(indices, dtype=np.int64) * self.context
         windows = self.tokens[starts[:, None] + np.arange(self.context + 1)].astype(np.int64)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
-
-    def first(self, n: int) -> np.ndarray:
-        return self.take(np.arange(min(n, len(self))))[0]
 
 
 def vocab_size(root: Path) -> int:
@@ -94,7 +94,7 @@ def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
     val = TokenWindows(str(root / "val.bin"), context)
     for name, split in zip(FILES, (train, val)):
         if len(split) < 1:
-            need = context + 1 + (context - 1 if split.shift_seed is not None else 0)
-            raise DataError(f"{root / name} holds {split.token_count} tokens, fewer than the {need} one context "
-                            f"window needs (model.context {context}): use more text, or lower model.context")
+            raise DataError(f"{root / name} holds {split.token_count} tokens, fewer than the {split.min_tokens} "
+                            f"one context window needs (model.context {context}): use more text, or lower "
+                            f"model.context")
     return Dataset(train, val, num_classes=vocab)

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 FRAMEWORKS = ("torch", "tensorflow")
 STRATEGIES = ("data", "model-split", "pipeline")
-# The models a project can start from: model.py, data.py and config.yaml follow the choice.
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model a project can start from: model.py, data.py and config.yaml follow the choice."""
+
+    what: str
+    blocks: int             # blocks at the generated config: the most stages it can be cut into
+    block_names: str        # what those blocks are, for a refusal
+    more_blocks: str        # how a user gets more of them
+
+
 MODELS = {
-    "mlp": "a small multi-layer perceptron on 8x8 digits (fast; the default)",
-    "resnet18": "ResNet-18 for small images (digits by default, or your image folder streamed from disk)",
-    "gpt": "a GPT-style decoder-only language model over a token file read through memmap",
+    "mlp": Model("a small multi-layer perceptron on 8x8 digits (fast; the default)", 4,
+                 "flatten, 2 hidden layers, head", "add hidden layers (config.yaml model.hidden)"),
+    "resnet18": Model("ResNet-18 for small images (digits by default, or your image folder streamed from disk)", 10,
+                      "stem, 8 residual blocks, head", "split inside a block in model.py"),
+    "gpt": Model("a GPT-style decoder-only language model over a token file read through memmap", 6,
+                 "embedding, 4 transformer layers, head", "add transformer layers (config.yaml model.layers)"),
 }
-# Blocks each model is built of, at its generated config: the most stages it can be cut into.
-MODEL_BLOCKS = {"mlp": 4, "resnet18": 10, "gpt": 6}
 # (framework, model) pairs this release generates; the others are refused with one line.
 MODEL_FRAMEWORKS = {("torch", "mlp"), ("torch", "resnet18"), ("torch", "gpt"), ("tensorflow", "mlp")}
 
@@ -46,4 +60,4 @@ def rows() -> list[tuple[str, str, bool, str]]:
 
 def model_rows() -> list[tuple[str, str, list[str]]]:
     """Every model, what it is, and the frameworks that generate it (with every available strategy)."""
-    return [(m, what, [f for f in FRAMEWORKS if model_is_available(f, m)]) for m, what in MODELS.items()]
+    return [(name, model.what, [f for f in FRAMEWORKS if model_is_available(f, name)]) for name, model in MODELS.items()]

@@ -22,12 +22,8 @@ TAKEN_NAMES = frozenset({"hvdgen", "hvd-runtime", "horovod", "torch", "tensorflo
                          "scikit-learn", "sklearn", "matplotlib", "pytest", "click", "jinja2", "pyyaml", "yaml",
                          "tqdm", "cloudpickle", "psutil", "packaging", "cffi", "jsonschema", "setuptools", "pip",
                          "wheel", "hatchling", "cmake", "train", "model", "data", "tests"})
-# The generated config: what --micro-batches can split (model blocks: catalog.MODEL_BLOCKS).
+# The generated config: what --micro-batches can split (what --stages can: catalog.MODELS).
 BATCH_SIZE = 32    # per rank (config.yaml train.batch_size)
-BLOCKS_DESCRIBED = {"mlp": "flatten, 2 hidden layers, head", "resnet18": "stem, 8 residual blocks, head",
-                    "gpt": "embedding, 4 transformer layers, head"}
-HOW_TO_ADD_BLOCKS = {"mlp": "add hidden layers (config.yaml model.hidden)", "resnet18": "split inside a block in model.py",
-                     "gpt": "add transformer layers (config.yaml model.layers)"}
 
 
 def package_name(name: str) -> str:
@@ -99,11 +95,11 @@ class ProjectSpec:
                               f"use --framework {' or '.join(frameworks)}, or --model mlp (see hvdgen list)")
         if not _whole(self.stages) or self.stages < 2:
             raise HvdgenError(f"--stages must be an integer of at least 2, got {self.stages!r}: e.g. --stages 2")
-        blocks = catalog.MODEL_BLOCKS.get(self.model, 0)
-        if self.stages > blocks:
-            raise HvdgenError(f"--stages {self.stages} is more than the {blocks} blocks of the generated {self.model} "
-                              f"({BLOCKS_DESCRIBED[self.model]}): use --stages {blocks} or fewer; for more, "
-                              f"{HOW_TO_ADD_BLOCKS[self.model]} and raise parallel.stages there")
+        model = catalog.MODELS[self.model]
+        if self.stages > model.blocks:
+            raise HvdgenError(f"--stages {self.stages} is more than the {model.blocks} blocks of the generated "
+                              f"{self.model} ({model.block_names}): use --stages {model.blocks} or fewer; for more, "
+                              f"{model.more_blocks} and raise parallel.stages there")
         if not _whole(self.micro_batches) or self.micro_batches < 1:
             raise HvdgenError(f"--micro-batches must be a positive integer, got {self.micro_batches!r}: "
                               "e.g. --micro-batches 4")

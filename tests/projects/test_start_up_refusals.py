@@ -108,18 +108,11 @@ def _not_an_image(project: Path) -> list[str]:
     return ["--data.source", "image_folder", "--data.path", str(project.parent / "images")]
 
 
-def _short_tokens(project: Path) -> list[str]:
-    text = project.parent / "short.txt"
-    text.write_text("too short for a context window")
-    subprocess.run([sys.executable, "prepare_tokens.py", str(text), "--out", str(project.parent / "tokens")],
-                   cwd=project, check=True, capture_output=True)
-    return ["--data.path", str(project.parent / "tokens")]
-
-
-def _tokens(project: Path) -> list[str]:
-    text = project.parent / "corpus.txt"
-    text.write_text((project / "README.md").read_text())
-    subprocess.run([sys.executable, "prepare_tokens.py", str(text), "--out", str(project.parent / "tokens")],
+def _tokens_of(project: Path, text: str) -> list[str]:
+    """Token files made from `text` by the project's own prepare_tokens.py; the overrides that use them."""
+    corpus = project.parent / "corpus.txt"
+    corpus.write_text(text)
+    subprocess.run([sys.executable, "prepare_tokens.py", str(corpus), "--out", str(project.parent / "tokens")],
                    cwd=project, check=True, capture_output=True)
     return ["--data.path", str(project.parent / "tokens")]
 
@@ -129,9 +122,9 @@ WORKLOAD_REFUSALS = [
     ("resnet18", "data", _no_images, "has class folders but no images (.png, .jpg, .jpeg, .bmp, .gif, .webp): use "
                                      "ROOT/<class>/<image files>"),
     ("resnet18", "pipeline", _not_an_image, "tabby.png is not a readable image (cannot identify image file"),
-    ("gpt", "data", _short_tokens, "train.bin holds 27 tokens, fewer than the 128 one context window needs "
+    ("gpt", "data", lambda p: _tokens_of(p, "too short for a context window"), "train.bin holds 27 tokens, fewer than the 128 one context window needs "
                                    "(model.context 64): use more text, or lower model.context"),
-    ("gpt", "model-split", lambda p: [*_tokens(p), "--model.tie_embeddings", "true"],
+    ("gpt", "model-split", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), "--model.tie_embeddings", "true"],
      "blocks 0 and 5 share a parameter (tied weights) but fall on different stages: untie them (a GPT's "
      "model.tie_embeddings: false), or keep both on one stage"),
     ("resnet18", "data", lambda p: ["--train.precision", "fp16"],
