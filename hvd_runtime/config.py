@@ -213,16 +213,6 @@ def check_values(config) -> None:
         raise ConfigError(f"data.source {flat['data.source']} needs data.path: e.g. --data.path my_data.npz")
 
 
-def check_framework_support(config, framework: str) -> None:
-    """Settings this release offers for PyTorch only: refused at start-up rather than silently ignored."""
-    if framework == "tensorflow":
-        if config.train.precision != "fp32":
-            raise ConfigError(f"train.precision {config.train.precision} is offered for PyTorch projects only "
-                              "in this release: use fp32")
-        if config.optim.clip_norm:
-            raise ConfigError("optim.clip_norm is offered for PyTorch projects only in this release: set it to 0")
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RunConfig):
     """Read `path` (if given), apply `overrides`, validate against `cls`."""
     data = {}

@@ -31,6 +31,8 @@ class BatchSource:
     """What every split offers beside `len` and `take`: splits in memory say streamed = False."""
 
     streamed = True
+    input_dtype = np.float32    # what take() gives as x: a graph (tf.data) must know it before reading
+    target_shape: tuple[int, ...] = ()   # one class per sample; a language model's split has one per token
 
     def first(self, n: int) -> np.ndarray:
         """The inputs of the first n samples: an example batch (tracing, partitioning, model signatures)."""

@@ -15,7 +15,7 @@ Framework-free: blocks are given as names and costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from hvd_runtime.config import ConfigError
 
@@ -145,3 +145,22 @@ def plan_partition(names: Sequence[str], stages: int, by, param_costs: Callable[
     if isinstance(by, str):
         raise PartitionError(f"partition {by!r} is unknown: use 'params', 'time', or split points like ['4']")
     return partition(names, param_costs(), stages, split=list(by))
+
+
+def refuse_weights_shared_across_stages(plan: Partition, block_weights: Sequence[tuple[str, Iterable]]) -> None:
+    """Stop with one line if a weight object is held by blocks of two different stages.
+
+    `block_weights` is (block name, its weights) per block, in order: torch parameters or Keras
+    variables alike, recognised by identity. A tied weight (a language model's head reusing its
+    token embedding) is one tensor: split over stages it would live on two ranks or devices and
+    get two different updates.
+    """
+    owner: dict[int, tuple[int, str]] = {}
+    for k, (start, stop) in enumerate(plan.bounds):
+        for name, weights in block_weights[start:stop]:
+            for w in weights:
+                first = owner.setdefault(id(w), (k, name))
+                if first[0] != k:
+                    raise PartitionError(f"blocks {first[1]} and {name} share a parameter (tied weights) but fall on "
+                                         f"different stages: untie them (a GPT's model.tie_embeddings: false), or "
+                                         f"keep both on one stage")

@@ -30,6 +30,7 @@ class TokenWindows(BatchSource):
     path: str
     context: int
     shift_seed: int | None = None    # None: fixed windows from offset 0 (validation)
+    input_dtype = np.int64
 
     @property
     def tokens(self) -> np.memmap:
@@ -50,6 +51,10 @@ class TokenWindows(BatchSource):
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
+        return (self.context,)
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
         return (self.context,)
 
     def offset(self, epoch: int) -> int:

@@ -26,8 +26,6 @@ MODELS = {
     "gpt": Model("a GPT-style decoder-only language model over a token file read through memmap", 6,
                  "embedding, 4 transformer layers, head", "add transformer layers (config.yaml model.layers)"),
 }
-# (framework, model) pairs this release generates; the others are refused with one line.
-MODEL_FRAMEWORKS = {("torch", "mlp"), ("torch", "resnet18"), ("torch", "gpt"), ("tensorflow", "mlp")}
 
 # The framework release each generated project pins: the one this hvdgen release is tested with.
 # scripts/setup.sh installs the same (a test keeps the two in step).
@@ -48,16 +46,12 @@ def is_available(framework: str, strategy: str) -> bool:
     return (framework, strategy) in AVAILABLE
 
 
-def model_is_available(framework: str, model: str) -> bool:
-    return (framework, model) in MODEL_FRAMEWORKS
-
-
 def rows() -> list[tuple[str, str, bool, str]]:
     """Every framework x strategy, available or not, for `hvdgen list`."""
     return [(f, s, is_available(f, s), AVAILABLE.get((f, s), "not yet available"))
             for f in FRAMEWORKS for s in STRATEGIES]
 
 
-def model_rows() -> list[tuple[str, str, list[str]]]:
-    """Every model, what it is, and the frameworks that generate it (with every available strategy)."""
-    return [(name, model.what, [f for f in FRAMEWORKS if model_is_available(f, name)]) for name, model in MODELS.items()]
+def model_rows() -> list[tuple[str, str]]:
+    """Every model and what it is: each generates for every available framework x strategy."""
+    return [(name, model.what) for name, model in MODELS.items()]

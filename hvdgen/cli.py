@@ -75,9 +75,9 @@ def list_cmd() -> None:
     for framework, strategy, available, what in rows():
         mark = "available" if available else "planned  "
         click.echo(f"{framework:<11} {strategy:<12} {mark}  {what}")
-    click.echo("\nmodels (--model), the frameworks that generate them, each with all of their strategies:")
-    for model, what, frameworks in model_rows():
-        click.echo(f"{model:<11} {'+'.join(frameworks):<17} {what}")
+    click.echo("\nmodels (--model), each for every available framework x strategy above:")
+    for model, what in model_rows():
+        click.echo(f"{model:<11} {what}")
 
 
 @main.command("new")

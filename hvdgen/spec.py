@@ -89,10 +89,6 @@ class ProjectSpec:
                               f"choose one of {offered} (see hvdgen list)")
         if self.model not in catalog.MODELS:
             raise HvdgenError(f"unknown model {self.model!r}: choose one of {', '.join(catalog.MODELS)}")
-        if not catalog.model_is_available(self.framework, self.model):
-            frameworks = [f for f in catalog.FRAMEWORKS if catalog.model_is_available(f, self.model)]
-            raise HvdgenError(f"--model {self.model} is not available for {self.framework} in hvdgen {__version__}: "
-                              f"use --framework {' or '.join(frameworks)}, or --model mlp (see hvdgen list)")
         if not _whole(self.stages) or self.stages < 2:
             raise HvdgenError(f"--stages must be an integer of at least 2, got {self.stages!r}: e.g. --stages 2")
         model = catalog.MODELS[self.model]

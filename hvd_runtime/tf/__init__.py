@@ -11,12 +11,15 @@ from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.fit import AverageMetrics, BroadcastVariables, distribute_fit
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
 from hvd_runtime.tf.loop import Every, allreduce_sums, evaluate, train_epoch
+from hvd_runtime.tf.objective import accuracy, accuracy_sum, cross_entropy
 from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer
+from hvd_runtime.tf.precision import loss_scaled, use_precision
 from hvd_runtime.tf.state import TrainState, checkpoint_store, restore_or_broadcast, save_checkpoint
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm
 
 __all__ = ["AverageMetrics", "BroadcastVariables", "Context", "Every", "GradientAccumulator", "GradientSync",
-           "ShardedBatches", "SyncBatchNormalization", "TrainState", "TrainStep", "WarmupSchedule", "allreduce_sums",
-           "checkpoint_store", "distribute_fit", "evaluate", "init_horovod", "make_optimizer", "restore_or_broadcast",
-           "save_checkpoint", "train_epoch", "use_sync_batchnorm"]
+           "ShardedBatches", "SyncBatchNormalization", "TrainState", "TrainStep", "WarmupSchedule", "accuracy",
+           "accuracy_sum", "allreduce_sums", "checkpoint_store", "cross_entropy", "distribute_fit", "evaluate",
+           "init_horovod", "loss_scaled", "make_optimizer", "restore_or_broadcast", "save_checkpoint", "train_epoch",
+           "use_precision", "use_sync_batchnorm"]

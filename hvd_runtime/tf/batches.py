@@ -34,11 +34,11 @@ class ShardedBatches(EpochShards):
         return indices.map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(tf.data.AUTOTUNE)
 
     def _reader(self, epoch: int):
-        split, shape = self.split, self.split.sample_shape
+        split, shape, x_dtype = self.split, self.split.sample_shape, tf.as_dtype(self.split.input_dtype)
 
         def read(i):
-            x, y = tf.numpy_function(lambda idx: split.take(idx, epoch), [i], [tf.float32, tf.int64], stateful=False)
-            return tf.ensure_shape(x, (None, *shape)), tf.ensure_shape(y, (None,))
+            x, y = tf.numpy_function(lambda idx: split.take(idx, epoch), [i], [x_dtype, tf.int64], stateful=False)
+            return tf.ensure_shape(x, (None, *shape)), tf.ensure_shape(y, (None, *split.target_shape))
         return read
 
     def __iter__(self):

@@ -6,11 +6,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from hvd_runtime.progress import progress
+from hvd_runtime.throughput import Throughput
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
+from hvd_runtime.tf.objective import accuracy_sum
 from hvd_runtime.tf.state import TrainState
 from hvd_runtime.tf.step import TrainStep
 
@@ -40,21 +43,23 @@ def allreduce_sums(sums: dict[str, tf.Tensor], count) -> dict[str, float]:
 def train_epoch(step: TrainStep, batches: ShardedBatches, ctx: Context, state: TrainState, log_every: int = 0,
                 on_log: Callable[[dict[str, float], int], None] | None = None,
                 every: Sequence[Every] = ()) -> dict[str, float]:
-    """Train the rest of epoch `state.epoch`; return loss and accuracy averaged over ranks.
+    """Train the rest of epoch `state.epoch`; return loss and accuracy averaged over ranks, and speed.
 
     `state` advances as it goes: `step`, and `samples_in_epoch`, from which a resumed job
     continues; at the end of the epoch `epoch` moves on and `samples_in_epoch` returns to 0.
     With backward_passes_per_step = k the epoch is trimmed to a multiple of k, so no
     half-accumulated step is left over; every rank trims the same way, and `every` hooks (a
     mid-epoch checkpoint) run only between optimizer steps. Every `log_every` steps, the batch
-    loss averaged over ranks goes to `on_log(metrics, step)`.
+    loss averaged over ranks and the throughput since the last point go to `on_log(metrics, step)`.
     """
     k = step.k
     steps = batches.steps(state.samples_in_epoch)
     usable = steps - steps % k
     loss_sum = correct = seen = 0.0
-    batch_iter = batches.batches(state.epoch, state.samples_in_epoch)
-    for i, (x, y) in enumerate(progress(batch_iter, enabled=ctx.is_root, desc=f"epoch {state.epoch}", total=usable)):
+    batch_iter = progress(batches.batches(state.epoch, state.samples_in_epoch), enabled=ctx.is_root,
+                          desc=f"epoch {state.epoch}", total=usable)
+    speed = Throughput(batches.samples_per_step)
+    for i, (x, y) in enumerate(batch_iter):
         if i >= usable:
             break
         loss, right = step(x, y, apply=(i + 1) % k == 0)
@@ -64,15 +69,21 @@ def train_epoch(step: TrainStep, batches: ShardedBatches, ctx: Context, state: T
         seen += n
         state.step += 1
         state.samples_in_epoch += batches.samples_per_step
+        speed.tokens_per_sample = int(np.prod(y.shape[1:]))  # a language model's targets: one per token
+        speed.step()
         if log_every and on_log and state.step % log_every == 0:
-            on_log(allreduce_sums({"step_train_loss": loss}, 1.0), state.step)
+            point = allreduce_sums({"step_train_loss": loss}, 1.0) | speed.since_last()
+            if hasattr(batch_iter, "set_postfix_str"):
+                batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
+            on_log(point, state.step)
         for hook in every:
             if hook.steps and state.step % hook.steps == 0 and (i + 1) % k == 0:
                 hook.action()
     state.epoch += 1
     state.samples_in_epoch = 0
     # Horovod: average over all ranks, not just this one.
-    return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen)
+    return allreduce_sums({"train_loss": loss_sum, "train_accuracy": correct}, seen) | {
+        f"train_{name}": value for name, value in speed.epoch().items()}
 
 
 _EVAL_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -85,8 +96,7 @@ def _eval_fn(model, loss_fn):
         @tf.function(reduce_retracing=True)
         def totals(x, y):
             logits = model(x, training=False)
-            right = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=-1), tf.cast(y, tf.int64)), tf.float64))
-            return loss_fn(y, logits) * tf.cast(tf.shape(y)[0], tf.float32), right
+            return loss_fn(y, logits) * tf.cast(tf.shape(y)[0], tf.float32), accuracy_sum(logits, y)
 
         cached = _EVAL_FNS[model] = (loss_fn, totals)
     return cached[1]

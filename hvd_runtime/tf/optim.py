@@ -55,9 +55,9 @@ def _decay(cfg) -> float | None:
 
 # Keras 3 applies weight_decay decoupled from the gradient (AdamW-style) for every optimizer.
 OPTIMIZERS = {
-    "sgd": lambda cfg, lr: keras.optimizers.SGD(lr, momentum=cfg.momentum, weight_decay=_decay(cfg)),
-    "adam": lambda cfg, lr: keras.optimizers.Adam(lr, weight_decay=_decay(cfg)),
-    "adamw": lambda cfg, lr: keras.optimizers.AdamW(lr, weight_decay=cfg.weight_decay),
+    "sgd": lambda cfg, lr, **clip: keras.optimizers.SGD(lr, momentum=cfg.momentum, weight_decay=_decay(cfg), **clip),
+    "adam": lambda cfg, lr, **clip: keras.optimizers.Adam(lr, weight_decay=_decay(cfg), **clip),
+    "adamw": lambda cfg, lr, **clip: keras.optimizers.AdamW(lr, weight_decay=cfg.weight_decay, **clip),
 }
 
 
@@ -70,10 +70,14 @@ def followed_count(optim_cfg, hvd_cfg, gpu_allreduce: bool) -> str | None:
     return "size" if optim_cfg.scale_lr else None
 
 
-def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int) -> keras.optimizers.Optimizer:
+def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int, *,
+                   clip: bool = True) -> keras.optimizers.Optimizer:
     """A plain Keras optimizer whose LR follows WarmupSchedule.
 
     One optimizer step is `backward_passes_per_step` batches, so the warmup is counted in those.
+    With `clip` (and optim.clip_norm > 0) it clips gradients by their global norm as it applies
+    them, which in TrainStep is after the allreduce. A pipeline stage passes clip=False: it holds
+    part of the model, and its engine clips by the whole model's norm instead.
     """
     import horovod.tensorflow as hvd
 
@@ -86,4 +90,5 @@ def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int) -> ke
     optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
     schedule = WarmupSchedule(optim_cfg.lr, scaler, int(round(optim_cfg.warmup_epochs * optimizer_steps)),
                               follow=followed_count(optim_cfg, hvd_cfg, bool(gpu_allreduce)))
-    return OPTIMIZERS[optim_cfg.name](optim_cfg, schedule)
+    clipping = {"global_clipnorm": optim_cfg.clip_norm} if clip and optim_cfg.clip_norm else {}
+    return OPTIMIZERS[optim_cfg.name](optim_cfg, schedule, **clipping)

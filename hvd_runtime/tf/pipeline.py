@@ -115,11 +115,12 @@ class PipelineEngine(PipelineEngineBase):
     """Runs one stage's part of the schedule each step, then averages its gradients over dp."""
 
     def __init__(self, stage: Stage, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
-                 micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20):
+                 micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
+                 clip_norm: float = 0.0):
         import horovod.tensorflow as hvd
 
         super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
-        self.stage, self.loss_fn, self.optimizer = stage, loss_fn, optimizer
+        self.stage, self.loss_fn, self.optimizer, self.clip_norm = stage, loss_fn, optimizer, clip_norm
         self.variables = list(stage.trainable_variables)
         if not optimizer.built:
             optimizer.build(self.variables)
@@ -180,6 +181,8 @@ class PipelineEngine(PipelineEngineBase):
 
     def _finish_step(self):
         if not self.variables:  # a weight-free stage (a lone flatten): nothing to average or update
+            if self.clip_norm:
+                self._clipped([])  # but its share (none) of the job-wide norm is still awaited
             self._grads = []
             return
         grads = [g if g is not None else tf.zeros_like(v) for g, v in zip(self._grads, self.variables)]
@@ -187,8 +190,22 @@ class PipelineEngine(PipelineEngineBase):
             # Horovod: average this stage's gradients over its dp replicas only
             grads = self.hvd.grouped_allreduce(grads, op=self.hvd.Average, name="pp.grads",
                                                process_set=self.dims.dp_set)
+        if self.clip_norm:
+            grads = self._clipped(grads)
         self.optimizer.apply_gradients(zip(grads, self.variables))
         self._grads = []
+
+    def _clipped(self, grads: list) -> list:
+        """The stage's gradients scaled so that the whole model's gradient norm is at most clip_norm.
+
+        The norm is the model's, not the stage's: squared norms are summed over all ranks (every
+        replica holds the same averaged gradients, so the sum is divided by the replicas), exactly
+        what Keras' global_clipnorm computes on the unsplit model.
+        """
+        squares = tf.add_n([tf.zeros((), tf.float64), *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64))) for g in grads)])
+        # Horovod: every rank's share of the squared norm, summed over the whole job
+        norm = (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.dims.replicas) ** 0.5
+        return [g * (self.clip_norm / norm) for g in grads] if norm > self.clip_norm else grads
 
     def _allreduce_sum(self, values, name):
         return self.hvd.allreduce(tf.constant(values, tf.float64), op=self.hvd.Sum, name=name).numpy()

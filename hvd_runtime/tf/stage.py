@@ -17,7 +17,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from hvd_runtime.partition import Partition, PartitionError, plan_partition
+from hvd_runtime.partition import Partition, PartitionError, plan_partition, refuse_weights_shared_across_stages
 
 
 def named_blocks(model) -> list[tuple[str, object]]:
@@ -59,7 +59,9 @@ def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None) 
     """Partition the model's layers: by="params", by="time" (needs sample), or split points."""
     names = [n for n, _ in named_blocks(model)]
     timing = (lambda: time_costs(model, sample)) if sample is not None else None
-    return plan_partition(names, stages, by, lambda: param_costs(model), timing)
+    plan = plan_partition(names, stages, by, lambda: param_costs(model), timing)
+    refuse_weights_shared_across_stages(plan, [(name, layer.variables) for name, layer in named_blocks(model)])
+    return plan
 
 
 class Stage:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
+from hvd_runtime.tf.objective import accuracy_sum
 
 
 class TrainStep:
@@ -34,12 +35,15 @@ class TrainStep:
             loss = self.loss_fn(y, logits)
             if self.model.losses:  # kernel regularizers and add_loss() terms, as model.fit adds them
                 loss = loss + tf.add_n(self.model.losses)
-        grads = tape.gradient(loss, self.variables)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=-1), tf.cast(y, tf.int64)), tf.float64))
-        return loss, correct, grads
+            # fp16: differentiate the scaled loss; apply_gradients unscales (a no-op otherwise)
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.variables)
+        return loss, accuracy_sum(logits, y), grads
 
     def _apply(self, grads):
-        # Horovod: average gradients across ranks (one grouped allreduce), then update.
+        # Horovod: average gradients across ranks (one grouped allreduce), then update. The
+        # optimizer clips by global norm (optim.clip_norm) and, for fp16, unscales and skips
+        # overflowed steps: both on the averaged gradients, so every rank does the same.
         grads = self.sync(grads, self.variables)
         self.optimizer.apply_gradients(zip(grads, self.variables))
 

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hvd_runtime.partition import Partition, PartitionError, plan_partition
+from hvd_runtime.partition import Partition, PartitionError, plan_partition, refuse_weights_shared_across_stages
 
 
 def named_blocks(model) -> list[tuple[str, nn.Module]]:
@@ -62,32 +62,12 @@ def time_costs(model, sample: torch.Tensor, repeats: int = 3) -> list[float]:
     return costs
 
 
-def shared_across_stages(model, plan: Partition) -> list[tuple[str, str]]:
-    """Parameters held by blocks of two different stages, as (first block, other block) names.
-
-    A tied weight (a language model's head reusing its token embedding) is one tensor: split
-    over stages it would live on two ranks or devices and get two different updates.
-    """
-    owner: dict[int, tuple[int, str]] = {}
-    shared = []
-    blocks = named_blocks(model)
-    for k, (start, stop) in enumerate(plan.bounds):
-        for name, block in blocks[start:stop]:
-            for p in block.parameters():
-                first = owner.setdefault(id(p), (k, name))
-                if first[0] != k:
-                    shared.append((first[1], name))
-    return shared
-
-
 def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch.Tensor | None = None) -> Partition:
     """Partition the model's blocks: by="params", by="time" (needs sample), or split points (names/indices)."""
     names = [n for n, _ in named_blocks(model)]
     timing = (lambda: time_costs(model, sample)) if sample is not None else None
     plan = plan_partition(names, stages, by, lambda: param_costs(model), timing)
-    for first, other in shared_across_stages(model, plan)[:1]:
-        raise PartitionError(f"blocks {first} and {other} share a parameter (tied weights) but fall on different "
-                             f"stages: untie them (a GPT's model.tie_embeddings: false), or keep both on one stage")
+    refuse_weights_shared_across_stages(plan, [(name, block.parameters()) for name, block in named_blocks(model)])
     return plan
 
 
