@@ -28,17 +28,27 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)
 
 
-@pytest.fixture(scope="session")
-def workload_projects(tmp_path_factory) -> dict[str, Path | None]:
-    """Torch projects generated with --model resnet18 and --model gpt, for their model.py (mlp: the tests' own)."""
+def _generate_workloads(root: Path, framework: str) -> dict[str, Path | None]:
     from click.testing import CliRunner
 
     from hvdgen.cli import main as cli
 
-    root = tmp_path_factory.mktemp("workloads")
     projects: dict[str, Path | None] = {"mlp": None}
     for model in ("resnet18", "gpt"):
-        result = CliRunner().invoke(cli, ["new", model, "--model", model, "--output", str(root)])
+        result = CliRunner().invoke(cli, ["new", model, "--framework", framework, "--model", model,
+                                          "--output", str(root)])
         assert result.exit_code == 0, result.output
         projects[model] = root / model
     return projects
+
+
+@pytest.fixture(scope="session")
+def workload_projects(tmp_path_factory) -> dict[str, Path | None]:
+    """Torch projects generated with --model resnet18 and --model gpt, for their model.py (mlp: the tests' own)."""
+    return _generate_workloads(tmp_path_factory.mktemp("workloads"), "torch")
+
+
+@pytest.fixture(scope="session")
+def tf_workload_projects(tmp_path_factory) -> dict[str, Path | None]:
+    """The same for TensorFlow: Keras projects generated with --model resnet18 and --model gpt."""
+    return _generate_workloads(tmp_path_factory.mktemp("tf_workloads"), "tensorflow")

@@ -12,6 +12,7 @@ import tensorflow as tf
 from hvd_runtime.progress import progress
 from hvd_runtime.throughput import Throughput
 from hvd_runtime.tf.batches import ShardedBatches
+from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.objective import accuracy_sum
 from hvd_runtime.tf.state import TrainState
@@ -103,7 +104,11 @@ def _eval_fn(model, loss_fn):
 
 
 def evaluate(model, batches: ShardedBatches, loss_fn, ctx: Context) -> dict[str, float]:
-    """Loss and accuracy over the whole validation set, each sample counted once on one rank."""
+    """Loss and accuracy over the whole validation set, each sample counted once on one rank.
+
+    Every rank first takes the job's mean BatchNorm statistics, so all ranks evaluate one model.
+    """
+    average_statistics(model, name="eval.statistics")
     totals = _eval_fn(model, loss_fn)
     loss_sum = correct = seen = 0.0
     for x, y in batches:

@@ -163,7 +163,9 @@ class PipelineEngine(PipelineEngineBase):
         first = self.dims.is_first
         sources = self.variables if first else [inp, *self.variables]
         grads = tape.gradient(target, sources, output_gradients=None if grad is None else grad)
-        var_grads = grads if first else grads[1:]
+        # dense: an embedding's IndexedSlices neither add up over micro-batches nor give a true norm
+        # (a token's row counts once per occurrence)
+        var_grads = [None if g is None else tf.convert_to_tensor(g) for g in (grads if first else grads[1:])]
         self._grads = [g if acc is None else (acc if g is None else acc + g)
                        for acc, g in zip(self._grads, var_grads)]
         if first:

@@ -16,14 +16,20 @@ import numpy as np
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.pipeline_checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
+from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.stage import Stage, build_stage
 from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state
 
 
 def _gather_stages(stage: Stage, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:
-    """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state)."""
+    """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state).
+
+    A stage's replicas first agree on its BatchNorm statistics (hvd_runtime.tf.buffers).
+    """
     import horovod.tensorflow as hvd
 
+    if dims.dp_set is not None:
+        average_statistics(stage, process_set=dims.dp_set, name="pp.checkpoint.statistics")
     return gather_stages(hvd, dims, [np.asarray(v) for v in stage.variables],
                          [np.asarray(v) for v in optimizer.variables] if optimizer is not None else None,
                          rng_state())

@@ -17,6 +17,7 @@ import numpy as np
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
 from hvd_runtime.config import ConfigError
+from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.context import Context
 
 SUFFIX = "pkl"
@@ -115,9 +116,10 @@ def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context,
 
 
 def save_checkpoint(store: CheckpointStore, model, optimizer, state: TrainState) -> Path | None:
-    """Called by every rank (the RNG states are gathered); only rank 0 writes."""
+    """Called by every rank (the RNG states are gathered, BatchNorm statistics averaged); only rank 0 writes."""
     import horovod.tensorflow as hvd
 
+    average_statistics(model, name="checkpoint.statistics")
     rngs = hvd.allgather_object(rng_state(), name="rng_states")
     if not store.is_writer:
         return None

@@ -1,11 +1,12 @@
-"""Generated ResNet-18 and GPT projects train from data on disk, under every strategy, and resume exactly.
+"""Generated ResNet-18 and GPT projects train from data on disk, under every strategy and framework, and resume exactly.
 
-For each strategy, a project generated with `--model resnet18` trains on an image folder the
-test writes (read by DataLoader worker processes), and one generated with `--model gpt` on token
-files made by the project's own prepare_tokens.py from a text file. Each trains two short epochs
-under `horovodrun -np 2`: the loss falls, every rank ends with the same weights, and a second
-run resumed from a checkpoint of the first (mid-epoch for data and model-split, after epoch 1 for
-the pipeline, which checkpoints per epoch) ends on the same metrics and weights. bf16 trains too.
+For each framework and strategy, a project generated with `--model resnet18` trains on an image
+folder the test writes (read by DataLoader worker processes, or tf.data's threads), and one
+generated with `--model gpt` on token files made by the project's own prepare_tokens.py from a
+text file. Each trains two short epochs under `horovodrun -np 2`: the loss falls, every rank ends
+with the same weights, and a second run resumed from a checkpoint of the first (mid-epoch for
+data and model-split, after epoch 1 for the pipeline, which checkpoints per epoch) ends on the
+same metrics and weights. bf16 trains too.
 Models are narrow and data small: the checks are about the machinery, not about accuracy.
 The image folder's 58 training images leave each epoch of the pipeline a last batch of 2 images,
 fewer than its 4 micro-batches: that batch runs as 2 micro-batches on every stage.
@@ -27,8 +28,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
 
 SIZES = {
-    "resnet18": ["--model.width", "4", "--data.image_size", "16", "--data.workers", "1", "--train.batch_size", "8",
-                 "--optim.lr", "0.01"],
+    "resnet18": ["--model.width", "4", "--data.image_size", "16", "--train.batch_size", "8", "--optim.lr", "0.01"],
     "gpt": ["--model.width", "16", "--model.heads", "2", "--model.layers", "2", "--model.context", "16",
             "--train.batch_size", "8", "--parallel.micro_batches", "2"],
 }
@@ -68,35 +68,44 @@ def train(project: Path, ranks: Path, epochs: int, *overrides: str, digest: bool
     return [json.loads(line) for line in lines], proc.stdout
 
 
-CASES = [(model, strategy) for model in ("resnet18", "gpt") for strategy in ("data", "model-split", "pipeline")]
+CASES = [(framework, model, strategy) for framework in ("torch", "tensorflow") for model in ("resnet18", "gpt")
+         for strategy in ("data", "model-split", "pipeline")]
 
 
-@pytest.mark.parametrize("model,strategy", CASES, ids=[f"{m}-{s}" for m, s in CASES])
-def test_generated_workload_learns_from_disk_and_resumes_exactly(tmp_path, model, strategy):
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--model", model, "--strategy", strategy,
-                    "--output", str(tmp_path)], check=True, capture_output=True)
+def generate(tmp_path: Path, framework: str, model: str, strategy: str, *extra: str) -> tuple[Path, list[str]]:
+    """The project, and the overrides that point it at data written for it and keep it tiny."""
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--model", model,
+                    "--strategy", strategy, "--output", str(tmp_path)], check=True, capture_output=True)
     project = tmp_path / "proj"
-    args = [*prepare(project, model, tmp_path), *SIZES[model]]
+    args = [*prepare(project, model, tmp_path), *SIZES[model], *extra]
     if strategy == "data":
         args = _without(args, "--parallel.micro_batches")
-    metric = "val_perplexity" if model == "gpt" else "val_accuracy"
+    if framework == "torch" and model == "resnet18":
+        args += ["--data.workers", "1"]
+    return project, args
 
-    if strategy == "pipeline":
-        straight, out = train(project, tmp_path / "straight", 2, *args, digest=False)
-        train(project, tmp_path / "resumed", 1, *args, digest=False)
-        resumed, out = train(project, tmp_path / "resumed", 2, *args, digest=False)
-        assert "from epoch 1" in out
-        assert_same(resumed[-1], straight[-1], ("train_loss", "val_loss", metric))
+
+@pytest.mark.parametrize("framework,model,strategy", CASES, ids=["-".join(c) for c in CASES])
+def test_generated_workload_learns_from_disk_and_resumes_exactly(tmp_path, framework, model, strategy):
+    project, args = generate(tmp_path, framework, model, strategy)
+    metric = "val_perplexity" if model == "gpt" else "val_accuracy"
+    pipeline = strategy == "pipeline"
+    # The pipeline checkpoints once per epoch: resume from the end of epoch 1. The others also
+    # checkpoint every 2 steps: resume mid-epoch.
+    every = () if pipeline else ("--checkpoint.every_steps", "2", "--checkpoint.keep", "100")
+
+    straight, _ = train(project, tmp_path / "straight", 2, *args, *every, digest=not pipeline)
+    step = straight[0]["step"] if pipeline else 2
+    assert pipeline or straight[0]["step"] > 2, "the checkpoint at step 2 must be mid-epoch"
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{step:09d}.*")
+    (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
+    shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)
+    resumed, out = train(project, tmp_path / "resumed", 2, *args, *every, digest=not pipeline)
+    assert f"resuming from checkpoints/{saved.name}: epoch {1 if pipeline else 0}, step {step}" in out
+    if pipeline:
+        assert len(resumed) == 1
+        assert_same(resumed[-1], straight[-1], ("train_loss", "train_accuracy", "val_loss", metric))
     else:
-        every = ("--checkpoint.every_steps", "2", "--checkpoint.keep", "100")
-        straight, _ = train(project, tmp_path / "straight", 2, *args, *every)
-        assert straight[0]["step"] > 2, "the checkpoint at step 2 must be mid-epoch"
-        name = f"ckpt-{2:09d}.pt"
-        (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
-        shutil.copy(tmp_path / "straight" / "rank0" / "checkpoints" / name,
-                    tmp_path / "resumed" / "rank0" / "checkpoints" / name)
-        resumed, out = train(project, tmp_path / "resumed", 2, *args, *every)
-        assert f"resuming from checkpoints/{name}: epoch 0, step 2" in out
         assert_same(resumed[0], straight[0], ("val_loss", metric))
         assert_same(resumed[1], straight[1], ("train_loss", "train_accuracy", "val_loss", metric))
         digests = [json.loads((tmp_path / run / "digests.json").read_text()) for run in ("straight", "resumed")]
@@ -107,17 +116,13 @@ def test_generated_workload_learns_from_disk_and_resumes_exactly(tmp_path, model
     assert ("train_tokens_per_s" in straight[1]) == (model == "gpt")
 
 
-BF16_CASES = [("resnet18", "data"), ("gpt", "pipeline")]
+BF16_CASES = [("torch", "resnet18", "data"), ("torch", "gpt", "pipeline"),
+              ("tensorflow", "resnet18", "data"), ("tensorflow", "gpt", "pipeline")]
 
 
-@pytest.mark.parametrize("model,strategy", BF16_CASES, ids=[f"{m}-{s}" for m, s in BF16_CASES])
-def test_generated_workload_trains_in_bf16_on_the_cpu(tmp_path, model, strategy):
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--model", model, "--strategy", strategy,
-                    "--output", str(tmp_path)], check=True, capture_output=True)
-    project = tmp_path / "proj"
-    args = [*prepare(project, model, tmp_path), *SIZES[model], "--train.precision", "bf16"]
-    if strategy == "data":
-        args = _without(args, "--parallel.micro_batches")
+@pytest.mark.parametrize("framework,model,strategy", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
+def test_generated_workload_trains_in_bf16_on_the_cpu(tmp_path, framework, model, strategy):
+    project, args = generate(tmp_path, framework, model, strategy, "--train.precision", "bf16")
     epochs, _ = train(project, tmp_path / "run", 2, *args, digest=strategy != "pipeline")
     assert epochs[1]["train_loss"] < epochs[0]["train_loss"]
     assert all(np.isfinite(e["val_loss"]) for e in epochs)

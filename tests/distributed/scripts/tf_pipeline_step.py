@@ -6,7 +6,9 @@ Every rank computes the single-process reference itself (the whole global batch 
 whole model, plain SGD) and compares its own stage's variables after the steps, and the reported
 losses and accuracies, with it. Replicas other than 0 build their copy from another seed, so
 the engine's start-up broadcast is what makes them agree. Rank 0 writes all results as JSON
-(the format tests/pipeline_checks.py judges).
+(the format tests/pipeline_checks.py judges). `--model resnet18|gpt --project DIR` splits a
+generated project's model instead of the MLP here (for BatchNorm, the reference sees the same
+micro-batches one after the other); `--clip-norm` clips by the whole model's norm.
 """
 
 import sys
@@ -17,10 +19,12 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
+from hvd_runtime.tf.objective import accuracy, accuracy_sum
 from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
+from tf_workloads import load_workload  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 BLOCKS = [f"b{i}" for i in range(7)]
@@ -40,64 +44,86 @@ def make_model(seed: int = 1234, flatten_first: bool = False) -> keras.Sequentia
     return keras.Sequential(layers)
 
 
-def named_variables(layers) -> dict:
-    """'b2/kernel' -> variable: the same key in any model made by make_model."""
-    return {f"{layer.name}/{v.name}": v for layer in layers for v in layer.variables}
-
-
-def accuracy(out, y):
-    return {"accuracy": float(tf.reduce_mean(tf.cast(tf.argmax(out, 1) == tf.cast(y, tf.int64), tf.float32)))}
+def named_variables(layers, trainable_only: bool = False) -> dict:
+    """'b2/kernel' -> float variable: its path below the model's name, the same in any model built the same way."""
+    return {v.path.split("/", 1)[1]: v for layer in layers
+            for v in (layer.trainable_variables if trainable_only else layer.variables) if "float" in str(v.dtype)}
 
 
 def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def reference(xs, ys, x_val, y_val, flatten_first: bool = False):
-    """The unsplit model trained in this process: losses, accuracies, val loss, updates."""
-    ref = make_model(flatten_first=flatten_first)
-    before = {k: v.numpy().copy() for k, v in named_variables(ref.layers).items()}
-    opt = keras.optimizers.SGD(0.5)
-    losses, accs = [], []
+def mlp_batch(rng, n):
+    return rng.standard_normal((n, FEATURES)).astype("float32"), rng.integers(0, CLASSES, n)
+
+
+def sized_chunks(x, y, parts: int) -> list:
+    """(x, y, share of the batch) in `parts` pieces, sized as the pipeline cuts micro-batches."""
+    n = len(y)
+    sizes = [n // parts + (i < n % parts) for i in range(min(parts, n))]
+    bounds = np.cumsum([0, *sizes])
+    return [(x[a:b], y[a:b], (b - a) / n) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, pieces=None, clip_norm: float = 0.0,
+              lr: float = 0.5, trainable_only: bool = False):
+    """The unsplit model trained in this process: losses, accuracies, val loss, updates, whether clipping acted.
+
+    `pieces(x, y)` gives (x, y, weight) parts whose weighted losses add up to the batch's mean
+    loss (a model with BatchNorm must see the micro-batches the split model sees); default: whole.
+    """
+    ref = work.build(1234) if work is not None else make_model(flatten_first=flatten_first)
+    before = {k: v.numpy().copy() for k, v in named_variables(ref.layers, trainable_only).items()}
+    opt = keras.optimizers.SGD(lr, global_clipnorm=clip_norm or None)
+    losses, accs, clipped = [], [], []
     for x, y in zip(xs, ys):
+        parts = pieces(x, y) if pieces is not None else [(x, y, 1.0)]
         with tf.GradientTape() as tape:
-            out = ref(x, training=True)
-            loss = LOSS(y, out)
-        grads = tape.gradient(loss, ref.trainable_variables)
+            outs = [ref(xc, training=True) for xc, _, _ in parts]
+            loss = tf.add_n([LOSS(yc, out) * w for (_, yc, w), out in zip(parts, outs)])
+        # dense, as the allreduce makes them: an embedding's IndexedSlices repeat a token's row, and a
+        # global norm taken over those rows would count it once per occurrence
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, ref.trainable_variables)]
+        clipped.append(bool(clip_norm) and float(tf.linalg.global_norm(grads)) > clip_norm)
         opt.apply_gradients(zip(grads, ref.trainable_variables))
         losses.append(float(loss))
-        accs.append(accuracy(out, y)["accuracy"])
-    updates = {k: v.numpy() - before[k] for k, v in named_variables(ref.layers).items()}
-    return losses, accs, float(LOSS(y_val, ref(x_val, training=False))), updates
+        accs.append(sum(float(accuracy_sum(out, yc)) for (_, yc, _), out in zip(parts, outs)) / len(y))
+    updates = {k: v.numpy() - before[k] for k, v in named_variables(ref.layers, trainable_only).items()}
+    return losses, accs, float(LOSS(y_val, ref(x_val, training=False))), updates, clipped
 
 
 def main():
     args = parse_args(pipeline=True, p2p="socket")
+    work = load_workload(args.model, args.project, lambda seed=1234: make_model(seed, args.flatten_first), mlp_batch,
+                         (["flat"] if args.flatten_first else []) + BLOCKS)
 
     ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p)
     rng = np.random.default_rng(7)
     global_batch = args.batch * dims.replicas
-    xs = [rng.standard_normal((global_batch, FEATURES)).astype("float32") for _ in range(args.steps)]
-    ys = [rng.integers(0, CLASSES, global_batch) for _ in range(args.steps)]
-    x_val = rng.standard_normal((3 * global_batch, FEATURES)).astype("float32")
-    y_val = rng.integers(0, CLASSES, 3 * global_batch)
-    ref_losses, ref_accs, ref_val, ref_updates = reference(xs, ys, x_val, y_val, args.flatten_first)
+    batches = [work.batch(rng, global_batch) for _ in range(args.steps)]
+    xs, ys = [b[0] for b in batches], [b[1] for b in batches]
+    x_val, y_val = work.batch(rng, 3 * global_batch)
+    pieces = (lambda x, y: sized_chunks(x, y, args.micro_batches)) if work.batch_norm else None
+    ref_losses, ref_accs, ref_val, ref_updates, clipped = reference(xs, ys, x_val, y_val, work=work, pieces=pieces,
+                                                                    clip_norm=args.clip_norm, lr=args.lr)
 
-    model = make_model(seed=1234 + 1000 * dims.replica, flatten_first=args.flatten_first)  # replica 0's must win
+    model = work.build(1234 + 1000 * dims.replica)  # replica 0's must win
     stage = build_stage(model, dims, partition=args.partition, sample=xs[0][:args.batch])
     before = {k: v.numpy().copy() for k, v in named_variables(stage.layers).items()}
-    engine = PipelineEngine(stage, dims, LOSS, keras.optimizers.SGD(0.5), schedule=args.schedule,
-                            micro_batches=args.micro_batches, metrics_fn=accuracy, timeline=args.run_dir is not None)
+    engine = PipelineEngine(stage, dims, LOSS, keras.optimizers.SGD(args.lr), schedule=args.schedule,
+                            micro_batches=args.micro_batches, metrics_fn=accuracy, timeline=args.run_dir is not None,
+                            clip_norm=args.clip_norm)
     if dims.replica:
         # what replica 0 started from: the engine broadcast it over this stage's replicas
-        before = {k: v.numpy().copy() for k, v in named_variables(make_model(flatten_first=args.flatten_first).layers).items()
-                  if k in before}
+        start = named_variables(work.build(1234).layers)
+        before = {k: start[k].numpy().copy() for k in before}
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 
     update_err = {k: rel(v.numpy() - before[k], ref_updates[k]) for k, v in named_variables(stage.layers).items()}
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
               "blocks": list(stage.plan.stage_names(dims.stage)), "ref_losses": ref_losses, "ref_accs": ref_accs,
-              "ref_val_loss": ref_val, "update_err": update_err, **run}
+              "ref_val_loss": ref_val, "update_err": update_err, "clipped": clipped, **run}
     write_results(hvd, result, args.out)
 
 

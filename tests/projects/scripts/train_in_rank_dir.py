@@ -2,8 +2,8 @@
 
 Relative paths (checkpoints/, runs/, mlflow.db) then land in rankN/, so a test can see exactly
 what each rank wrote. At the end, rank 0 records a digest of every rank's parameters (DIGEST=parameters: torch
-parameters only, leaving out buffers such as BatchNorm's running statistics, which are each
-worker's own by design).
+parameters, or Keras trainable variables, only: leaving out BatchNorm's running statistics,
+which are each worker's own between checkpoints by design).
 usage: horovodrun ... python train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
 """
 
@@ -36,7 +36,8 @@ else:
     import horovod.tensorflow as hvd
 
     # Float variables only: integer ones are per-rank dropout seed states, meant to differ.
-    weights = b"".join(np.asarray(v).tobytes() for v in model.variables if "float" in str(v.dtype))
+    variables = model.trainable_variables if os.environ.get("DIGEST") == "parameters" else model.variables
+    weights = b"".join(np.asarray(v).tobytes() for v in variables if "float" in str(v.dtype))
 digests = hvd.allgather_object(hashlib.sha256(weights).hexdigest())
 if hvd.rank() == 0:
     (ranks_dir / "digests.json").write_text(json.dumps(digests))
