@@ -37,7 +37,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 def use_sync_batchnorm(model: keras.Model) -> keras.Model:
     """A copy of `model` with every BatchNormalization made a SyncBatchNormalization.
 
-    The model's own code stays as it is; its current weights are carried over.
+    The model's own code stays as it is; its current weights are carried over. A layer of the
+    model's own (a residual block) is rebuilt from its config, so its BatchNormalization layers are
+    new objects of the copy: those change class in place, which is safe because
+    SyncBatchNormalization adds no state, only another way of taking the batch moments.
     """
 
     def swap(layer):
@@ -46,5 +49,8 @@ def use_sync_batchnorm(model: keras.Model) -> keras.Model:
         return layer.__class__.from_config(layer.get_config())
 
     synced = keras.models.clone_model(model, clone_function=swap, recursive=True)
+    for layer in synced._flatten_layers(include_self=False):
+        if type(layer) is keras.layers.BatchNormalization:
+            layer.__class__ = SyncBatchNormalization
     synced.set_weights(model.get_weights())
     return synced

@@ -117,25 +117,37 @@ def _tokens_of(project: Path, text: str) -> list[str]:
     return ["--data.path", str(project.parent / "tokens")]
 
 
+def _tied(project: Path) -> list[str]:
+    return [*_tokens_of(project, (project / "README.md").read_text()), "--model.tie_embeddings", "true"]
+
+
+TIED_SPLIT = ("share a parameter (tied weights) but fall on different stages: untie them (a GPT's "
+              "model.tie_embeddings: false), or keep both on one stage")
 WORKLOAD_REFUSALS = [
-    # (model, strategy, arguments made from the project, the line every rank prints)
-    ("resnet18", "data", _no_images, "has class folders but no images (.png, .jpg, .jpeg, .bmp, .gif, .webp): use "
-                                     "ROOT/<class>/<image files>"),
-    ("resnet18", "pipeline", _not_an_image, "tabby.png is not a readable image (cannot identify image file"),
-    ("gpt", "data", lambda p: _tokens_of(p, "too short for a context window"), "train.bin holds 27 tokens, fewer than the 128 one context window needs "
-                                   "(model.context 64): use more text, or lower model.context"),
-    ("gpt", "model-split", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), "--model.tie_embeddings", "true"],
-     "blocks 0 and 5 share a parameter (tied weights) but fall on different stages: untie them (a GPT's "
-     "model.tie_embeddings: false), or keep both on one stage"),
-    ("resnet18", "data", lambda p: ["--train.precision", "fp16"],
+    # (framework, model, strategy, arguments made from the project, the line every rank prints)
+    ("torch", "resnet18", "data", _no_images, "has class folders but no images (.png, .jpg, .jpeg, .bmp, .gif, "
+                                              ".webp): use ROOT/<class>/<image files>"),
+    ("torch", "resnet18", "pipeline", _not_an_image, "tabby.png is not a readable image (cannot identify image file"),
+    ("torch", "gpt", "data", lambda p: _tokens_of(p, "too short for a context window"),
+     "train.bin holds 27 tokens, fewer than the 128 one context window needs (model.context 64): use more text, or "
+     "lower model.context"),
+    ("torch", "gpt", "model-split", _tied, f"blocks 0 and 5 {TIED_SPLIT}"),
+    ("torch", "resnet18", "data", lambda p: ["--train.precision", "fp16"],
      "train.precision fp16 needs a GPU (its loss scaling is CUDA's): use bf16 on the CPU, or fp32"),
+    ("tensorflow", "resnet18", "pipeline", _not_an_image,
+     "tabby.png is not a readable image (cannot identify image file"),
+    ("tensorflow", "gpt", "model-split", _tied, f"blocks embedding and head {TIED_SPLIT}"),
+    ("tensorflow", "resnet18", "data", lambda p: ["--train.precision", "fp16"],
+     "train.precision fp16 needs a GPU (its loss scaling exists for GPU half precision): use bf16 on the CPU, "
+     "or fp32"),
 ]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model, strategy, make_args, problem", WORKLOAD_REFUSALS,
-                         ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu"])
-def test_workload_data_and_model_problems_stop_every_rank(tmp_path, model, strategy, make_args, problem):
-    project = generate(tmp_path, "torch", strategy, model)
+@pytest.mark.parametrize("framework, model, strategy, make_args, problem", WORKLOAD_REFUSALS,
+                         ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu",
+                              "tf-not-an-image", "tf-tied-head-split", "tf-fp16-on-cpu"])
+def test_workload_data_and_model_problems_stop_every_rank(tmp_path, framework, model, strategy, make_args, problem):
+    project = generate(tmp_path, framework, strategy, model)
     line = refused(project, *make_args(project))
     assert problem in line, line

@@ -1,6 +1,6 @@
-"""Generated ResNet-18 and GPT projects train from data on disk, under every strategy and framework, and resume exactly.
+"""Generated ResNet-18 and GPT PyTorch projects train from data on disk, under every strategy, and resume exactly.
 
-For each framework and strategy, a project generated with `--model resnet18` trains on an image
+(test_workload_projects_tf.py runs the same checks on TensorFlow projects.) For each strategy, a project generated with `--model resnet18` trains on an image
 folder the test writes (read by DataLoader worker processes, or tf.data's threads), and one
 generated with `--model gpt` on token files made by the project's own prepare_tokens.py from a
 text file. Each trains two short epochs under `horovodrun -np 2`: the loss falls, every rank ends
@@ -68,10 +68,6 @@ def train(project: Path, ranks: Path, epochs: int, *overrides: str, digest: bool
     return [json.loads(line) for line in lines], proc.stdout
 
 
-CASES = [(framework, model, strategy) for framework in ("torch", "tensorflow") for model in ("resnet18", "gpt")
-         for strategy in ("data", "model-split", "pipeline")]
-
-
 def generate(tmp_path: Path, framework: str, model: str, strategy: str, *extra: str) -> tuple[Path, list[str]]:
     """The project, and the overrides that point it at data written for it and keep it tiny."""
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--model", model,
@@ -85,8 +81,21 @@ def generate(tmp_path: Path, framework: str, model: str, strategy: str, *extra: 
     return project, args
 
 
-@pytest.mark.parametrize("framework,model,strategy", CASES, ids=["-".join(c) for c in CASES])
-def test_generated_workload_learns_from_disk_and_resumes_exactly(tmp_path, framework, model, strategy):
+CASES = [(model, strategy) for model in ("resnet18", "gpt") for strategy in ("data", "model-split", "pipeline")]
+BF16_CASES = [("resnet18", "data"), ("gpt", "pipeline")]
+
+
+@pytest.mark.parametrize("model,strategy", CASES, ids=["-".join(c) for c in CASES])
+def test_generated_workload_learns_from_disk_and_resumes_exactly(tmp_path, model, strategy):
+    learns_from_disk_and_resumes_exactly(tmp_path, "torch", model, strategy)
+
+
+@pytest.mark.parametrize("model,strategy", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
+def test_generated_workload_trains_in_bf16_on_the_cpu(tmp_path, model, strategy):
+    trains_in_bf16(tmp_path, "torch", model, strategy)
+
+
+def learns_from_disk_and_resumes_exactly(tmp_path: Path, framework: str, model: str, strategy: str) -> None:
     project, args = generate(tmp_path, framework, model, strategy)
     metric = "val_perplexity" if model == "gpt" else "val_accuracy"
     pipeline = strategy == "pipeline"
@@ -116,12 +125,7 @@ def test_generated_workload_learns_from_disk_and_resumes_exactly(tmp_path, frame
     assert ("train_tokens_per_s" in straight[1]) == (model == "gpt")
 
 
-BF16_CASES = [("torch", "resnet18", "data"), ("torch", "gpt", "pipeline"),
-              ("tensorflow", "resnet18", "data"), ("tensorflow", "gpt", "pipeline")]
-
-
-@pytest.mark.parametrize("framework,model,strategy", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
-def test_generated_workload_trains_in_bf16_on_the_cpu(tmp_path, framework, model, strategy):
+def trains_in_bf16(tmp_path: Path, framework: str, model: str, strategy: str) -> None:
     project, args = generate(tmp_path, framework, model, strategy, "--train.precision", "bf16")
     epochs, _ = train(project, tmp_path / "run", 2, *args, digest=strategy != "pipeline")
     assert epochs[1]["train_loss"] < epochs[0]["train_loss"]

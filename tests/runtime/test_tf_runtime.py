@@ -77,14 +77,27 @@ def test_accumulator_hands_on_the_mean_and_starts_again():
         GradientAccumulator([v], k=0)
 
 
+@keras.saving.register_keras_serializable(package="tests")
+class Normed(keras.layers.Layer):
+    """A layer of a model's own holding a BatchNormalization, as a generated ResNet's residual block does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x, training=False):
+        return self.norm(x, training=training)
+
+
 def test_sync_batchnorm_swap_keeps_weights_and_the_model_code():
     keras.utils.set_random_seed(0)
     block = keras.Sequential([keras.layers.Dense(4), keras.layers.BatchNormalization()])
-    model = keras.Sequential([keras.Input((3,)), block, keras.layers.Dense(2)])
+    model = keras.Sequential([keras.Input((3,)), block, Normed(), keras.layers.Dense(2)])
     model.layers[0].layers[1].moving_mean.assign(np.arange(4, dtype=np.float32))
+    model.layers[1].norm.moving_variance.assign(np.arange(1, 5, dtype=np.float32))
     synced = use_sync_batchnorm(model)
     swapped = [layer for layer in synced._flatten_layers() if isinstance(layer, SyncBatchNormalization)]
-    assert len(swapped) == 1
+    assert len(swapped) == 2
     assert not any(isinstance(layer, SyncBatchNormalization) for layer in model._flatten_layers())
     x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
     assert np.allclose(synced(x, training=False), model(x, training=False))

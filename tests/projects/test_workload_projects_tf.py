@@ -1,0 +1,21 @@
+"""Generated ResNet-18 and GPT TensorFlow projects: the checks of test_workload_projects.py, on Keras.
+
+A file of its own so that the suite's workers (one file each) run the two frameworks side by side.
+Images are read by tf.data's parallel map; bf16 is Keras' mixed_bfloat16 policy.
+"""
+
+import pytest
+
+from test_workload_projects import BF16_CASES, CASES, learns_from_disk_and_resumes_exactly, trains_in_bf16
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("model,strategy", CASES, ids=["-".join(c) for c in CASES])
+def test_generated_keras_workload_learns_from_disk_and_resumes_exactly(tmp_path, model, strategy):
+    learns_from_disk_and_resumes_exactly(tmp_path, "tensorflow", model, strategy)
+
+
+@pytest.mark.parametrize("model,strategy", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
+def test_generated_keras_workload_trains_in_bf16_on_the_cpu(tmp_path, model, strategy):
+    trains_in_bf16(tmp_path, "tensorflow", model, strategy)
