@@ -47,7 +47,7 @@ SHAPES = [(framework, *shape) for framework in ("torch", "tensorflow") for shape
     ("data", ()), ("data", ("--elastic",)), ("model-split", ()), ("pipeline", ()), ("pipeline", ("--stages", "4")))]
 # The models other than the MLP change model.py, data.py, config.yaml and the README's model and
 # data sections; their strategy parts are the MLP's, run above.
-SHAPES += [("torch", "data", ("--model", "resnet18")), ("torch", "data", ("--model", "gpt"))]
+SHAPES += [(framework, "data", ("--model", model)) for framework in ("torch", "tensorflow") for model in ("resnet18", "gpt")]
 
 # Commands that need more than this machine, and where they are exercised instead.
 NOT_HERE = (
