@@ -6,14 +6,17 @@ the others waiting in an allreduce forever). Progress through an epoch is counte
 consumed across all ranks, so a resumed job carries on exactly where the epoch stopped.
 In-memory arrays become tensors once; per epoch only an index vector is new, gathered inside
 the pipeline. A streamed split (an image folder) is read by a parallel map over batches of
-indices: the split's `take` runs in tf.data's threads (decoding releases the GIL), prefetched.
+indices: the split's `take` runs in tf.data's threads (decoding releases the GIL), prefetched. A
+file that turns unreadable mid-training stops the job with its one-line DataError.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import tensorflow as tf
 
-from hvd_runtime.data import EpochShards, Split
+from hvd_runtime.data import DataError, EpochShards, Split
 
 
 class ShardedBatches(EpochShards):
@@ -24,22 +27,40 @@ class ShardedBatches(EpochShards):
             self.x = tf.constant(split.x)
             self.y = tf.constant(split.y)
 
-    def batches(self, epoch: int = 0, consumed: int = 0) -> tf.data.Dataset:
+    def batches(self, epoch: int = 0, consumed: int = 0) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
         """This rank's batches of `epoch`, after the first `consumed` samples of its order."""
         indices = tf.data.Dataset.from_tensor_slices(self.indices(epoch, consumed)).batch(self.batch_size)
         if self.split.streamed:
-            return indices.map(self._reader(epoch), num_parallel_calls=tf.data.AUTOTUNE,
-                               deterministic=True).prefetch(tf.data.AUTOTUNE)
+            failures: list[DataError] = []
+            return self._stop_on_data_errors(indices.map(self._reader(epoch, failures), deterministic=True,
+                                                         num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE),
+                                             failures)
         x, y = self.x, self.y
-        return indices.map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(tf.data.AUTOTUNE)
+        return iter(indices.map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(tf.data.AUTOTUNE))
 
-    def _reader(self, epoch: int):
+    def _reader(self, epoch: int, failures: list):
         split, shape, x_dtype = self.split, self.split.sample_shape, tf.as_dtype(self.split.input_dtype)
 
+        def take(idx):
+            try:
+                return split.take(idx, epoch)
+            except DataError as exc:  # kept whole: TensorFlow would wrap it in an op error and a traceback
+                failures.append(exc)
+                raise
+
         def read(i):
-            x, y = tf.numpy_function(lambda idx: split.take(idx, epoch), [i], [x_dtype, tf.int64], stateful=False)
+            x, y = tf.numpy_function(take, [i], [x_dtype, tf.int64], stateful=False)
             return tf.ensure_shape(x, (None, *shape)), tf.ensure_shape(y, (None, *split.target_shape))
         return read
 
+    @staticmethod
+    def _stop_on_data_errors(dataset: tf.data.Dataset, failures: list) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
+        try:
+            yield from dataset
+        except tf.errors.OpError:
+            if failures:
+                raise failures[0] from None  # a file gone bad since start-up: one config-error line
+            raise
+
     def __iter__(self):
-        return iter(self.batches())
+        return self.batches()

@@ -26,6 +26,37 @@ def labels(batches: ShardedBatches, epoch: int = 0, consumed: int = 0) -> list[i
     return [int(v) for _, y in batches.batches(epoch, consumed) for v in y.numpy()]
 
 
+def test_tf_data_reads_token_windows_and_images_as_the_splits_give_them(tmp_path):
+    from hvd_runtime.data import load_image_folder, load_tokens
+    from test_streamed_data import write_images, write_tokens
+
+    write_tokens(tmp_path / "tokens", np.arange(200) % 7, vocab=7)
+    val = load_tokens(tmp_path / "tokens", context=4).val
+    batches = list(ShardedBatches(val, 5, rank=0, size=1, train=False))
+    x, y = (np.concatenate([b[i].numpy() for b in batches]) for i in (0, 1))
+    assert x.dtype == np.int64 and x.shape == y.shape == (len(val), 4)
+    np.testing.assert_array_equal((x, y), val.take(np.arange(len(val))))
+
+    write_images(tmp_path / "images")
+    train = load_image_folder(tmp_path / "images", image_size=8, seed=1).train
+    sharded = ShardedBatches(train, 4, rank=1, size=2, seed=5)
+    first = next(sharded.batches(epoch=2, consumed=4))
+    np.testing.assert_array_equal(first[0].numpy(), train.take(sharded.indices(2, 4)[:4], 2)[0])
+
+
+def test_a_file_that_goes_bad_mid_epoch_reaches_the_loop_as_one_data_error(tmp_path):
+    from hvd_runtime.data import DataError, load_image_folder
+    from test_streamed_data import write_images
+
+    write_images(tmp_path)
+    train = load_image_folder(tmp_path, image_size=8).train
+    for file in train.files:
+        (tmp_path / file).write_bytes((tmp_path / file).read_bytes()[:60])
+    with pytest.raises(DataError) as error:
+        list(ShardedBatches(train, 4, rank=0, size=1).batches())
+    assert "is not a readable image" in str(error.value) and "\n" not in str(error.value)
+
+
 def test_uneven_training_shards_take_the_same_number_of_steps_and_cover_everything():
     ranks = [ShardedBatches(split(13), 4, rank, 2, seed=1) for rank in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == 2  # ceil(ceil(13 / 2) / 4)
