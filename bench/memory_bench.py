@@ -1,11 +1,11 @@
 """Is an image folder streamed? Peak resident memory per rank while ResNet-18 trains on 2 GB of images.
 
     python bench/memory_bench.py                  # 2 GB of 256x256 PNGs, one epoch, -np 2
-    python bench/memory_bench.py --gigabytes 0.5
+    python bench/memory_bench.py --gigabytes 0.5 --framework tensorflow
 
 Writes the folder (random pixels, so PNG cannot compress it), generates a ResNet-18 project,
-trains it one epoch under `horovodrun -np 2` (images resized to 32x32 as they are read, one
-DataLoader worker per rank) and samples the resident memory of every rank and worker process
+trains it one epoch under `horovodrun -np 2` (images resized to 32x32 as they are read, by one
+DataLoader worker per rank, or tf.data's threads) and samples the resident memory of every rank and worker process
 twice a second. Holding the decoded folder in memory would take 4 bytes x 3 x 256 x 256 per
 image, 6 times the files' size; streaming keeps each rank far below even the files' size.
 """
@@ -43,6 +43,7 @@ def write_folder(root: Path, gigabytes: float, side: int = 256) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gigabytes", type=float, default=2.0)
+    parser.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -50,12 +51,12 @@ def main() -> None:
         count = write_folder(tmp / "images", args.gigabytes)
         size = sum(f.stat().st_size for f in (tmp / "images").rglob("*.png"))
         print(f"wrote {count} images, {size / 1e9:.2f} GB, in {time.perf_counter() - started:.0f} s", flush=True)
-        subprocess.run([str(BIN / "hvdgen"), "new", "proj", "--model", "resnet18", "--output", str(tmp)], check=True,
-                       capture_output=True)
+        subprocess.run([str(BIN / "hvdgen"), "new", "proj", "--model", "resnet18", "--framework", args.framework,
+                        "--output", str(tmp)], check=True, capture_output=True)
         cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py",
                "--train.epochs", "1", "--tracking.enabled", "false", "--model.width", "8",
                "--data.source", "image_folder", "--data.path", str(tmp / "images"), "--data.image_size", "32",
-               "--data.workers", "1", "--train.batch_size", "64"]
+               "--train.batch_size", "64", *(["--data.workers", "1"] if args.framework == "torch" else [])]
         env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
         launcher = subprocess.Popen(cmd, cwd=tmp / "proj", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         peaks: dict[int, tuple[str, int]] = {}
@@ -79,7 +80,7 @@ def main() -> None:
         seconds = time.perf_counter() - started
     ranks = sorted((rss for kind, rss in peaks.values() if kind == "rank"), reverse=True)
     workers = sorted((rss for kind, rss in peaks.values() if kind == "loader worker"), reverse=True)
-    print(f"one epoch over {size / 1e9:.2f} GB of images in {seconds:.0f} s")
+    print(f"{args.framework}: one epoch over {size / 1e9:.2f} GB of images in {seconds:.0f} s")
     print("peak resident memory per rank: " + ", ".join(f"{r / 2**20:,.0f} MiB" for r in ranks))
     print(f"peak per DataLoader worker ({len(workers)} started, one per rank per pass over a split): "
           + (", ".join(f"{r / 2**20:,.0f} MiB" for r in workers) or "none seen"))
