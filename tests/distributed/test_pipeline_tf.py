@@ -69,6 +69,28 @@ def test_message_refuses_types_it_cannot_carry():
         encode(tf.constant(["a"]))
 
 
+def test_a_tied_keras_language_model_reloads_tied(tmp_path, tf_workload_projects):
+    """The generated GPT's head reads the token embedding; a model saved and loaded (as MLflow does) still does."""
+    import importlib.util
+
+    from hvd_runtime.config import ModelConfig
+
+    spec = importlib.util.spec_from_file_location("keras_gpt_model", tf_workload_projects["gpt"] / "model.py")
+    generated = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generated)
+    model = generated.build_model(ModelConfig(width=16, heads=2, layers=2, context=8, tie_embeddings=True), (8,), 16)
+    head, tokens = model.layers[-1], model.layers[0].tokens
+    assert head.tied_to is tokens and tokens.embeddings.path in {v.path for v in head.variables}
+    model.save(tmp_path / "gpt.keras")
+    loaded = keras.saving.load_model(tmp_path / "gpt.keras")
+    assert loaded.layers[-1].tied_to is loaded.layers[0].tokens
+    assert len(loaded.trainable_variables) == len(model.trainable_variables)
+    x = np.arange(16).reshape(2, 8) % 16
+    np.testing.assert_allclose(loaded(x), model(x), rtol=1e-6)
+    with pytest.raises(PartitionError, match="blocks embedding and head share a parameter"):
+        plan_stages(model, 2)
+
+
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
     rng = np.random.default_rng(3)
