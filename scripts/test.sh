@@ -36,8 +36,10 @@ cd "$ROOT"
 step "running the test suite"
 # Two pytest workers, a test file each at a time (its module fixtures stay whole): one worker
 # alone leaves a core idle whenever a test waits on pip, a server or a single-threaded build.
+# Files go out in tests/conftest.py's order, longest first (xdist would otherwise send the files
+# with the most tests first, and the few long ones would run last, one worker alone).
 set +e
-python -m pytest -n 2 --dist loadfile "$@"
+python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 status=$?
 set -e
 step "tests done (pytest exit $status)"

@@ -13,17 +13,24 @@ def no_inherited_tracking_uri(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
-# Directories by how long their files run: minutes each for generated projects, seconds for the
-# generator's and runtime's own tests.
-LONGEST_FIRST = ("projects", "distributed", "generator", "runtime")
+# The files that run longest (10 to 20 minutes of one worker each, measured on a 2-core machine),
+# then directories by how long their files run: minutes each for generated projects, seconds for
+# the generator's and runtime's own tests.
+LONGEST_FIRST = ("projects/test_documented_commands.py", "projects/test_documented_commands_tf.py",
+                 "projects/test_staged_projects.py", "projects/test_workload_projects_tf.py",
+                 "projects/test_fault_tolerance.py", "projects/test_workload_projects.py",
+                 "projects", "distributed", "generator", "runtime")
 
 
 def pytest_collection_modifyitems(items):
     """Long files first: test.sh's two workers take whole files in this order, so they finish
     together, the short files filling the gaps at the end instead of one long file running alone."""
     def rank(item) -> int:
-        folder = Path(str(item.fspath)).parent.name
-        return LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else len(LONGEST_FIRST)
+        path = Path(str(item.fspath))
+        for key in (f"{path.parent.name}/{path.name}", path.parent.name):
+            if key in LONGEST_FIRST:
+                return LONGEST_FIRST.index(key)
+        return len(LONGEST_FIRST)
 
     items.sort(key=rank)
 
