@@ -117,12 +117,6 @@ def _tokens_of(project: Path, text: str) -> list[str]:
     return ["--data.path", str(project.parent / "tokens")]
 
 
-def _tied(project: Path) -> list[str]:
-    return [*_tokens_of(project, (project / "README.md").read_text()), "--model.tie_embeddings", "true"]
-
-
-TIED_SPLIT = ("share a parameter (tied weights) but fall on different stages: untie them (a GPT's "
-              "model.tie_embeddings: false), or keep both on one stage")
 # A Keras GPT split with a tied head is refused by the same plan_stages check (with Keras' block
 # names: tests/distributed/test_pipeline_tf.py). Not here: its ranks reach the check seconds apart
 # after TensorFlow's start, and horovodrun stops the slower one before it can print the line.
@@ -134,7 +128,10 @@ WORKLOAD_REFUSALS = [
     ("torch", "gpt", "data", lambda p: _tokens_of(p, "too short for a context window"),
      "train.bin holds 27 tokens, fewer than the 128 one context window needs (model.context 64): use more text, or "
      "lower model.context"),
-    ("torch", "gpt", "model-split", _tied, f"blocks 0 and 5 {TIED_SPLIT}"),
+    ("torch", "gpt", "model-split",
+     lambda p: [*_tokens_of(p, (p / "README.md").read_text()), "--model.tie_embeddings", "true"],
+     "blocks 0 and 5 share a parameter (tied weights) but fall on different stages: untie them (a GPT's "
+     "model.tie_embeddings: false), or keep both on one stage"),
     ("torch", "resnet18", "data", lambda p: ["--train.precision", "fp16"],
      "train.precision fp16 needs a GPU (its loss scaling is CUDA's): use bf16 on the CPU, or fp32"),
     ("tensorflow", "resnet18", "pipeline", _not_an_image,
