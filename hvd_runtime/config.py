@@ -73,7 +73,7 @@ class HorovodConfig:
     adasum: bool = False            # Adasum instead of averaging (scales lr by local size, not world size)
     sync_batchnorm: bool = False    # BatchNorm statistics over the global batch, not the local one
     threads_per_rank: int = 0       # CPU threads per rank; 0 = cores / local ranks
-    cycle_time_ms: float = 0.0      # Horovod background-loop period; 0 = Horovod's default (1 ms)
+    cycle_time_ms: float = 0.0      # Horovod background-loop period; 0 = by device (scaling.set_cycle_time)
     elastic_commit_every: int = 20  # elastic jobs: steps between commits (what a lost worker rolls back to)
 
 

@@ -77,8 +77,9 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float 
     rank 0's variables, and the data order comes from a seed shared by all ranks.
     """
     import horovod.tensorflow as hvd
+    import tensorflow as tf
 
-    set_cycle_time(cycle_time_ms)
+    set_cycle_time(cycle_time_ms, gpu=bool(tf.config.list_physical_devices("GPU")))
     hvd.init(process_sets=process_sets)  # process sets are fixed here (a pipeline's grid)
     device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank, devices_per_rank)
     seed_everything(seed + hvd.rank())

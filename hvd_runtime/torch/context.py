@@ -70,6 +70,6 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float 
     """
     import horovod.torch as hvd
 
-    set_cycle_time(cycle_time_ms)
+    set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available())
     hvd.init()
     return Context(pin_device(seed, threads_per_rank, devices_per_rank))

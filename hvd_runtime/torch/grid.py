@@ -12,17 +12,20 @@ from __future__ import annotations
 import os
 
 from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.scaling import set_cycle_time
 
 __all__ = ["PipelineConfigError", "PipelineDims", "PipelineRank", "init_pipeline"]
 
 
-def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None) -> PipelineRank:
+def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
+                  cycle_time_ms: float = 0.0) -> PipelineRank:
     """Initialise Horovod with the pipeline's process sets and open the neighbour links.
 
     p2p: "socket" (a TCP connection per neighbour pair, the default, as for TensorFlow: fastest,
     see docs/pipeline.md), "torch" (torch.distributed gloo send/recv), "alltoall" or "broadcast"
     (Horovod collectives in 2-rank process sets).
     threads: torch CPU threads for this rank; default cores / ranks on this host.
+    cycle_time_ms: Horovod's background-loop period (hvd_runtime.scaling.set_cycle_time).
     """
     import horovod.torch as hvd
     import torch
@@ -42,6 +45,7 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None) 
         sets = [hvd.add_process_set(r) for r in wanted]
     else:
         sets = [hvd.ProcessSet(r) for r in wanted]
+        set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available())
         hvd.init(process_sets=sets)
     if hvd.size() != dims.world:
         dims = PipelineDims(world=hvd.size(), stages=stages)
