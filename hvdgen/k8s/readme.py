@@ -23,6 +23,15 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def _baked_data(spec: ProjectSpec) -> str:
+    """What data the image carries, where the project's default data is a file the build makes."""
+    if spec.model != "gpt":
+        return ""
+    return ("\nThe images carry the tokens the job trains on (`data/tokens`): the ones in the project folder, "
+            "if `make data TEXT=...` made them before the build, else the build makes them from the Python "
+            "standard library, as `make train` does.\n")
+
+
 def _ranks(spec: ProjectSpec, opts: K8sOptions, gpus: int) -> str:
     """How the overlay's ranks sit on its workers, in words, with the numbers of this job."""
     slots = slots_per_worker(spec, gpus)
@@ -108,7 +117,7 @@ docker push {default_image(spec, opts)}
 docker build -f Dockerfile.cuda -t {default_gpu_image(spec, opts)} .
 docker push {default_gpu_image(spec, opts)}
 ```
-
+{_baked_data(spec)}
 ## 2. Optional: send metrics to an MLflow server
 
 Every pod reads `MLFLOW_TRACKING_URI` from the {opts.mlflow_uri_from} `{uri_source}`, key

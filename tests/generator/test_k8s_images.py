@@ -119,3 +119,25 @@ def test_checkpoint_volume_is_where_the_project_writes_checkpoints(project):
     assert f"{WORKDIR}/{config['checkpoint']['dir'].rstrip('/')}" == CHECKPOINT_DIR
     for name in DOCKERFILES:
         assert re.findall(r"^WORKDIR\s+(\S+)", (project / name).read_text(), re.M) == [WORKDIR]
+
+
+def test_a_language_model_image_carries_its_tokens(tmp_path):
+    """The GPT image runs its Dockerfile's token step: tokens made from the standard library where
+    the project has none, the user's own kept where `make data` made them before the build."""
+    target = tmp_path / "lm"
+    generate(ProjectSpec(name="lm", framework="torch", strategy="pipeline", model="gpt"), target)
+    for name in DOCKERFILES:
+        steps = [line.removeprefix("RUN ") for line in (target / name).read_text().splitlines()
+                 if "prepare_tokens.py" in line and line.startswith("RUN ")]
+        assert len(steps) == 1, f"{name} has no token step"
+        if HADOLINT:
+            result = subprocess.run([HADOLINT, "--no-color", str(target / name)], capture_output=True, text=True)
+            assert result.returncode == 0, result.stdout + result.stderr
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    subprocess.run(["bash", "-ec", steps[0]], cwd=target, env=env, check=True)
+    made = target / "data" / "tokens" / "train.bin"
+    assert made.stat().st_size > 100_000, "the build made too few tokens from the standard library"
+    made.write_bytes(b"\x01\x00" * 64)  # the user's own tokens
+    subprocess.run(["bash", "-ec", steps[0]], cwd=target, env=env, check=True)
+    assert made.read_bytes() == b"\x01\x00" * 64, "the build replaced the user's tokens"
+    assert "`data/tokens`" in (target / "k8s" / "README.md").read_text()
