@@ -19,7 +19,7 @@ def no_inherited_tracking_uri(monkeypatch):
 LONGEST_FIRST = ("projects/test_documented_commands.py", "projects/test_documented_commands_tf.py",
                  "projects/test_staged_projects.py", "projects/test_workload_projects_tf.py",
                  "projects/test_fault_tolerance.py", "projects/test_workload_projects.py",
-                 "projects", "distributed", "generator", "runtime")
+                 "projects", "multihost", "distributed", "generator", "runtime")
 
 
 def pytest_collection_modifyitems(items):

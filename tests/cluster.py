@@ -1,0 +1,247 @@
+"""Hosts on one machine, for multi-host jobs: network namespaces behind a switch, each a "pod".
+
+    python tests/cluster.py up --workers 2      # pods demo-worker-0/1 and demo-launcher; prints how to enter
+    python tests/cluster.py down
+
+Each pod is a network namespace with its own address on a private subnet, joined by a veth pair
+to a bridge that lives in a namespace of its own (the switch), so nothing changes in the
+machine's own network. A pod also sees its own files, as a container of one image would: every
+command runs in a private mount namespace, under the pod's own host name, where
+
+- /etc/hosts names every pod (what the cluster's DNS does for an MPIJob's workers),
+- /etc/ssh is the machine's, plus the project's docker/sshd.conf and docker/ssh.conf installed
+  as its image installs them,
+- /root/.ssh is the job's key pair laid out as the MPI Operator mounts its Secret (id_rsa,
+  id_rsa.pub, authorized_keys) at spec.sshAuthMountPath; the rest of /root is the machine's
+  under a layer of the pod's own, so nothing a pod writes there reaches the machine,
+- the workspace path shows the pod's own copy of the project, with the job's volumes (a
+  directory each, shared by the pods that mount it, like a ReadWriteMany claim) mounted inside.
+
+A worker runs the MPIJob's worker command (its sshd) in its pod; the launcher pod runs the
+launcher command. Everything is torn down by `down()`, also after a failure: processes in the
+namespaces are killed, then the namespaces deleted. Needs root (namespaces, mounts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.213.77"  # addresses exist only inside the namespaces made here
+SWITCH = "sw"
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot make the cluster (not root, no `ip netns`, no sshd): tests skip."""
+
+
+def why_unavailable() -> str | None:
+    """One line saying why namespaces and sshd cannot be had here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and mounts)"
+    if not shutil.which("ip"):
+        return "needs iproute2's `ip`"
+    if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh"):
+        return "needs openssh-server and openssh-client"
+    probe = subprocess.run(["ip", "netns", "add", "hvdgen-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot make a network namespace here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "hvdgen-probe"], capture_output=True)
+    return None
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    cmd = ["ip", *(["-n", netns] if netns else []), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
+
+
+@dataclass
+class Pod:
+    name: str            # the DNS name the other pods use
+    netns: str
+    address: str
+    files: Path          # this pod's private files: workspace copy, /etc/hosts, /etc/ssh
+    volumes: dict[str, Path] = field(default_factory=dict)  # path inside the workspace -> shared directory
+
+
+@dataclass
+class Cluster:
+    """Pods on one private subnet. `base` holds every file; `tag` prefixes every namespace."""
+
+    base: Path
+    tag: str = "hvdgen"
+    workspace: Path | None = None   # the path every pod sees its own copy of the project at
+    keys: Path | None = None        # the job's key pair, laid out as the operator's Secret
+    pods: list[Pod] = field(default_factory=list)
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.tag}-{SWITCH}"
+
+    def up(self, project: Path, ssh_auth_mount: str = "/root/.ssh") -> None:
+        """The switch, the job's keys, and the pristine project that every pod copies."""
+        if ssh_auth_mount != "/root/.ssh":
+            raise ValueError("the pods run as root: generate the manifests with --root")
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.workspace = self.base / "workspace"
+        shutil.copytree(project, self.workspace, symlinks=True)
+        self.keys = self.base / "job-ssh"
+        self.keys.mkdir()
+        subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "521", "-N", "", "-f", str(self.keys / "id_rsa")],
+                       check=True)
+        shutil.copy(self.keys / "id_rsa.pub", self.keys / "authorized_keys")
+        _ip("netns", "add", self.switch)
+        _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
+        _ip("link", "set", "br0", "up", netns=self.switch)
+        _ip("link", "set", "lo", "up", netns=self.switch)
+
+    def add_pod(self, name: str, volumes: dict[str, Path] | None = None) -> Pod:
+        """A namespace wired to the switch, with its own copy of the workspace."""
+        index = len(self.pods)
+        pod = Pod(name=name, netns=f"{self.tag}-{index}", address=f"{SUBNET}.{10 + index}",
+                  files=self.base / "pods" / name, volumes=volumes or {})
+        _ip("netns", "add", pod.netns)
+        self.pods.append(pod)
+        host_end, switch_end = f"{self.tag[:6]}{index}h", f"{self.tag[:6]}{index}s"
+        _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
+        _ip("link", "set", host_end, "netns", pod.netns)
+        _ip("link", "set", switch_end, "netns", self.switch)
+        _ip("link", "set", switch_end, "master", "br0", netns=self.switch)
+        _ip("link", "set", switch_end, "up", netns=self.switch)
+        _ip("link", "set", host_end, "name", "eth0", netns=pod.netns)
+        _ip("addr", "add", f"{pod.address}/24", "dev", "eth0", netns=pod.netns)
+        _ip("link", "set", "eth0", "up", netns=pod.netns)
+        _ip("link", "set", "lo", "up", netns=pod.netns)
+        shutil.copytree(self.workspace, pod.files / "workspace", symlinks=True)
+        etc_ssh = pod.files / "etc-ssh"
+        shutil.copytree("/etc/ssh", etc_ssh, ignore=shutil.ignore_patterns("ssh_host_*"))
+        shutil.copy(self.workspace / "docker" / "sshd.conf", etc_ssh / "sshd_config.d" / "hvdgen.conf")
+        shutil.copy(self.workspace / "docker" / "ssh.conf", etc_ssh / "ssh_config.d" / "hvdgen.conf")
+        self._write_hosts()
+        return pod
+
+    def _write_hosts(self) -> None:
+        names = "".join(f"{p.address}\t{p.name} {p.name.split('.')[0]}\n" for p in self.pods)
+        for pod in self.pods:
+            (pod.files / "hosts").write_text(f"127.0.0.1\tlocalhost\n{names}")
+
+    def command(self, pod: Pod, argv: list[str]) -> list[str]:
+        """argv run inside the pod: its network namespace and its own view of the files."""
+        layer = shlex.quote(str(pod.files / "root-layer"))
+        mounts = [  # /root: the machine's (Python may live there) under a layer of the pod's own
+            f"mkdir -p {layer} && mount -t tmpfs tmpfs {layer} && mkdir {layer}/upper {layer}/work",
+            f"mount -t overlay overlay -o lowerdir=/root,upperdir={layer}/upper,workdir={layer}/work /root",
+            "mkdir -p -m 0700 /root/.ssh",
+            f"mount --bind {shlex.quote(str(self.keys))} /root/.ssh",
+            f"mount --bind {shlex.quote(str(pod.files / 'hosts'))} /etc/hosts",
+            f"mount --bind {shlex.quote(str(pod.files / 'etc-ssh'))} /etc/ssh",
+            f"mount --bind {shlex.quote(str(pod.files / 'workspace'))} {shlex.quote(str(self.workspace))}",
+        ]
+        for inside, shared in pod.volumes.items():
+            target = self.workspace / inside
+            mounts += [f"mkdir -p {shlex.quote(str(pod.files / 'workspace' / inside))}",
+                       f"mount --bind {shlex.quote(str(shared))} {shlex.quote(str(target))}"]
+        script = (f"hostname {shlex.quote(pod.name.split('.')[0])} && " + " && ".join(mounts)
+                  + f" && cd {shlex.quote(str(self.workspace))} && exec \"$@\"")
+        return ["ip", "netns", "exec", pod.netns, "unshare", "--uts", "bash", "-ec", script, pod.name, *argv]
+
+    def start(self, pod: Pod, argv: list[str], log: Path) -> subprocess.Popen:
+        """A long-running process in the pod (a worker's sshd), stopped by down()."""
+        out = log.open("w")
+        proc = subprocess.Popen(self.command(pod, argv), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.processes.append(proc)
+        return proc
+
+    def run(self, pod: Pod, argv: list[str], env: dict | None = None, timeout: float = 600
+            ) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(pod, argv), env=env, capture_output=True, text=True, timeout=timeout)
+
+    def wait_for_port(self, pod: Pod, port: int, timeout: float = 30) -> None:
+        """Until something listens on pod:port, seen from inside the pod."""
+        deadline = time.monotonic() + timeout
+        probe = f"import socket; socket.create_connection(('{pod.address}', {port}), 1).close()"
+        while time.monotonic() < deadline:
+            check = subprocess.run(["ip", "netns", "exec", pod.netns, sys.executable, "-c", probe],
+                                   capture_output=True)
+            if check.returncode == 0:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"nothing listens on {pod.name}:{port} after {timeout:.0f} s")
+
+    def kill_pod(self, pod: Pod) -> None:
+        """Every process in the pod's namespace, at once: the host is gone."""
+        pids = subprocess.run(["ip", "netns", "pids", pod.netns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def down(self) -> None:
+        """Kill everything in the namespaces, delete them, and remove the files."""
+        for pod in self.pods:
+            self.kill_pod(pod)
+        for proc in self.processes:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+        for netns in [p.netns for p in self.pods] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+        self.pods.clear()
+        self.processes.clear()
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("--project", type=Path, help="up: the generated project the pods run")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--base", type=Path, default=Path("/tmp/hvdgen-cluster"))
+    args = parser.parse_args()
+    state = args.base / "cluster.json"
+    if args.action == "down":
+        if not state.exists():
+            sys.exit(f"no cluster at {args.base}")
+        for netns in json.loads(state.read_text())["netns"]:
+            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+        shutil.rmtree(args.base)
+        return
+    problem = why_unavailable()
+    if problem:
+        sys.exit(f"error: this machine cannot make the cluster: {problem}")
+    if args.project is None:
+        sys.exit("error: up needs --project DIR (a generated project)")
+    cluster = Cluster(args.base)
+    cluster.up(args.project)
+    name = args.project.name
+    workers = [cluster.add_pod(f"{name}-worker-{i}") for i in range(args.workers)]
+    launcher = cluster.add_pod(f"{name}-launcher")
+    for worker in workers:
+        cluster.start(worker, ["/usr/sbin/sshd", "-D", "-e", "-p", "2222", "-h", "/root/.ssh/id_rsa"],
+                      args.base / f"{worker.name}.log")
+    state.write_text(json.dumps({"netns": [p.netns for p in cluster.pods] + [cluster.switch]}))
+    print(f"pods: {', '.join(p.name + ' ' + p.address for p in cluster.pods)}")
+    print(f"enter the launcher: {shlex.join(cluster.command(launcher, ['bash']))}")
+    print(f"tear down: python {sys.argv[0]} down --base {args.base}")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,101 @@
+"""A generated project's MPIJob, run across hosts as the MPI Operator runs it (tests/cluster.py).
+
+Worker pods are network namespaces that run the manifest's worker command (its sshd, with the
+job's key where `sshAuthMountPath` says) and see their own copy of the project and the checkpoint
+volume where the manifest mounts it; the launcher pod runs the launcher's command verbatim,
+against a hostfile written as the operator writes /etc/mpi/hostfile (only its path differs). So
+`horovodrun` fans out over ssh to other addresses, Gloo finds the pods' interface, and rank 0's
+outputs land on rank 0's pod and the shared volume, nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cluster import Cluster, why_unavailable
+from hvdgen.cli import main as cli
+from hvdgen.k8s.kustomize import render
+
+pytestmark = pytest.mark.slow
+
+UNAVAILABLE = why_unavailable()
+WORKSPACE_OUTPUTS = ("runs", "mlruns", "mlflow.db")  # what rank 0 writes beside the code
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    if UNAVAILABLE:
+        pytest.skip(f"Requires network namespaces and sshd: {UNAVAILABLE}")
+    made = Cluster(tmp_path / "cluster", tag=f"hvdt{os.getpid() % 10000}")
+    try:
+        yield made
+    finally:
+        made.down()
+
+
+def generated_job(tmp_path: Path, framework: str, strategy: str, workers: int) -> tuple[Path, dict]:
+    """A project with root manifests (the pods here run as root) and its CPU overlay's MPIJob."""
+    runner = CliRunner()
+    result = runner.invoke(cli, ["new", "job", "-o", str(tmp_path), "--framework", framework, "--strategy", strategy])
+    assert result.exit_code == 0, result.output
+    project = tmp_path / "job"
+    result = runner.invoke(cli, ["k8s", "--project", str(project), "--root", "--workers", str(workers)])
+    assert result.exit_code == 0, result.output
+    config = project / "config.yaml"
+    config.write_text(re.sub(r"^  epochs: \d+", "  epochs: 1", config.read_text(), count=1, flags=re.M))
+    job = next(o for o in render(project / "k8s" / "overlays" / "cpu") if o["kind"] == "MPIJob")
+    return project, job
+
+
+def run_across_hosts(cluster: Cluster, project: Path, job: dict) -> tuple[str, list, Path]:
+    """Worker pods serving ssh as the manifest says, then the launcher's command in the launcher pod."""
+    spec = job["spec"]
+    replicas = spec["mpiReplicaSpecs"]
+    worker = replicas["Worker"]["template"]["spec"]["containers"][0]
+    launcher = replicas["Launcher"]["template"]["spec"]["containers"][0]
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    cluster.up(project, spec["sshAuthMountPath"])
+    volume = cluster.base / "checkpoint-volume"  # the claim: one directory every worker mounts
+    volume.mkdir()
+    workdir = Path(worker["workingDir"])
+    mounts = {str(Path(m["mountPath"]).relative_to(workdir)): volume
+              for m in worker["volumeMounts"] if m["name"] == "checkpoints"}
+    workers = [cluster.add_pod(f"{name}-worker-{i}.{name}.{namespace}.svc", volumes=mounts)
+               for i in range(replicas["Worker"]["replicas"])]
+    launcher_pod = cluster.add_pod(f"{name}-launcher.{name}.{namespace}.svc")
+    port = int(worker["args"][worker["args"].index("-p") + 1])
+    for pod in workers:
+        cluster.start(pod, worker["command"] + worker["args"], cluster.base / f"{pod.name}.log")
+    for pod in workers:
+        cluster.wait_for_port(pod, port)
+    hostfile = cluster.base / "hostfile"  # as the operator writes it for OpenMPI
+    hostfile.write_text("".join(f"{pod.name} slots={spec['slotsPerWorker']}\n" for pod in workers))
+    argv = [arg.replace("/etc/mpi/hostfile", str(hostfile)) for arg in launcher["command"] + launcher["args"]]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = cluster.run(launcher_pod, argv, env=env, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(argv)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout, workers, volume
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_data_parallel_job_trains_across_worker_pods(cluster, tmp_path, framework):
+    project, job = generated_job(tmp_path, framework, "data", workers=2)
+    out, workers, volume = run_across_hosts(cluster, project, job)
+    world = job["spec"]["slotsPerWorker"] * len(workers)
+    assert f"training on {world} rank(s)" in out, out[-3000:]
+    assert re.search(r"epoch\s+1\b.*val_accuracy", out), out[-3000:]
+    rank0, launcher = workers[0], cluster.pods[-1]
+    assert all((rank0.files / "workspace" / name).exists() for name in WORKSPACE_OUTPUTS), \
+        sorted(os.listdir(rank0.files / "workspace"))
+    for pod in [*workers[1:], launcher]:  # the other workers and the launcher write nothing
+        written = [n for n in (*WORKSPACE_OUTPUTS, "checkpoints") if (pod.files / "workspace" / n).exists()
+                   and (n != "checkpoints" or any((pod.files / "workspace" / n).iterdir()))]
+        assert not written, f"{pod.name} wrote {written}"
+    assert [p.suffix for p in volume.iterdir()] == [".pt" if framework == "torch" else ".pkl"], \
+        "rank 0's checkpoint is not (alone) on the checkpoint volume"
