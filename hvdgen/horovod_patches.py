@@ -264,6 +264,16 @@ LAUNCHER_PATCHES = (
           "EXTENSIONS = ['tensorflow', 'torch', 'mxnet']\n",
           "EXTENSIONS = ['torch', 'tensorflow', 'mxnet']  # hvdgen: one build's extensions agree; torch's loads fastest\n",
           "asking the extension that loads fastest first"),
+    Patch("horovod/runner/launch.py",
+          "        logging.basicConfig(level=logging.getLevelName(args.log_level))\n\n    _run(args)\n",
+          "        logging.basicConfig(level=logging.getLevelName(args.log_level))\n\n"
+          "    try:\n"
+          "        _run(args)\n"
+          "    except (RuntimeError, ValueError) as error:\n"
+          "        # hvdgen: the launcher's own verdicts (a host it cannot reach, too few slots, a rank that\n"
+          "        # failed) end in one line; the lines above it name the host or show the rank's output.\n"
+          "        sys.exit('horovodrun: error: ' + ' '.join(str(error).split()))\n",
+          "every failed launch ended in a traceback of horovodrun's internals"),
 )
 
 PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + LAUNCHER_PATCHES

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_horovod
+from helpers import horovodrun_path, run_horovod
 from hvdgen.horovod_patches import LAUNCHER_PATCHES
 
 FRAMEWORKS = [name for name in ("torch", "tensorflow") if util.find_spec(name) is not None]
@@ -53,3 +53,17 @@ def test_a_torch_job_starts_without_tensorflow_in_its_output():
     assert proc.stdout.count("size 2") == 2, proc.stdout
     output = proc.stdout + proc.stderr
     assert "cudart_stub" not in output and "absl::InitializeLog" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("np, rank_code, verdict", [
+    (3, "pass", "horovodrun: error: Requested more processes (3) than there are available slots (2)"),
+    (2, "import sys; sys.exit(3)", "horovodrun: error: Horovod detected that one or more processes exited with "
+                                   "non-zero status"),
+], ids=["too-few-slots", "a-rank-failed"])
+def test_a_failed_launch_ends_in_one_line(np, rank_code, verdict):
+    """horovodrun's own verdicts end in one line (exit 1), not a traceback of its internals."""
+    proc = subprocess.run([horovodrun_path(), "-np", str(np), "-H", "localhost:2", "--gloo", sys.executable, "-c",
+                           rank_code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(verdict), proc.stderr[-3000:]

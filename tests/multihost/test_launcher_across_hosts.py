@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,3 +100,36 @@ def test_data_parallel_job_trains_across_worker_pods(cluster, tmp_path, framewor
         assert not written, f"{pod.name} wrote {written}"
     assert [p.suffix for p in volume.iterdir()] == [".pt" if framework == "torch" else ".pkl"], \
         "rank 0's checkpoint is not (alone) on the checkpoint volume"
+
+
+def test_a_host_the_launcher_cannot_use_ends_the_job_in_one_line(cluster, tmp_path):
+    """A hostfile naming a host that does not resolve, one without sshd, or one that refuses the
+    job's key: the launcher names the host and the problem, ends in one line, exit 1, within the
+    time ssh's retries take, and leaves nothing running."""
+    project, job = generated_job(tmp_path, "torch", "data", workers=2)
+    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    cluster.up(project, job["spec"]["sshAuthMountPath"])
+    good, no_sshd, other_key = (cluster.add_pod(f"job-worker-{i}.job.default.svc") for i in range(3))
+    launcher_pod = cluster.add_pod("job-launcher.job.default.svc")
+    stranger = tmp_path / "stranger"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(stranger)], check=True)
+    port = int(worker["args"][worker["args"].index("-p") + 1])
+    cluster.start(good, worker["command"] + worker["args"], tmp_path / "good.log")
+    cluster.start(other_key, worker["command"] + worker["args"] + ["-o", f"AuthorizedKeysFile={stranger}.pub"],
+                  tmp_path / "other-key.log")
+    for pod in (good, other_key):
+        cluster.wait_for_port(pod, port)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    hostfile = tmp_path / "hostfile"
+    argv = [arg.replace("/etc/mpi/hostfile", str(hostfile)) for arg in launcher["command"] + launcher["args"]]
+    for host, problem in (("job-worker-7.job.default.svc", "Could not resolve hostname"),
+                          (no_sshd.name, "Connection refused"), (other_key.name, "Permission denied")):
+        hostfile.write_text(f"{good.name} slots=1\n{host} slots=1\n")
+        proc = cluster.run(launcher_pod, argv, env=env, timeout=300)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]
+        assert f"ssh not successful for host {host}" in output and problem in output, output[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == "horovodrun: error: could not connect to some hosts via ssh"
+        assert not subprocess.run(["ip", "netns", "pids", launcher_pod.netns], capture_output=True,
+                                  text=True).stdout.split(), "the launcher left processes running"
