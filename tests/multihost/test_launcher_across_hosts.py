@@ -84,12 +84,16 @@ def run_across_hosts(cluster: Cluster, project: Path, job: dict) -> tuple[str, l
     return proc.stdout, workers, volume
 
 
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_data_parallel_job_trains_across_worker_pods(cluster, tmp_path, framework):
-    project, job = generated_job(tmp_path, framework, "data", workers=2)
+@pytest.mark.parametrize("framework, strategy, workers", [
+    ("torch", "data", 2), ("tensorflow", "data", 2), ("torch", "pipeline", 4)],
+    ids=["torch-data", "tensorflow-data", "torch-pipeline-2x2"])
+def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, workers):
+    """Data parallel over 2 pods; a 2-stage pipeline with 2 replicas over 4 pods (a rank each)."""
+    project, job = generated_job(tmp_path, framework, strategy, workers=workers)
     out, workers, volume = run_across_hosts(cluster, project, job)
     world = job["spec"]["slotsPerWorker"] * len(workers)
-    assert f"training on {world} rank(s)" in out, out[-3000:]
+    started = ("pipeline of 2 stages x 2 replica(s)" if strategy == "pipeline" else f"training on {world} rank(s)")
+    assert started in out, out[-3000:]
     assert re.search(r"epoch\s+1\b.*val_accuracy", out), out[-3000:]
     rank0, launcher = workers[0], cluster.pods[-1]
     assert all((rank0.files / "workspace" / name).exists() for name in WORKSPACE_OUTPUTS), \
