@@ -52,11 +52,20 @@ def why_unavailable() -> str | None:
         return "needs iproute2's `ip`"
     if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh"):
         return "needs openssh-server and openssh-client"
-    probe = subprocess.run(["ip", "netns", "add", "hvdgen-probe"], capture_output=True, text=True)
+    name = f"hvdgen-probe-{os.getpid()}"  # one per process: pytest's workers probe side by side
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot make a network namespace here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "hvdgen-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
+
+
+def _kill_all_in(netns: str) -> None:
+    for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -159,9 +168,9 @@ class Cluster:
 
     def start(self, pod: Pod, argv: list[str], log: Path) -> subprocess.Popen:
         """A long-running process in the pod (a worker's sshd), stopped by down()."""
-        out = log.open("w")
-        proc = subprocess.Popen(self.command(pod, argv), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        with log.open("w") as out:
+            proc = subprocess.Popen(self.command(pod, argv), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         self.processes.append(proc)
         return proc
 
@@ -183,12 +192,7 @@ class Cluster:
 
     def kill_pod(self, pod: Pod) -> None:
         """Every process in the pod's namespace, at once: the host is gone."""
-        pids = subprocess.run(["ip", "netns", "pids", pod.netns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all_in(pod.netns)
 
     def down(self) -> None:
         """Kill everything in the namespaces, delete them, and remove the files."""
@@ -218,9 +222,7 @@ def _main() -> None:
         if not state.exists():
             sys.exit(f"no cluster at {args.base}")
         for netns in json.loads(state.read_text())["netns"]:
-            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                os.kill(int(pid), signal.SIGKILL)
+            _kill_all_in(netns)
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         shutil.rmtree(args.base)
         return

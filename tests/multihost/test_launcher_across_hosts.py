@@ -25,14 +25,14 @@ from hvdgen.k8s.kustomize import render
 
 pytestmark = pytest.mark.slow
 
-UNAVAILABLE = why_unavailable()
 WORKSPACE_OUTPUTS = ("runs", "mlruns", "mlflow.db")  # what rank 0 writes beside the code
 
 
 @pytest.fixture
 def cluster(tmp_path):
-    if UNAVAILABLE:
-        pytest.skip(f"Requires network namespaces and sshd: {UNAVAILABLE}")
+    problem = why_unavailable()
+    if problem:
+        pytest.skip(f"Requires network namespaces and sshd: {problem}")
     made = Cluster(tmp_path / "cluster", tag=f"hvdt{os.getpid() % 10000}")
     try:
         yield made
