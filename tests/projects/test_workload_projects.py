@@ -27,8 +27,11 @@ from test_pipeline_resume import assert_same
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
 
+# ResNet-18's learning rate: at 0.01 (0.02 once warm on 2 ranks) the Keras pipeline's train loss
+# rose from epoch 1 to 2 on one machine's CPU (0.98 -> 1.08, deterministic there), BatchNorm over
+# micro-batches of 2 images making the step noisy; at 0.005 every case falls on it.
 SIZES = {
-    "resnet18": ["--model.width", "4", "--data.image_size", "16", "--train.batch_size", "8", "--optim.lr", "0.01"],
+    "resnet18": ["--model.width", "4", "--data.image_size", "16", "--train.batch_size", "8", "--optim.lr", "0.005"],
     "gpt": ["--model.width", "16", "--model.heads", "2", "--model.layers", "2", "--model.context", "16",
             "--train.batch_size", "8", "--parallel.micro_batches", "2"],
 }
