@@ -40,10 +40,6 @@ SUBNET = "10.213.77"  # addresses exist only inside the namespaces made here
 SWITCH = "sw"
 
 
-class ClusterUnavailable(RuntimeError):
-    """This machine cannot make the cluster (not root, no `ip netns`, no sshd): tests skip."""
-
-
 def why_unavailable() -> str | None:
     """One line saying why namespaces and sshd cannot be had here, or None."""
     if os.geteuid() != 0:
