@@ -54,12 +54,16 @@ def generated_job(tmp_path: Path, framework: str, strategy: str, workers: int) -
     return project, job
 
 
+def container(job: dict, role: str) -> dict:
+    """The MPIJob's Launcher or Worker container: its command, args, mounts."""
+    return job["spec"]["mpiReplicaSpecs"][role]["template"]["spec"]["containers"][0]
+
+
 def run_across_hosts(cluster: Cluster, project: Path, job: dict) -> tuple[str, list, Path]:
     """Worker pods serving ssh as the manifest says, then the launcher's command in the launcher pod."""
     spec = job["spec"]
     replicas = spec["mpiReplicaSpecs"]
-    worker = replicas["Worker"]["template"]["spec"]["containers"][0]
-    launcher = replicas["Launcher"]["template"]["spec"]["containers"][0]
+    worker, launcher = container(job, "Worker"), container(job, "Launcher")
     name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
     cluster.up(project, spec["sshAuthMountPath"])
     volume = cluster.base / "checkpoint-volume"  # the claim: one directory every worker mounts
@@ -90,15 +94,15 @@ def run_across_hosts(cluster: Cluster, project: Path, job: dict) -> tuple[str, l
 def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, workers):
     """Data parallel over 2 pods; a 2-stage pipeline with 2 replicas over 4 pods (a rank each)."""
     project, job = generated_job(tmp_path, framework, strategy, workers=workers)
-    out, workers, volume = run_across_hosts(cluster, project, job)
-    world = job["spec"]["slotsPerWorker"] * len(workers)
+    out, worker_pods, volume = run_across_hosts(cluster, project, job)
+    world = job["spec"]["slotsPerWorker"] * len(worker_pods)
     started = ("pipeline of 2 stages x 2 replica(s)" if strategy == "pipeline" else f"training on {world} rank(s)")
     assert started in out, out[-3000:]
     assert re.search(r"epoch\s+1\b.*val_accuracy", out), out[-3000:]
-    rank0, launcher = workers[0], cluster.pods[-1]
+    rank0, launcher = worker_pods[0], cluster.pods[-1]
     assert all((rank0.files / "workspace" / name).exists() for name in WORKSPACE_OUTPUTS), \
         sorted(os.listdir(rank0.files / "workspace"))
-    for pod in [*workers[1:], launcher]:  # the other workers and the launcher write nothing
+    for pod in [*worker_pods[1:], launcher]:  # the other workers and the launcher write nothing
         written = [n for n in (*WORKSPACE_OUTPUTS, "checkpoints") if (pod.files / "workspace" / n).exists()
                    and (n != "checkpoints" or any((pod.files / "workspace" / n).iterdir()))]
         assert not written, f"{pod.name} wrote {written}"
@@ -111,8 +115,7 @@ def test_a_host_the_launcher_cannot_use_ends_the_job_in_one_line(cluster, tmp_pa
     job's key: the launcher names the host and the problem, ends in one line, exit 1, within the
     time ssh's retries take, and leaves nothing running."""
     project, job = generated_job(tmp_path, "torch", "data", workers=2)
-    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    worker, launcher = container(job, "Worker"), container(job, "Launcher")
     cluster.up(project, job["spec"]["sshAuthMountPath"])
     good, no_sshd, other_key = (cluster.add_pod(f"job-worker-{i}.job.default.svc") for i in range(3))
     launcher_pod = cluster.add_pod("job-launcher.job.default.svc")
