@@ -29,7 +29,7 @@ def set_cycle_time(cycle_time_ms: float, gpu: bool) -> None:
     training does not use. On CPU ranks the loop's thread competes with the training threads for
     the same cores, a negotiation across processes every ms, so CPU_CYCLE_TIME_MS: fewer, fuller
     negotiations per step. Measured at np=2 on 2 cores: ResNet-18 and GPT 1.01-1.24x as fast as
-    at 1 ms (three runs), a large MLP 0.99-1.11x, a 4-stage pipeline (np=4) about twice as fast;
+    at 1 ms (three runs), a large MLP 0.99-1.30x, a 4-stage pipeline (np=4) about twice as fast;
     a model whose step takes a few ms (a tiny MLP) about half as fast, its step waiting for the
     cycle (set cycle_time_ms: 1 there).
     """
