@@ -26,13 +26,16 @@ def horovodrun_path() -> str:
     return found
 
 
+def venv_env(**extra: str) -> dict[str, str]:
+    """os.environ with this interpreter's folder first on PATH (the venv's horovodrun, python, mlflow)."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
+
+
 def run_horovod(np: int, args: list[str], cwd: Path | str | None = None, env: dict | None = None,
                 timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run `horovodrun -np N -H localhost:N --gloo <args>` and return the finished process."""
     cmd = [horovodrun_path(), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *args]
-    full_env = dict(os.environ)
-    full_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full_env.get('PATH', '')}"
-    full_env.update(env or {})
+    full_env = venv_env(**(env or {}))
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"

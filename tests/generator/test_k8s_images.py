@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import venv_env
 from hvdgen import catalog
 from hvdgen.k8s.mpijob import SSH_PORT, build_mpijob
 from hvdgen.k8s.options import K8sOptions
@@ -133,7 +134,7 @@ def test_a_language_model_image_carries_its_tokens(tmp_path):
         if HADOLINT:
             result = subprocess.run([HADOLINT, "--no-color", str(target / name)], capture_output=True, text=True)
             assert result.returncode == 0, result.stdout + result.stderr
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = venv_env()
     subprocess.run(["bash", "-ec", steps[0]], cwd=target, env=env, check=True)
     made = target / "data" / "tokens" / "train.bin"
     assert made.stat().st_size > 100_000, "the build made too few tokens from the standard library"

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from cluster import Cluster, why_unavailable
+from helpers import venv_env
 from hvdgen.cli import main as cli
 from hvdgen.k8s.kustomize import render
 
@@ -82,7 +82,7 @@ def run_across_hosts(cluster: Cluster, project: Path, job: dict) -> tuple[str, l
     hostfile = cluster.base / "hostfile"  # as the operator writes it for OpenMPI
     hostfile.write_text("".join(f"{pod.name} slots={spec['slotsPerWorker']}\n" for pod in workers))
     argv = [arg.replace("/etc/mpi/hostfile", str(hostfile)) for arg in launcher["command"] + launcher["args"]]
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = venv_env()
     proc = cluster.run(launcher_pod, argv, env=env, timeout=600)
     assert proc.returncode == 0, f"{' '.join(argv)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout, workers, volume
@@ -127,7 +127,7 @@ def test_a_host_the_launcher_cannot_use_ends_the_job_in_one_line(cluster, tmp_pa
                   tmp_path / "other-key.log")
     for pod in (good, other_key):
         cluster.wait_for_port(pod, port)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = venv_env()
     hostfile = tmp_path / "hostfile"
     argv = [arg.replace("/etc/mpi/hostfile", str(hostfile)) for arg in launcher["command"] + launcher["args"]]
     for host, problem in (("job-worker-7.job.default.svc", "Could not resolve hostname"),

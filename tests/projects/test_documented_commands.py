@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from helpers import free_port
+from helpers import free_port, venv_env
 from hvdgen.cli import main
 from test_staged_projects import RUNS as staged_runs
 
@@ -182,7 +182,7 @@ def every_documented_command_runs(tmp_path: Path, framework: str, strategy: str,
     text = re.sub(r"^  width: 64 ", "  width: 8  ", text, count=1, flags=re.M)  # the narrowest models: the check is that commands run
     config.write_text(re.sub(r"^(tracking:\n  enabled:) true", r"\1 false", text, flags=re.M))
     write_user_data(project)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = venv_env()
 
     commands = documented_commands(project)
     cpu_launch = next(c for c in commands if c.startswith("horovodrun") and "--gloo python train.py" in c

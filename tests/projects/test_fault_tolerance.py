@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import horovodrun_path, run_horovod
+from helpers import horovodrun_path, run_horovod, venv_env
 from hvd_runtime.config import DataConfig
 from hvd_runtime.data import load_dataset
 
@@ -84,7 +84,7 @@ class Job:
     """A horovodrun job in its own process group, its output collected line by line as it comes."""
 
     def __init__(self, args: list[str], cwd: Path):
-        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        env = venv_env()
         self.proc = subprocess.Popen([horovodrun_path(), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[tuple[float, str]] = []
