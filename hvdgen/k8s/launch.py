@@ -2,7 +2,12 @@
 
 horovodrun does not read the hostfile the operator mounts unless it is told to: without `--hostfile`
 (or a discovery script) it runs every rank on the launcher pod itself. Elastic jobs instead ask the
-operator's `discover_hosts.sh`, which lists the worker pods that are running right now.
+operator's `discover_hosts.sh`, which lists the worker pods that are running right now. That
+script names hosts without slot counts (`echo job-worker-0.job-worker.default.svc`), so the
+launcher gives `--slots-per-host`; without it Horovod has no slots for any host. And Horovod
+blacklists a host whose rank failed, for good unless a cooldown is given: a worker pod that
+restarts comes back under the same name, so `--blacklist-cooldown-range` lets it rejoin (after
+20-30 s the first time, doubling up to 5 minutes for a host that keeps failing).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 HOSTFILE = "/etc/mpi/hostfile"
 DISCOVER_HOSTS = "/etc/mpi/discover_hosts.sh"
 TRAIN = ("python", "train.py")
+BLACKLIST_COOLDOWN_S = (10, 300)  # Horovod waits 2-3x the first, doubling per failure, at most the second
 
 
 def horovodrun_args(workers: int, slots: int, elastic: bool = False,
@@ -18,7 +24,8 @@ def horovodrun_args(workers: int, slots: int, elastic: bool = False,
     args = ["-np", str(workers * slots)]
     if elastic:
         args += ["--min-np", str(min_workers * slots), "--max-np", str((max_workers or workers) * slots),
-                 "--host-discovery-script", DISCOVER_HOSTS]
+                 "--host-discovery-script", DISCOVER_HOSTS, "--slots-per-host", str(slots),
+                 "--blacklist-cooldown-range", *map(str, BLACKLIST_COOLDOWN_S)]
     else:
         args += ["--hostfile", HOSTFILE]
     return args + list(TRAIN)

@@ -171,6 +171,10 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
     if horovodrun and not elastic and option_value(argv, "--hostfile", "-hostfile", "-H", "--hosts") is None:
         problems.append(Problem(f"{where}.args", f"horovodrun without --hostfile runs every rank on the launcher: "
                                 f"add --hostfile {HOSTFILE} (or --host-discovery-script {DISCOVER_HOSTS})"))
+    if horovodrun and option_value(argv, "--host-discovery-script") == DISCOVER_HOSTS \
+            and option_value(argv, "--slots-per-host") is None:
+        problems.append(Problem(f"{where}.args", f"the operator's {DISCOVER_HOSTS} lists hosts without slots, so "
+                                "horovodrun has none to give: add --slots-per-host <slotsPerWorker>"))
     if not isinstance(specs.get("Worker"), dict):
         return problems
     workers = _replicas(specs["Worker"])

@@ -114,6 +114,9 @@ def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gp
         assert option_value(argv, "--host-discovery-script") == DISCOVER_HOSTS
         assert option_value(argv, "--min-np") == str(1 * slots)
         assert option_value(argv, "--max-np") == str(workers * 2 * slots)
+        # The operator's discover_hosts.sh names hosts without slots; a restarted pod may rejoin.
+        assert option_value(argv, "--slots-per-host") == str(slots)
+        assert argv[argv.index("--blacklist-cooldown-range") + 1:][:2] == ["10", "300"]
         assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == 2
     else:
         assert option_value(argv, "--hostfile") == HOSTFILE

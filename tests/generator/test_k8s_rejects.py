@@ -358,6 +358,18 @@ def test_elastic_counts_are_checked(option, value, words):
     assert any(all(w in line for w in words) for line in lines), lines
 
 
+def test_elastic_hosts_from_the_operator_need_slots_per_host():
+    """The operator's discover_hosts.sh prints bare host names: without --slots-per-host Horovod
+    would give each host no slots."""
+    job = copy.deepcopy(ELASTIC)
+    args = launcher(job)["args"]
+    del args[args.index("--slots-per-host"):args.index("--slots-per-host") + 2]
+    assert [str(p) for p in object_problems(job)] == [
+        "spec.mpiReplicaSpecs.Launcher.template.spec.containers[0].args: the operator's "
+        "/etc/mpi/discover_hosts.sh lists hosts without slots, so horovodrun has none to give: "
+        "add --slots-per-host <slotsPerWorker>"]
+
+
 def test_a_file_without_an_mpijob_is_not_a_job():
     claim = build_checkpoint_claim(SPEC, K8sOptions())
     lines = [str(p) for p in documents_problems([claim])]
