@@ -26,6 +26,21 @@ class TrainState:
     run_id: str | None = None   # the tracking run this training belongs to
 
 
+@dataclass
+class ElasticStart(TrainState):
+    """Where an elastic job starts on this rank, before any collective.
+
+    A worker that joins a running elastic job cannot take part in a start-up broadcast (the
+    others are in their reset, about to sync), so elastic ranks broadcast nothing at start: rank
+    0 loads its checkpoint alone, and the elastic state's first sync sends it to every rank, to
+    late joiners too. `refusal` is why rank 0's checkpoint does not fit the model; the sync
+    hands it to every rank, and all stop with it (a rank 0 stopping alone would leave the others
+    training from scratch without it).
+    """
+
+    refusal: str | None = None
+
+
 def state_fields(state) -> dict:
     """The TrainState fields of `state` (a TrainState, or Horovod's elastic state holding them)."""
     return {name: getattr(state, name) for name in TrainState.__dataclass_fields__}

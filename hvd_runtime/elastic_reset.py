@@ -1,27 +1,59 @@
-"""What every elastic job does after a reset, whatever the framework.
+"""What every elastic job does around a reset, whatever the framework.
 
 The survivors have restored the last commit and renumbered themselves: each re-shards the data
 from the committed position (so within the epoch no sample is skipped or seen twice), the
-writers that only rank 0 may use learn who rank 0 is now, and rank 0 says where training stands.
+writers that only rank 0 may use learn who rank 0 is now, the tracker follows rank 0 into the
+job's run, and rank 0 says where training stands.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+from hvd_runtime.config import ConfigError
 from hvd_runtime.rank_context import RankContext
 
 
-def elastic_reset_callback(ctx: RankContext, elastic, batches, writers, extra=lambda: ""):
+def elastic_reset_callback(ctx: RankContext, elastic, batches, writers, extra=lambda: "", tracker=None):
     """The callback to register on an elastic state.
 
-    `elastic` holds the committed TrainState fields; `extra()` adds to rank 0's announcement.
+    `elastic` holds the committed TrainState fields; `extra()` adds to rank 0's announcement;
+    `tracker` (a HandoverTracker) starts logging on a new rank 0.
     """
     def on_reset() -> None:
         for b in batches:
             b.reshard(ctx.rank, ctx.size)
         for writer in writers:
             writer.is_writer = ctx.is_root
+        if tracker is not None:  # the run's world_size param is the first size; each reset logs the new one
+            tracker.follow(ctx.rank, ctx.size, elastic.run_id)
+            tracker.log_metrics({"world_size": ctx.size}, step=elastic.step)
         if ctx.is_root:
             print(f"elastic reset: {ctx.size} rank(s) now; continuing from the last commit: epoch {elastic.epoch}, "
                   f"step {elastic.step}, {elastic.samples_in_epoch} samples into the epoch{extra()}", flush=True)
 
     return on_reset
+
+
+def share_run_id_at_commit(elastic, ctx: RankContext, tracker, broadcast_object: Callable) -> None:
+    """Make every commit first give every rank rank 0's tracking run id.
+
+    Only rank 0's tracker knows the run id, and rank 0 may be the rank that is lost; whoever is
+    rank 0 after the reset continues the run by the id restored from the last commit. One small
+    broadcast per commit, asked of every rank alike (a commit is a step every rank takes), so a
+    rank that joined later takes part too; it never waits for the run to open.
+    """
+    commit = elastic.commit
+
+    def commit_with_run_id() -> None:
+        mine = (tracker.opened_run_id() or elastic.run_id) if ctx.is_root else None
+        elastic.run_id = broadcast_object(mine, root_rank=0, name="tracking_run_id")
+        commit()
+
+    elastic.commit = commit_with_run_id
+
+
+def refuse_if_rank0_refused(elastic) -> None:
+    """Every rank stops with rank 0's reason (ElasticStart.refusal), handed out by the first sync."""
+    if getattr(elastic, "refusal", None):
+        raise ConfigError(elastic.refusal)

@@ -17,11 +17,22 @@ from hvd_runtime.config import to_dict
 class RunLog:
     def __init__(self, run_dir: str | Path, config, is_writer: bool):
         self.run_dir = Path(run_dir)
-        self.is_writer = is_writer
+        self.config = config
         self.started = time.monotonic()
-        if is_writer:
+        self._is_writer = False
+        self.is_writer = is_writer
+
+    @property
+    def is_writer(self) -> bool:
+        return self._is_writer
+
+    @is_writer.setter
+    def is_writer(self, writer: bool) -> None:
+        """Becoming the writer (at start, or as an elastic job's new rank 0) writes the run's config."""
+        if writer and not self._is_writer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
+        self._is_writer = writer
 
     @property
     def metrics_path(self) -> Path:
@@ -31,7 +42,6 @@ class RunLog:
         """Append one line to metrics.jsonl and print a one-line summary."""
         if not self.is_writer:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # an elastic reset can make a new rank 0
         record = {"epoch": epoch, "step": step, "elapsed_s": round(time.monotonic() - self.started, 3), **metrics}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")

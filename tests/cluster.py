@@ -119,7 +119,7 @@ class Cluster:
                   files=self.base / "pods" / name, volumes=volumes or {})
         _ip("netns", "add", pod.netns)
         self.pods.append(pod)
-        host_end, switch_end = f"{self.tag[:6]}{index}h", f"{self.tag[:6]}{index}s"
+        host_end, switch_end = f"{self.tag[-6:]}{index}h", f"{self.tag[-6:]}{index}s"
         _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
         _ip("link", "set", host_end, "netns", pod.netns)
         _ip("link", "set", switch_end, "netns", self.switch)
@@ -162,10 +162,10 @@ class Cluster:
                   + f" && cd {shlex.quote(str(self.workspace))} && exec \"$@\"")
         return ["ip", "netns", "exec", pod.netns, "unshare", "--uts", "bash", "-ec", script, pod.name, *argv]
 
-    def start(self, pod: Pod, argv: list[str], log: Path) -> subprocess.Popen:
-        """A long-running process in the pod (a worker's sshd), stopped by down()."""
-        with log.open("w") as out:
-            proc = subprocess.Popen(self.command(pod, argv), stdout=out, stderr=subprocess.STDOUT,
+    def start(self, pod: Pod, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+        """A long-running process in the pod (a worker's sshd, a launcher), stopped by down()."""
+        with log.open("a") as out:  # a pod started again (a restarted worker) logs on
+            proc = subprocess.Popen(self.command(pod, argv), stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         self.processes.append(proc)
         return proc

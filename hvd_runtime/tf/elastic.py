@@ -20,7 +20,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 
 from hvd_runtime.checkpoint import TrainState, state_fields
-from hvd_runtime.elastic_reset import elastic_reset_callback
+from hvd_runtime.elastic_reset import elastic_reset_callback, refuse_if_rank0_refused, share_run_id_at_commit
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.state import shared_variables
@@ -68,14 +68,23 @@ class KerasState(ObjectState):
 
 
 def make_elastic_state(step: TrainStep, state: TrainState, ctx: Context, batches: Sequence[ShardedBatches],
-                       writers: Sequence = ()) -> KerasState:
-    """Wrap the step's model and optimizer and `state` for run_elastic, with the reset callback attached."""
-    elastic = KerasState(step, **state_fields(state))
+                       writers: Sequence = (), tracker=None) -> KerasState:
+    """Wrap the step's model and optimizer and `state` for run_elastic, with the reset callback attached.
+
+    `state` is restore_or_broadcast(..., elastic=True)'s: the first sync sends rank 0's to all.
+    `tracker` (start_tracking(..., elastic=True)) follows rank 0 across resets.
+    """
+    import horovod.tensorflow as hvd
+
+    elastic = KerasState(step, **state_fields(state), refusal=getattr(state, "refusal", None))
 
     def learning_rate() -> str:    # the LR follows the world size: show it
         return f"; lr {float(step.optimizer.learning_rate):.6g}"
 
-    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, learning_rate)])
+    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, learning_rate,
+                                                             tracker=tracker)])
+    if tracker is not None:
+        share_run_id_at_commit(elastic, ctx, tracker, hvd.broadcast_object)
     return elastic
 
 
@@ -103,6 +112,7 @@ def run_elastic(fit: Callable, elastic_state: KerasState):
     from horovod.common.exceptions import HorovodInternalError
 
     def attempt(state):
+        refuse_if_rank0_refused(state)
         try:
             return fit(state)
         except tf.errors.UnknownError as exc:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
+from hvd_runtime.checkpoint import (CheckpointStore, ElasticStart, TrainState, announce_resume, misfit_message,
+                                   state_fields)
 from hvd_runtime.config import ConfigError
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.context import Context
@@ -81,16 +82,20 @@ def load_latest(store: CheckpointStore) -> tuple[Path, dict] | None:
 
 
 def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool = True,
-                         local_variables=()) -> TrainState:
+                         local_variables=(), elastic: bool = False) -> TrainState:
     """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
 
     The optimizer's variables are created here, before the broadcast, so they are synchronised
     along with the model's instead of after a first step that already used them.
+    elastic: into rank 0 only, with no collective (see ElasticStart); the elastic state's first
+    sync sends it to the others. RNG states are not handed back then (the world may differ).
     """
     import horovod.tensorflow as hvd
 
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
+    if elastic:
+        return _restore_on_root(store, model, optimizer, ctx, resume)
     meta = {"state": asdict(TrainState()), "rng": None}
     if ctx.is_root:
         found = load_latest(store) if resume else None
@@ -113,6 +118,20 @@ def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context,
     if rngs and len(rngs) == ctx.size:
         set_rng_state(rngs[ctx.rank])
     return TrainState(**meta["state"])
+
+
+def _restore_on_root(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool) -> ElasticStart:
+    found = load_latest(store) if ctx.is_root and resume else None
+    if not found:
+        return ElasticStart()
+    _, payload = found
+    refusal = (misfit(model.variables, payload["model"], "model")
+               or misfit(optimizer.variables, payload["optimizer"], "optimizer"))
+    if refusal:
+        return ElasticStart(refusal=refusal)
+    _assign(model.variables, payload["model"])
+    _assign(optimizer.variables, payload["optimizer"])
+    return ElasticStart(**payload["state"])
 
 
 def save_checkpoint(store: CheckpointStore, model, optimizer, state: TrainState) -> Path | None:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
+from hvd_runtime.checkpoint import (CheckpointStore, ElasticStart, TrainState, announce_resume, misfit_message,
+                                   state_fields)
 from hvd_runtime.config import ConfigError
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
@@ -69,10 +70,16 @@ def model_misfit(saved: dict, current: dict) -> str | None:
 
 
 def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
-                         resume: bool = True) -> TrainState:
-    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands."""
+                         resume: bool = True, elastic: bool = False) -> TrainState:
+    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
+
+    elastic: into rank 0 only, with no collective (see ElasticStart); the elastic state's first
+    sync sends it to the others. RNG states are not handed back then (the world may differ).
+    """
     import horovod.torch as hvd
 
+    if elastic:
+        return _restore_on_root(store, model, optimizer, ctx, resume)
     payload = None
     if ctx.is_root:
         payload = (load_latest(store) if resume else None) or snapshot(model, optimizer, TrainState())
@@ -89,6 +96,18 @@ def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ct
     if rngs and len(rngs) == ctx.size:
         set_rng_state(rngs[ctx.rank])
     return TrainState(**payload["state"])
+
+
+def _restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context, resume: bool) -> ElasticStart:
+    payload = load_latest(store) if ctx.is_root and resume else None
+    if payload is None:
+        return ElasticStart()
+    refusal = model_misfit(payload["model"], model.state_dict())
+    if refusal:
+        return ElasticStart(refusal=refusal)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    return ElasticStart(**payload["state"])
 
 
 def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, state):

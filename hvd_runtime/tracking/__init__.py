@@ -22,18 +22,26 @@ from . import params as run_facts
 from . import records, settings
 from .sender import Sender
 from .spool import Spool
+from .handover import HandoverTracker
 from .tracker import NullTracker, OneWarning, Tracker
 
 log = logging.getLogger("hvd_runtime.tracking")
 
 
 def start_tracking(config, *, rank: int, world_size: int, framework: str, strategy: str, project_name: str,
-                   run_id: str | None = None, tracking_uri: str | None = None):
+                   run_id: str | None = None, tracking_uri: str | None = None, elastic: bool = False):
     """A Tracker on rank 0 (a NullTracker elsewhere, or when config tracking.enabled is false).
 
     `run_id` is the id stored with a checkpoint: when the server has that run, logging continues
     in it. Never raises: if tracking cannot even start, one warning and a NullTracker.
+    elastic: a HandoverTracker on every rank, so that a new rank 0 takes over the run when the
+    old one is lost (make_elastic_state(..., tracker=) tells it when).
     """
+    if elastic:
+        def start(rank: int, world_size: int, run_id: str | None):
+            return start_tracking(config, rank=rank, world_size=world_size, framework=framework, strategy=strategy,
+                                  project_name=project_name, run_id=run_id, tracking_uri=tracking_uri)
+        return HandoverTracker(start, rank, world_size, run_id)
     if rank != 0 or not settings.enabled(config):
         return NullTracker()
     try:
@@ -53,4 +61,4 @@ def start_tracking(config, *, rank: int, world_size: int, framework: str, strate
         return NullTracker()
 
 
-__all__ = ["start_tracking", "Tracker", "NullTracker"]
+__all__ = ["start_tracking", "HandoverTracker", "Tracker", "NullTracker"]

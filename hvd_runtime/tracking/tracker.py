@@ -46,6 +46,9 @@ class NullTracker:
 
     run_id = None
 
+    def opened_run_id(self) -> str | None:
+        return None
+
     def log_metrics(self, metrics, step):
         pass
 
@@ -82,6 +85,10 @@ class Tracker(NullTracker):
         self._sender.ready.wait(OPEN_TIMEOUT)
         return self._sender.run_id
 
+    def opened_run_id(self) -> str | None:
+        """The run id if the run is open already, else None: never waits."""
+        return self._sender.run_id if self._sender.ready.is_set() else None
+
     @property
     def spool_path(self):
         return self._sender.spool.path
@@ -95,7 +102,11 @@ class Tracker(NullTracker):
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:
         """A file or a directory, read when it is sent (or copied when it is spooled)."""
-        self._submit(lambda: records.artifact(os.path.abspath(path), artifact_path))
+        def record():
+            if not os.path.exists(path):  # one missing file must not stop the rest of the run's tracking
+                raise FileNotFoundError(f"no artifact at {path}")
+            return records.artifact(os.path.abspath(path), artifact_path)
+        self._submit(record)
 
     def log_model(self, model, input_example, name: str = "model") -> None:
         """torch.nn.Module -> mlflow.pytorch, keras.Model -> mlflow.tensorflow, with a signature

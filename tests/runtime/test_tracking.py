@@ -221,8 +221,40 @@ def test_a_bad_model_or_value_is_reported_never_raised(caplog):
     with start("bad") as tracker:
         tracker.log_model(object(), input_example=None)
         tracker.log_metrics({"loss": "not a number"}, step=0)
+        tracker.log_artifact("no-such-file.yaml")   # e.g. a file only the lost rank 0 had
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        run_id = tracker.run_id
     messages = tracking_warnings(caplog)
-    assert len(messages) == 2 and all(m.startswith("tracking call ignored") for m in messages)
+    assert len(messages) == 3 and all(m.startswith("tracking call ignored") for m in messages)
+    assert "no artifact at no-such-file.yaml" in messages[2]
+    client = MlflowClient(settings.embedded_uri(Path.cwd()))
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1]
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_jobs_new_rank0_takes_over_the_run(tmp_path):
+    """start_tracking(elastic=True): a HandoverTracker on every rank; the rank that becomes rank 0
+    after a reset logs on, into the run the job's first rank 0 opened."""
+    config = load_config()
+    common = dict(framework="torch", strategy="data", project_name="handover", elastic=True)
+    first = start_tracking(config, rank=0, world_size=3, **common)
+    second = start_tracking(config, rank=1, world_size=3, **common)
+    assert first.tracking and not second.tracking and second.opened_run_id() is None
+    first.log_metrics({"loss": 1.0}, step=0)
+    run_id = first.run_id
+    assert first.opened_run_id() == run_id
+    first.close()                      # (a lost rank 0 ends nothing; here its store must be released)
+    second.follow(1, 2, run_id)        # not rank 0: still nothing
+    assert not second.tracking
+    second.follow(0, 2, run_id)        # rank 0 now
+    with second:
+        second.log_metrics({"loss": 0.5, "world_size": 2}, step=1)
+    client = MlflowClient(settings.embedded_uri(tmp_path))
+    run = only_run(client, "handover")
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1]
+    assert run.data.params["world_size"] == "3" and run.data.tags["hvd_runtime.params_changed"] == "world_size"
 
 
 @pytest.mark.timeout(600)
