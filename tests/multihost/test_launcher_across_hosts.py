@@ -60,7 +60,8 @@ def generated_job(tmp_path: Path, framework: str, strategy: str, workers: int, *
         text, found = re.subn(rf"^(  {key}:) \d+", rf"\g<1> {value}", text, count=1, flags=re.M)
         assert found, f"config.yaml has no {key}"
     path.write_text(text)
-    job = next(o for o in render(project / "k8s" / "overlays" / "cpu") if o["kind"] == "MPIJob")
+    overlay = "gpu" if "--gpus-per-worker" in k8s_flags else "cpu"
+    job = next(o for o in render(project / "k8s" / "overlays" / overlay) if o["kind"] == "MPIJob")
     return project, job
 
 
@@ -104,28 +105,89 @@ def launcher_argv(job: dict, **paths: Path) -> list[str]:
     return [str(places.get(arg) or arg) for arg in launcher["command"] + launcher["args"]]
 
 
-def run_across_hosts(cluster: Cluster, project: Path, job: dict) -> tuple[str, list, Path]:
+def run_across_hosts(cluster: Cluster, project: Path, job: dict, env: dict) -> tuple[str, list, Path]:
     """Worker pods serving ssh as the manifest says, then the launcher's command in the launcher pod."""
     workers, launcher_pod, _, volume = worker_pods(cluster, project, job)
     hostfile = cluster.base / "hostfile"  # as the operator writes it for OpenMPI
     hostfile.write_text("".join(f"{pod.name} slots={job['spec']['slotsPerWorker']}\n" for pod in workers))
     argv = launcher_argv(job, hostfile=hostfile)
-    proc = cluster.run(launcher_pod, argv, env=venv_env(), timeout=600)
+    proc = cluster.run(launcher_pod, argv, env=env, timeout=600)
     assert proc.returncode == 0, f"{' '.join(argv)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout, workers, volume
 
 
-@pytest.mark.parametrize("framework, strategy, workers", [
-    ("torch", "data", 2), ("tensorflow", "data", 2), ("torch", "pipeline", 4)],
-    ids=["torch-data", "tensorflow-data", "torch-pipeline-2x2"])
-def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, workers):
-    """Data parallel over 2 pods; a 2-stage pipeline with 2 replicas over 4 pods (a rank each)."""
-    project, job = generated_job(tmp_path, framework, strategy, workers=workers)
-    out, worker_pods, volume = run_across_hosts(cluster, project, job)
-    world = job["spec"]["slotsPerWorker"] * len(worker_pods)
-    started = ("pipeline of 2 stages x 2 replica(s)" if strategy == "pipeline" else f"training on {world} rank(s)")
+DIGESTS = '''\
+"""sitecustomize for the multi-host jobs' ranks (on PYTHONPATH, which horovodrun passes to every rank).
+
+Each rank writes a digest of its weights to HVDT_DIGESTS/<part>-rank<N> whenever the job
+checkpoints (every rank takes part in that, only rank 0 writes the file): `model` for data
+parallel, `stage<S>` for a pipeline's stage, so the test can compare ranks on different hosts.
+"""
+import hashlib, os
+from pathlib import Path
+
+if os.environ.get("HOROVOD_HOSTNAME"):
+    import numpy as np
+
+    out, rank = Path(os.environ["HVDT_DIGESTS"]), int(os.environ["HOROVOD_RANK"])
+
+    def record(part, arrays):
+        digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()
+        (out / f"{part}-rank{rank}").write_text(digest)
+
+    def after(save, part_of, weights_of):
+        def recording_save(*args):
+            saved = save(*args)     # after: buffers are averaged as part of the save
+            record(part_of(*args), weights_of(*args))
+            return saved
+        return recording_save
+
+    if os.environ["HVDT_FRAMEWORK"] == "torch":
+        import hvd_runtime.torch as package
+        import hvd_runtime.torch.pipeline_state as pipeline
+        import hvd_runtime.torch.state as state
+
+        def torch_weights(store, module, *rest):
+            return [t.detach().cpu().numpy() for t in module.state_dict().values()]
+
+        state.save_checkpoint = package.save_checkpoint = after(
+            state.save_checkpoint, lambda *args: "model", torch_weights)
+        pipeline.save_pipeline_checkpoint = after(
+            pipeline.save_pipeline_checkpoint, lambda *args: f"stage{args[-1].dims.coords(rank)[0]}", torch_weights)
+    else:
+        import hvd_runtime.tf as package
+        import hvd_runtime.tf.state as state
+
+        state.save_checkpoint = package.save_checkpoint = after(
+            state.save_checkpoint, lambda *args: "model", lambda store, model, *rest: model.get_weights())
+'''
+
+
+@pytest.mark.parametrize("framework, strategy", [("torch", "data"), ("tensorflow", "data"), ("torch", "pipeline")],
+                         ids=["torch-data", "tensorflow-data", "torch-pipeline-2x2"])
+def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy):
+    """2 worker pods x 2 slots (the GPU overlay's MPIJob, 2 GPUs a worker, run on CPU ranks): data
+    parallel over 4 ranks, or a 2-stage pipeline with 2 replicas. Ranks on different pods end
+    with the same weights; rank 0's pod and the volume hold every output, the others none."""
+    project, job = generated_job(tmp_path, framework, strategy, 2, k8s_flags=("--gpus-per-worker", "2"))
+    assert job["spec"]["slotsPerWorker"] == 2
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks" / "sitecustomize.py").write_text(DIGESTS)
+    digests = tmp_path / "digests"
+    digests.mkdir()
+    out, worker_pods, volume = run_across_hosts(cluster, project, job, env=venv_env(
+        PYTHONPATH=str(tmp_path / "hooks"), HVDT_DIGESTS=str(digests), HVDT_FRAMEWORK=framework))
+    started = "pipeline of 2 stages x 2 replica(s)" if strategy == "pipeline" else "training on 4 rank(s)"
     assert started in out, out[-3000:]
     assert re.search(r"epoch\s+1\b.*val_accuracy", out), out[-3000:]
+    parts = {}
+    for path in digests.iterdir():
+        part, rank = path.name.rsplit("-rank", 1)
+        parts.setdefault(part, {})[int(rank)] = path.read_text()
+    expected = {"stage0": [0, 2], "stage1": [1, 3]} if strategy == "pipeline" else {"model": [0, 1, 2, 3]}
+    assert {part: sorted(ranks) for part, ranks in parts.items()} == expected  # rank r on pod r // 2
+    for part, ranks in parts.items():
+        assert len(set(ranks.values())) == 1, f"the ranks' {part} weights differ across pods: {ranks}"
     rank0, launcher = worker_pods[0], cluster.pods[-1]
     assert all((rank0.files / "workspace" / name).exists() for name in WORKSPACE_OUTPUTS), \
         sorted(os.listdir(rank0.files / "workspace"))
