@@ -234,7 +234,7 @@ def test_a_host_the_launcher_cannot_use_ends_the_job_in_one_line(cluster, tmp_pa
 PACER = '''\
 """sitecustomize for the elastic test's ranks (on PYTHONPATH, which horovodrun passes to every rank).
 
-The process started as rank 0 stops itself (SIGSTOP) once it has trained HVDT_STOP_AFTER steps,
+HVDT_FRAMEWORK's ShardedBatches is patched: the process started as rank 0 stops itself (SIGSTOP) once it has trained HVDT_STOP_AFTER steps,
 leaving its host name in HVDT_MARKER, so that the test kills its host at a known step. While the
 world is smaller than HVDT_FULL_SIZE, every step takes at least 0.2 s: the job is still training
 when the host comes back, whatever this machine's speed (each wait is far below Gloo's timeout).
@@ -243,7 +243,10 @@ import os, signal, socket, time
 from pathlib import Path
 
 if os.environ.get("HOROVOD_HOSTNAME"):
-    from hvd_runtime.torch.batches import ShardedBatches
+    if os.environ["HVDT_FRAMEWORK"] == "torch":
+        from hvd_runtime.torch.batches import ShardedBatches
+    else:
+        from hvd_runtime.tf.batches import ShardedBatches
 
     marker, full = Path(os.environ["HVDT_MARKER"]), int(os.environ["HVDT_FULL_SIZE"])
     victim = os.environ.get("HOROVOD_RANK") == "0" and not marker.exists()
@@ -290,7 +293,8 @@ def write_discovery(path: Path, pods) -> None:
     fresh.replace(path)
 
 
-def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path):
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path, framework):
     """3 worker pods, --min-workers 2, tracked to an `mlflow server` pod. Rank 0's pod dies mid-epoch
     (every process in it killed) and leaves discover_hosts.sh; the job goes on with 2 ranks from
     the last commit before the kill, a new rank 0 writing the checkpoints and continuing the MLflow
@@ -303,7 +307,7 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path):
     from hvd_runtime.data import load_dataset
 
     epochs, batch, commit_every, full = 20, 32, 5, 3
-    project, job = generated_job(tmp_path, "torch", "data", full, "--elastic", k8s_flags=("--min-workers", "2"),
+    project, job = generated_job(tmp_path, framework, "data", full, "--elastic", k8s_flags=("--min-workers", "2"),
                                  config={"epochs": epochs, "batch_size": batch, "elastic_commit_every": commit_every})
     n_train = len(load_dataset(DataConfig(), seed=42).train)
 
@@ -332,7 +336,8 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path):
     (tmp_path / "pacer" / "sitecustomize.py").write_text(PACER)
     marker = tmp_path / "stopped"
     env = venv_env(PYTHONPATH=str(tmp_path / "pacer"), MLFLOW_TRACKING_URI=f"http://{mlflow_pod.address}:5000",
-                   HVDT_MARKER=str(marker), HVDT_STOP_AFTER=str(stop_after), HVDT_FULL_SIZE=str(full))
+                   HVDT_MARKER=str(marker), HVDT_STOP_AFTER=str(stop_after), HVDT_FULL_SIZE=str(full),
+                   HVDT_FRAMEWORK=framework)
     log = cluster.base / "launcher.log"
     launcher = cluster.start(launcher_pod, launcher_argv(job, discover_hosts=discovery), log, env=env)
 
@@ -370,4 +375,5 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path):
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == str(full)
     assert run.data.metrics["val_accuracy"] > 0.85
     # The checkpoints on the volume go on past the kill: written by the new rank 0.
-    assert max(int(p.stem.split("-")[1]) for p in volume.glob("ckpt-*.pt")) == final_step
+    suffix = "pt" if framework == "torch" else "pkl"
+    assert max(int(p.stem.split("-")[1]) for p in volume.glob(f"ckpt-*.{suffix}")) == final_step
