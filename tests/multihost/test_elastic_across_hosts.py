@@ -86,11 +86,12 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path, framewo
     the last commit before the kill, a new rank 0 writing the checkpoints and continuing the MLflow
     run. The pod restarts under its name and is listed again: after Horovod's blacklist cooldown it
     rejoins, and the job finishes with 3 ranks. Step counts prove that no committed step was lost
-    or repeated at either change."""
+    or repeated at either change; Keras's reset lines show the LR following the world size."""
     from mlflow.tracking import MlflowClient
 
     from hvd_runtime.config import DataConfig
     from hvd_runtime.data import load_dataset
+    from hvd_runtime.scaling import warmup_factor
 
     epochs, batch, commit_every, full = 20, 32, 5, 3
     project, job = generated_job(tmp_path, framework, "data", full, "--elastic", k8s_flags=("--min-workers", "2"),
@@ -134,21 +135,25 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path, framewo
     lost = next(pod for pod in workers if pod.name.split(".")[0] == marker.read_text())
     cluster.kill_pod(lost)                               # the host is gone ...
     write_discovery(discovery, [p for p in workers if p is not lost])   # ... and the operator lists it no more
-    shrunk = wait_for_line(log, r"elastic reset: 2 rank\(s\) now; continuing from the last commit: "
-                                r"epoch (\d+), step (\d+), (\d+) samples", launcher)
+    reset = (r"rank\(s\) now; continuing from the last commit: epoch (\d+), step (\d+), (\d+) samples"
+             r"[^;\n]*(?:; lr (\S+))?")
+    shrunk = wait_for_line(log, r"elastic reset: 2 " + reset, launcher)
     start_worker(cluster, job, lost)                     # the pod restarts under its name
     write_discovery(discovery, workers)
-    grown = wait_for_line(log, r"elastic reset: 3 rank\(s\) now; continuing from the last commit: "
-                               r"epoch (\d+), step (\d+), (\d+) samples", launcher, timeout=240)
+    grown = wait_for_line(log, r"elastic reset: 3 " + reset, launcher, timeout=240)
     assert launcher.wait(timeout=600) == 0, log.read_text()[-4000:]
 
-    epoch, step, consumed = map(int, shrunk.groups())
+    epoch, step, consumed = map(int, shrunk.groups()[:3])
     assert (epoch, step) == (1, stop_after // commit_every * commit_every), "not rolled back to the last commit"
     assert step == steps_between((0, 0), (epoch, consumed), full)
-    grown_epoch, grown_step, grown_consumed = map(int, grown.groups())
+    grown_epoch, grown_step, grown_consumed = map(int, grown.groups()[:3])
     assert grown_step == step + steps_between((epoch, consumed), (grown_epoch, grown_consumed), full - 1), \
         "steps at 2 ranks were lost or repeated"
     final_step = grown_step + steps_between((grown_epoch, grown_consumed), (epochs, 0), full)
+    if framework == "tensorflow":  # Keras shows the LR at a reset: it follows the world size, warmup included
+        warmup = round(2.0 * steps(n_train, full))  # warmup_epochs x the steps of an epoch at the start
+        for match, at, size in ((shrunk, step, 2), (grown, grown_step, 3)):
+            assert float(match.group(4)) == pytest.approx(0.05 * size * warmup_factor(at, warmup, size), rel=1e-5)
 
     # One MLflow run holds the whole job: every epoch once, the world size at each change, finished.
     client = MlflowClient(tracking_uri=f"sqlite:///{store / 'server.db'}")
