@@ -64,7 +64,10 @@ def readme(spec: ProjectSpec, opts: K8sOptions) -> str:
 
 This job is elastic: it starts with {opts.workers} workers and keeps training with any number
 from {opts.min_np_workers} to {opts.max_np_workers}. horovodrun asks `{DISCOVER_HOSTS}` (written by the
-operator) which workers are running. Change the number of workers while it runs:
+operator) which workers are running. A worker pod that fails and restarts rejoins once Horovod's
+blacklist cooldown has passed (20-30 s the first time, longer each time it fails again). If rank
+0's pod is lost, another worker becomes rank 0 and goes on writing the checkpoints and the same
+MLflow run. Change the number of workers while it runs:
 
 ```bash
 kubectl patch mpijob {name} -n {ns} --type merge \\
