@@ -20,8 +20,9 @@ from hvdgen.k8s.kustomize import render
 
 def generated_job(tmp_path: Path, framework: str, strategy: str, workers: int, *new_flags: str,
                   k8s_flags: tuple[str, ...] = (), config: dict[str, int] | None = None) -> tuple[Path, dict]:
-    """A project with root manifests (the pods here run as root) and its CPU overlay's MPIJob;
-    `config`: settings of its config.yaml to change (default: 1 epoch)."""
+    """A project with root manifests (the pods here run as root) and its CPU overlay's MPIJob (the
+    GPU overlay's, given --gpus-per-worker); `config`: settings of its config.yaml to change
+    (default: 1 epoch)."""
     runner = CliRunner()
     result = runner.invoke(cli, ["new", "job", "-o", str(tmp_path), "--framework", framework, "--strategy", strategy,
                                  *new_flags])
