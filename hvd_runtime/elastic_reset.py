@@ -1,6 +1,7 @@
 """What every elastic job does around a reset, whatever the framework.
 
-The survivors have restored the last commit and renumbered themselves: each re-shards the data
+At start-up every rank takes rank 0's state in one sync (sync_now). After a reset the survivors
+have restored the last commit and renumbered themselves: each re-shards the data
 from the committed position (so within the epoch no sample is skipped or seen twice), the
 writers that only rank 0 may use learn who rank 0 is now, the tracker follows rank 0 into the
 job's run, and rank 0 says where training stands.
@@ -53,7 +54,16 @@ def share_run_id_at_commit(elastic, ctx: RankContext, tracker, broadcast_object:
     elastic.commit = commit_with_run_id
 
 
-def refuse_if_rank0_refused(elastic) -> None:
-    """Every rank stops with rank 0's reason (ElasticStart.refusal), handed out by the first sync."""
-    if getattr(elastic, "refusal", None):
+def sync_now(elastic) -> None:
+    """The elastic state's first sync, at start-up: every rank gets rank 0's state (ElasticStart),
+    or stops with rank 0's reason why its checkpoint does not fit. The sync that hvd.elastic.run
+    does first is then skipped, so every rank, a later joiner too, syncs exactly once per start."""
+    elastic.sync()
+    if elastic.refusal:
         raise ConfigError(elastic.refusal)
+    synced = elastic.sync
+
+    def skip_once() -> None:
+        elastic.sync = synced     # every reset after this syncs for real
+
+    elastic.sync = skip_once

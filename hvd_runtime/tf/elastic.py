@@ -19,11 +19,11 @@ import numpy as np
 import tensorflow as tf
 from horovod.common.elastic import ObjectState
 
-from hvd_runtime.checkpoint import TrainState, state_fields
-from hvd_runtime.elastic_reset import elastic_reset_callback, refuse_if_rank0_refused, share_run_id_at_commit
+from hvd_runtime.checkpoint import CheckpointStore, state_fields
+from hvd_runtime.elastic_reset import elastic_reset_callback, share_run_id_at_commit, sync_now
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
-from hvd_runtime.tf.state import shared_variables
+from hvd_runtime.tf.state import restore_or_broadcast, shared_variables
 from hvd_runtime.tf.step import TrainStep
 
 
@@ -39,6 +39,7 @@ class KerasState(ObjectState):
         import horovod.tensorflow as hvd
 
         model, optimizer = train_step.model, train_step.optimizer
+        self.optimizer = optimizer
         local = [v for v in model.variables if train_step.sync.is_local(v)]
         self._shared = [v.value for v in shared_variables(model, optimizer, local)]
         accumulated = train_step.accumulator.sums if train_step.accumulator else []
@@ -67,24 +68,19 @@ class KerasState(ObjectState):
         super().sync()
 
 
-def make_elastic_state(step: TrainStep, state: TrainState, ctx: Context, batches: Sequence[ShardedBatches],
-                       writers: Sequence = (), tracker=None) -> KerasState:
-    """Wrap the step's model and optimizer and `state` for run_elastic, with the reset callback attached.
+def start_elastic(store: CheckpointStore, model, step: TrainStep, ctx: Context, resume: bool = True) -> KerasState:
+    """The elastic state of the step's model and optimizer and where training stands, synced now.
 
-    `state` is restore_or_broadcast(..., elastic=True)'s: the first sync sends rank 0's to all.
-    `tracker` (start_tracking(..., elastic=True)) follows rank 0 across resets.
+    `model` is the model as checkpoints hold it (the step's may be split over devices).
+
+    Rank 0 loads its latest checkpoint (if any) alone; this first sync sends it to every rank, as
+    the sync after a reset sends it to workers that join later, so a joiner never meets a
+    start-up broadcast the others are not in. If it does not fit the model, every rank stops
+    here with rank 0's line, before anything is written. The run's own first sync is then skipped.
     """
-    import horovod.tensorflow as hvd
-
-    elastic = KerasState(step, **state_fields(state), refusal=getattr(state, "refusal", None))
-
-    def learning_rate() -> str:    # the LR follows the world size: show it
-        return f"; lr {float(step.optimizer.learning_rate):.6g}"
-
-    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, learning_rate,
-                                                             tracker=tracker)])
-    if tracker is not None:
-        share_run_id_at_commit(elastic, ctx, tracker, hvd.broadcast_object)
+    start = restore_or_broadcast(store, model, step.optimizer, ctx, resume=resume, elastic=True)
+    elastic = KerasState(step, **state_fields(start), refusal=start.refusal)
+    sync_now(elastic)
     return elastic
 
 
@@ -100,8 +96,12 @@ def _lost_peer(exc: BaseException) -> bool:
     return isinstance(exc, tf.errors.UnknownError) and bool(_COLLECTIVE.search(exc.message or ""))
 
 
-def run_elastic(fit: Callable, elastic_state: KerasState):
+def run_elastic(fit: Callable, elastic_state: KerasState, ctx: Context, batches: Sequence[ShardedBatches],
+                writers: Sequence = (), tracker=None):
     """hvd.elastic.run for Keras 3: call `fit(state)`, and again after every reset, until it returns.
+
+    After a reset the data is re-sharded, `writers` and `tracker` (start_tracking(..., elastic=True))
+    follow rank 0, and rank 0 says where training goes on, with the LR (it follows the world size).
 
     Horovod's TF wrapper looks for op names such as "HorovodAllreduce" in the message, which a
     grouped allreduce inside a tf.function does not carry, and then returns None as if training
@@ -111,8 +111,15 @@ def run_elastic(fit: Callable, elastic_state: KerasState):
     from horovod.common.elastic import run_fn
     from horovod.common.exceptions import HorovodInternalError
 
+    def learning_rate() -> str:
+        return f"; lr {float(elastic_state.optimizer.learning_rate):.6g}"
+
+    elastic_state.register_reset_callbacks([elastic_reset_callback(ctx, elastic_state, batches, writers,
+                                                                   learning_rate, tracker=tracker)])
+    if tracker is not None:
+        share_run_id_at_commit(elastic_state, ctx, tracker, hvd.broadcast_object)
+
     def attempt(state):
-        refuse_if_rank0_refused(state)
         try:
             return fit(state)
         except tf.errors.UnknownError as exc:

@@ -2,7 +2,7 @@
 
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context, init_horovod
-from hvd_runtime.torch.elastic import make_elastic_state, run_elastic
+from hvd_runtime.torch.elastic import run_elastic, start_elastic
 from hvd_runtime.torch.loop import Every, allreduce_sums, evaluate, train_epoch
 from hvd_runtime.torch.objective import accuracy, cross_entropy
 from hvd_runtime.torch.optim import WarmupSchedule, make_optimizer
@@ -11,6 +11,6 @@ from hvd_runtime.torch.state import TrainState, restore_or_broadcast, save_check
 from hvd_runtime.torch.sync_batchnorm import SyncBatchNorm, use_sync_batchnorm
 
 __all__ = ["Context", "Every", "Precision", "ShardedBatches", "SyncBatchNorm", "TrainState", "WarmupSchedule",
-           "accuracy", "allreduce_sums", "cross_entropy", "evaluate", "init_horovod", "make_elastic_state",
+           "accuracy", "allreduce_sums", "cross_entropy", "evaluate", "init_horovod", "start_elastic",
            "make_optimizer", "restore_or_broadcast", "run_elastic", "save_checkpoint", "train_epoch",
            "use_sync_batchnorm"]

@@ -14,35 +14,39 @@ from typing import Callable, Sequence
 
 from torch import nn
 
+from hvd_runtime.checkpoint import CheckpointStore, state_fields
+from hvd_runtime.elastic_reset import elastic_reset_callback, share_run_id_at_commit, sync_now
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context
-from hvd_runtime.checkpoint import TrainState, state_fields
-from hvd_runtime.elastic_reset import elastic_reset_callback, refuse_if_rank0_refused, share_run_id_at_commit
+from hvd_runtime.torch.state import restore_or_broadcast
 
 
-def make_elastic_state(model: nn.Module, optimizer, state: TrainState, ctx: Context,
-                       batches: Sequence[ShardedBatches], writers: Sequence = (), tracker=None):
-    """Wrap model, optimizer and `state` for hvd.elastic.run, with the reset callback attached.
+def start_elastic(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context, resume: bool = True):
+    """Horovod's elastic state for model, optimizer and where training stands, synced now.
 
-    `state` is restore_or_broadcast(..., elastic=True)'s: the first sync sends rank 0's to all.
-    `tracker` (start_tracking(..., elastic=True)) follows rank 0 across resets.
+    Rank 0 loads its latest checkpoint (if any) alone; this first sync sends it to every rank, as
+    the sync after a reset sends it to workers that join later, so a joiner never meets a
+    start-up broadcast the others are not in. If it does not fit the model, every rank stops
+    here with rank 0's line, before anything is written. The run's own first sync is then skipped.
     """
     import horovod.torch as hvd
 
-    elastic = hvd.elastic.TorchState(model=model, optimizer=optimizer, **state_fields(state),
-                                     refusal=getattr(state, "refusal", None))
-    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, tracker=tracker)])
-    if tracker is not None:
-        share_run_id_at_commit(elastic, ctx, tracker, hvd.broadcast_object)
+    start = restore_or_broadcast(store, model, optimizer, ctx, resume=resume, elastic=True)
+    elastic = hvd.elastic.TorchState(model=model, optimizer=optimizer, **state_fields(start), refusal=start.refusal)
+    sync_now(elastic)
     return elastic
 
 
-def run_elastic(fit: Callable, elastic_state):
-    """hvd.elastic.run: call `fit(state)`, and again after every reset, until it returns."""
+def run_elastic(fit: Callable, elastic, ctx: Context, batches: Sequence[ShardedBatches], writers: Sequence = (),
+                tracker=None):
+    """hvd.elastic.run: call `fit(state)`, and again after every reset, until it returns.
+
+    After a reset the data is re-sharded, `writers` and `tracker` (start_tracking(..., elastic=True))
+    follow rank 0, and rank 0 says where training goes on.
+    """
     import horovod.torch as hvd
 
-    def attempt(state):
-        refuse_if_rank0_refused(state)
-        return fit(state)
-
-    return hvd.elastic.run(attempt)(elastic_state)
+    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, tracker=tracker)])
+    if tracker is not None:
+        share_run_id_at_commit(elastic, ctx, tracker, hvd.broadcast_object)
+    return hvd.elastic.run(fit)(elastic)

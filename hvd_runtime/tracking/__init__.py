@@ -35,7 +35,7 @@ def start_tracking(config, *, rank: int, world_size: int, framework: str, strate
     `run_id` is the id stored with a checkpoint: when the server has that run, logging continues
     in it. Never raises: if tracking cannot even start, one warning and a NullTracker.
     elastic: a HandoverTracker on every rank, so that a new rank 0 takes over the run when the
-    old one is lost (make_elastic_state(..., tracker=) tells it when).
+    old one is lost (run_elastic(..., tracker=) tells it when).
     """
     if elastic:
         def start(rank: int, world_size: int, run_id: str | None):

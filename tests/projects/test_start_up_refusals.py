@@ -8,6 +8,8 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
 - a pipeline resumed from a checkpoint of another model (`--model.hidden` changed after an
   epoch): each rank holds its own stage, so each judges its own part, and all stop with the same
   line instead of one rank dying on a state_dict error while the others wait.
+- an elastic job resumed from a checkpoint of another model: rank 0's reason reaches the others in
+  the elastic state's first sync, and all stop before anything is written.
 - the ResNet-18 and GPT projects' own data and model problems: an image folder without images,
   an image that is not one, a token file shorter than one context window, a tied GPT head split
   from its embedding, fp16 on a CPU.
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_horovod
+from helpers import horovodrun_path, run_horovod, venv_env
 
 pytestmark = pytest.mark.slow
 FRAMEWORKS = ["torch", "tensorflow"]
@@ -29,9 +31,9 @@ QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 SMALL_DATA = ("--data.source", "synthetic", "--data.synthetic_samples", "512")
 
 
-def generate(tmp_path: Path, framework: str, strategy: str, model: str = "mlp") -> Path:
+def generate(tmp_path: Path, framework: str, strategy: str, model: str = "mlp", *flags: str) -> Path:
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,
-                    "--model", model, "--output", str(tmp_path)], check=True, capture_output=True)
+                    "--model", model, "--output", str(tmp_path), *flags], check=True, capture_output=True)
     return tmp_path / "proj"
 
 
@@ -47,11 +49,26 @@ def rank_stderr(stderr: str, rank: int) -> list[str]:
     return [line[len(prefix):] for line in stderr.splitlines() if line.startswith(prefix)]
 
 
-def refused(project: Path, *args: str) -> str:
-    """Run train.py under horovodrun -np 2; assert every rank stopped on the same single config-error
-    line, and nothing in the project changed. Returns that line."""
+# The elastic project's README command: 2 ranks on this machine, under two host names.
+ELASTIC = ["--min-np", "1", "--max-np", "2", "--host-discovery-script", "./discover_hosts.sh",
+           "--network-interface", "lo", "--gloo"]
+
+
+def run_elastic(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([horovodrun_path(), "-np", "2", *ELASTIC, sys.executable, "train.py", *args], cwd=project,
+                          env=venv_env(**QUIET), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def refused(project: Path, *args: str, elastic: bool = False) -> str:
+    """Run train.py under horovodrun -np 2 (elastic: as the elastic README says); assert every rank
+    stopped on the same single config-error line, and nothing in the project changed. Returns that line."""
     before = files(project)
-    proc = run_horovod(2, [sys.executable, "train.py", *args], cwd=project, env=QUIET, timeout=400, check=False)
+    if elastic:
+        proc = run_elastic(project, *args, check=False)
+    else:
+        proc = run_horovod(2, [sys.executable, "train.py", *args], cwd=project, env=QUIET, timeout=400, check=False)
     assert proc.returncode != 0, proc.stdout[-3000:]
     lines = []
     for rank in range(2):
@@ -95,6 +112,19 @@ def test_pipeline_resumed_from_another_model_stops_every_rank(tmp_path, framewor
     line = refused(project, "--train.epochs", "2", "--model.hidden", "[32]", *SMALL_DATA)
     assert line.startswith("config error: the newest checkpoint holds a different model (")
     assert "--checkpoint.dir DIR" in line and "--checkpoint.resume false" in line
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_elastic_job_resumed_from_another_model_stops_every_rank(tmp_path, framework):
+    """Elastic ranks broadcast nothing at start-up (a worker that joins later could not take part):
+    rank 0 alone reads the checkpoint, and its reason reaches every rank in the elastic state's
+    first sync, before anything is written."""
+    project = generate(tmp_path, framework, "data", "mlp", "--elastic")
+    run_elastic(project, "--train.epochs", "1", "--tracking.enabled", "false", *SMALL_DATA)
+    assert list((project / "checkpoints").iterdir()), "the first run left no checkpoint"
+    line = refused(project, "--train.epochs", "2", "--model.hidden", "[32]", *SMALL_DATA, elastic=True)
+    assert line.startswith("config error: the newest checkpoint holds a different model (")
 
 
 def _no_images(project: Path) -> list[str]:
