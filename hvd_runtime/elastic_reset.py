@@ -36,6 +36,15 @@ def elastic_reset_callback(ctx: RankContext, elastic, batches, writers, extra=la
     return on_reset
 
 
+def follow_resets(elastic, ctx: RankContext, batches, writers, tracker, broadcast_object: Callable,
+                  extra=lambda: "") -> None:
+    """What run_elastic attaches in either framework: the reset callback and, with a tracker, the
+    run id handed to every rank at each commit."""
+    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, extra, tracker)])
+    if tracker is not None:
+        share_run_id_at_commit(elastic, ctx, tracker, broadcast_object)
+
+
 def share_run_id_at_commit(elastic, ctx: RankContext, tracker, broadcast_object: Callable) -> None:
     """Make every commit first give every rank rank 0's tracking run id.
 

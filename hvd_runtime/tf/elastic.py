@@ -20,10 +20,10 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 
 from hvd_runtime.checkpoint import CheckpointStore, state_fields
-from hvd_runtime.elastic_reset import elastic_reset_callback, share_run_id_at_commit, sync_now
+from hvd_runtime.elastic_reset import follow_resets, sync_now
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
-from hvd_runtime.tf.state import restore_or_broadcast, shared_variables
+from hvd_runtime.tf.state import restore_on_root, shared_variables
 from hvd_runtime.tf.step import TrainStep
 
 
@@ -78,7 +78,7 @@ def start_elastic(store: CheckpointStore, model, step: TrainStep, ctx: Context, 
     start-up broadcast the others are not in. If it does not fit the model, every rank stops
     here with rank 0's line, before anything is written. The run's own first sync is then skipped.
     """
-    start = restore_or_broadcast(store, model, step.optimizer, ctx, resume=resume, elastic=True)
+    start = restore_on_root(store, model, step.optimizer, ctx, resume)
     elastic = KerasState(step, **state_fields(start), refusal=start.refusal)
     sync_now(elastic)
     return elastic
@@ -114,10 +114,7 @@ def run_elastic(fit: Callable, elastic_state: KerasState, ctx: Context, batches:
     def learning_rate() -> str:
         return f"; lr {float(elastic_state.optimizer.learning_rate):.6g}"
 
-    elastic_state.register_reset_callbacks([elastic_reset_callback(ctx, elastic_state, batches, writers,
-                                                                   learning_rate, tracker=tracker)])
-    if tracker is not None:
-        share_run_id_at_commit(elastic_state, ctx, tracker, hvd.broadcast_object)
+    follow_resets(elastic_state, ctx, batches, writers, tracker, hvd.broadcast_object, learning_rate)
 
     def attempt(state):
         try:

@@ -82,20 +82,16 @@ def load_latest(store: CheckpointStore) -> tuple[Path, dict] | None:
 
 
 def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool = True,
-                         local_variables=(), elastic: bool = False) -> TrainState:
+                         local_variables=()) -> TrainState:
     """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
 
     The optimizer's variables are created here, before the broadcast, so they are synchronised
     along with the model's instead of after a first step that already used them.
-    elastic: into rank 0 only, with no collective (see ElasticStart); the elastic state's first
-    sync sends it to the others. RNG states are not handed back then (the world may differ).
     """
     import horovod.tensorflow as hvd
 
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
-    if elastic:
-        return _restore_on_root(store, model, optimizer, ctx, resume)
     meta = {"state": asdict(TrainState()), "rng": None}
     if ctx.is_root:
         found = load_latest(store) if resume else None
@@ -120,7 +116,12 @@ def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context,
     return TrainState(**meta["state"])
 
 
-def _restore_on_root(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool) -> ElasticStart:
+def restore_on_root(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool = True) -> ElasticStart:
+    """Rank 0 alone loads its latest checkpoint (if any), with no collective: an elastic job's
+    state reaches the other ranks in its first sync (see ElasticStart). RNG states are not handed
+    back (the world may differ)."""
+    if not optimizer.built:  # its variables exist before the elastic state copies them
+        optimizer.build(model.trainable_variables)
     found = load_latest(store) if ctx.is_root and resume else None
     if not found:
         return ElasticStart()

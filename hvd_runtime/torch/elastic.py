@@ -15,10 +15,10 @@ from typing import Callable, Sequence
 from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, state_fields
-from hvd_runtime.elastic_reset import elastic_reset_callback, share_run_id_at_commit, sync_now
+from hvd_runtime.elastic_reset import follow_resets, sync_now
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context
-from hvd_runtime.torch.state import restore_or_broadcast
+from hvd_runtime.torch.state import restore_on_root
 
 
 def start_elastic(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context, resume: bool = True):
@@ -31,7 +31,7 @@ def start_elastic(store: CheckpointStore, model: nn.Module, optimizer, ctx: Cont
     """
     import horovod.torch as hvd
 
-    start = restore_or_broadcast(store, model, optimizer, ctx, resume=resume, elastic=True)
+    start = restore_on_root(store, model, optimizer, ctx, resume)
     elastic = hvd.elastic.TorchState(model=model, optimizer=optimizer, **state_fields(start), refusal=start.refusal)
     sync_now(elastic)
     return elastic
@@ -46,7 +46,5 @@ def run_elastic(fit: Callable, elastic, ctx: Context, batches: Sequence[ShardedB
     """
     import horovod.torch as hvd
 
-    elastic.register_reset_callbacks([elastic_reset_callback(ctx, elastic, batches, writers, tracker=tracker)])
-    if tracker is not None:
-        share_run_id_at_commit(elastic, ctx, tracker, hvd.broadcast_object)
+    follow_resets(elastic, ctx, batches, writers, tracker, hvd.broadcast_object)
     return hvd.elastic.run(fit)(elastic)

@@ -70,16 +70,10 @@ def model_misfit(saved: dict, current: dict) -> str | None:
 
 
 def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
-                         resume: bool = True, elastic: bool = False) -> TrainState:
-    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
-
-    elastic: into rank 0 only, with no collective (see ElasticStart); the elastic state's first
-    sync sends it to the others. RNG states are not handed back then (the world may differ).
-    """
+                         resume: bool = True) -> TrainState:
+    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands."""
     import horovod.torch as hvd
 
-    if elastic:
-        return _restore_on_root(store, model, optimizer, ctx, resume)
     payload = None
     if ctx.is_root:
         payload = (load_latest(store) if resume else None) or snapshot(model, optimizer, TrainState())
@@ -98,7 +92,11 @@ def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ct
     return TrainState(**payload["state"])
 
 
-def _restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context, resume: bool) -> ElasticStart:
+def restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
+                    resume: bool = True) -> ElasticStart:
+    """Rank 0 alone loads its latest checkpoint (if any), with no collective: an elastic job's
+    state reaches the other ranks in its first sync (see ElasticStart). RNG states are not handed
+    back (the world may differ)."""
     payload = load_latest(store) if ctx.is_root and resume else None
     if payload is None:
         return ElasticStart()
