@@ -14,6 +14,7 @@ Framework-free: `hvd_runtime.torch.grid` and `hvd_runtime.tf.pipeline` initialis
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from hvd_runtime.config import ConfigError
@@ -21,6 +22,19 @@ from hvd_runtime.config import ConfigError
 
 class PipelineConfigError(ConfigError):
     """The world size and the stage count do not fit together (-np against `parallel.stages`)."""
+
+
+# How each launcher tells a rank the world size: horovodrun with Gloo, OpenMPI's mpirun (horovodrun
+# with MPI), MPICH and Intel MPI. The grid's process sets go to hvd.init, so the size is needed first.
+WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launched_world_size() -> int | None:
+    """The world size this process was launched into, before Horovod starts; None if started alone."""
+    for name in WORLD_SIZE_VARIABLES:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return None
 
 
 @dataclass(frozen=True)

@@ -8,21 +8,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export HVDGEN_FRAMEWORKS="torch tensorflow"
 source "$ROOT/scripts/setup.sh"
 
-# The ssh tests (the MPI Operator's worker sshd) need openssh; install it where we may.
-if ! { [ -x /usr/sbin/sshd ] && command -v ssh >/dev/null; }; then
-  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
-    step "installing openssh-server and openssh-client for the ssh tests"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null
-  else
-    echo "note: openssh-server/openssh-client are missing and this user cannot apt-get them: the ssh tests will skip" >&2
-  fi
-fi
-# root's sshd wants its privilege-separation directory, which systemd makes on a booted machine
-# (RuntimeDirectory=sshd) but nothing makes in a container.
-if [ "$(id -u)" -eq 0 ] && [ -x /usr/sbin/sshd ] && [ ! -d /run/sshd ]; then
-  install -d -m 0755 /run/sshd
-fi
-
 step "checking that Horovod was built for both frameworks"
 build="$(horovodrun --check-build 2>/dev/null)"
 for framework in PyTorch TensorFlow; do

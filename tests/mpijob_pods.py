@@ -81,12 +81,21 @@ def launcher_argv(job: dict, **paths: Path) -> list[str]:
     return [str(places.get(arg) or arg) for arg in launcher["command"] + launcher["args"]]
 
 
+def operator_env(job: dict, hostfile: Path) -> dict[str, str]:
+    """What the operator sets on an OpenMPI job's launcher (mpi-operator's ompiEnvVars), the
+    hostfile where this test put it: mpirun keeps the pods' full DNS names and retries ssh."""
+    if job["spec"].get("mpiImplementation", "OpenMPI") != "OpenMPI":
+        return {}
+    return {"OMPI_MCA_orte_keep_fqdn_hostnames": "true", "OMPI_MCA_orte_default_hostfile": str(hostfile),
+            "OMPI_MCA_plm_rsh_args": "-o ConnectionAttempts=10"}
+
+
 def run_across_hosts(cluster: Cluster, project: Path, job: dict, env: dict) -> tuple[str, list, Path]:
     """Worker pods serving ssh as the manifest says, then the launcher's command in the launcher pod."""
     workers, launcher_pod, _, volume = worker_pods(cluster, project, job)
     hostfile = cluster.base / "hostfile"  # as the operator writes it for OpenMPI
     hostfile.write_text("".join(f"{pod.name} slots={job['spec']['slotsPerWorker']}\n" for pod in workers))
     argv = launcher_argv(job, hostfile=hostfile)
-    proc = cluster.run(launcher_pod, argv, env=env, timeout=600)
+    proc = cluster.run(launcher_pod, argv, env={**env, **operator_env(job, hostfile)}, timeout=600)
     assert proc.returncode == 0, f"{' '.join(argv)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout, workers, volume

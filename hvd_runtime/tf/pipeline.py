@@ -16,7 +16,6 @@ process set) and applied. Data: shard by replica, as in hvd_runtime.torch.pipeli
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,7 @@ import tensorflow as tf
 
 from hvd_runtime.partition import Partition, PartitionError
 from hvd_runtime.pipeline_engine import PipelineEngineBase
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank, launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages
 from hvd_runtime.tf.stage import build_stage as _stage_of_plan
@@ -50,13 +49,14 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
 
     if p2p not in P2P_LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(P2P_LINKS)} (e.g. 'socket')")
-    world = int(os.environ.get("HOROVOD_SIZE", "0")) or 1
+    world = launched_world_size() or 1
     dims = PipelineDims(world=world, stages=stages)
     wanted = dims.process_set_ranks(pairs=p2p == "alltoall")
     sets = [hvd.ProcessSet(r) for r in wanted]
     ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets)
     if ctx.size != dims.world:
-        raise PipelineConfigError(f"Horovod started {ctx.size} ranks but HOROVOD_SIZE said {world}: launch with horovodrun")
+        raise PipelineConfigError(f"Horovod started {ctx.size} ranks but the launcher said {world}: "
+                                  "launch with horovodrun")
     me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
     if dims.replicas > 1:
         me.dp_set = me.process_set(dims.stage_ranks(me.stage))

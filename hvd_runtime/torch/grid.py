@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank, launched_world_size
 from hvd_runtime.scaling import set_cycle_time
 
 __all__ = ["PipelineConfigError", "PipelineDims", "PipelineRank", "init_pipeline"]
@@ -35,7 +35,7 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
 
     if p2p not in LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'socket')")
-    world = int(os.environ.get("HOROVOD_SIZE", "0")) or (hvd.size() if hvd.is_initialized() else 1)
+    world = launched_world_size() or (hvd.size() if hvd.is_initialized() else 1)
     dims = PipelineDims(world=world, stages=stages)
     wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"))
     if hvd.is_initialized():

@@ -29,6 +29,8 @@ from hvdgen.errors import HvdgenError
               help="Run pods as the images' mpiuser (uid 1000, the default) or as root.")
 @click.option("--mlflow-uri-from", type=click.Choice(["configmap", "secret"]),
               help="Where MLFLOW_TRACKING_URI comes from (default configmap).")
+@click.option("--controller", type=click.Choice(["gloo", "mpi"]),
+              help="How horovodrun runs the ranks: gloo (default; elastic jobs need it) or mpi (OpenMPI).")
 @click.option("--checkpoint-size", help="Size of the checkpoint volume claim, 1Gi-64Ti (default 10Gi).")
 # Paths are checked by the command itself, so a bad one is one line like every other refusal.
 @click.option("--project", type=click.Path(path_type=Path), default=Path("."), show_default=True,

@@ -8,6 +8,11 @@ launcher gives `--slots-per-host`; without it Horovod has no slots for any host.
 blacklists a host whose rank failed, for good unless a cooldown is given: a worker pod that
 restarts comes back under the same name, so `--blacklist-cooldown-range` lets it rejoin (after
 20-30 s the first time, doubling up to 5 minutes for a host that keeps failing).
+
+The controller is named (`--gloo` or `--mpi`) rather than left to horovodrun, which picks MPI
+whenever the image has OpenMPI and its Horovod was built with it: the job then runs the same on
+every image. MPI goes through the operator's own set-up (`mpirun` reads the OMPI_MCA_* variables
+it sets on the launcher and reaches the workers over the same ssh); elastic jobs are Gloo only.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ BLACKLIST_COOLDOWN_S = (10, 300)  # Horovod waits 2-3x the first, doubling per f
 
 
 def horovodrun_args(workers: int, slots: int, elastic: bool = False,
-                    min_workers: int = 1, max_workers: int = 0) -> list[str]:
+                    min_workers: int = 1, max_workers: int = 0, controller: str = "gloo") -> list[str]:
     """Arguments after `horovodrun`: -np is workers x slots, so every slot runs exactly one rank."""
     args = ["-np", str(workers * slots)]
     if elastic:
@@ -28,7 +33,7 @@ def horovodrun_args(workers: int, slots: int, elastic: bool = False,
                  "--blacklist-cooldown-range", *map(str, BLACKLIST_COOLDOWN_S)]
     else:
         args += ["--hostfile", HOSTFILE]
-    return args + list(TRAIN)
+    return args + [f"--{controller}", *TRAIN]
 
 
 def option_value(args: list[str], *names: str) -> str | None:

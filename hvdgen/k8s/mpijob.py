@@ -104,7 +104,8 @@ def ssh_path(opts: K8sOptions) -> str:
 
 
 def launcher_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: str, slots: int) -> dict:
-    args = horovodrun_args(opts.workers, slots, opts.elastic, opts.min_np_workers, opts.max_np_workers)
+    args = horovodrun_args(opts.workers, slots, opts.elastic, opts.min_np_workers, opts.max_np_workers,
+                           opts.controller)
     return {
         "name": "launcher",
         "image": image,

@@ -17,6 +17,7 @@ _IMAGE = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-]{1,2}
                     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?")
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 MLFLOW_SOURCES = ("configmap", "secret")
+CONTROLLERS = ("gloo", "mpi")  # how horovodrun starts and coordinates the ranks; both are in the images
 # Counts: (answer, smallest, largest, example); 0 for min/max workers means "the default".
 _RANGES = (("workers", 1, MAX_WORKERS, 2), ("gpus_per_worker", 0, MAX_GPUS_PER_POD, 1),
            ("min_workers", 0, MAX_WORKERS, 1), ("max_workers", 0, MAX_WORKERS, 4))
@@ -37,6 +38,7 @@ class K8sOptions:
     non_root: bool = True  # run as uid 1000 (mpiuser), SSH keys at /home/mpiuser/.ssh; False runs as root
     mlflow_uri_from: str = "configmap"  # where MLFLOW_TRACKING_URI comes from: configmap or secret
     checkpoint_size: str = "10Gi"
+    controller: str = "gloo"  # horovodrun --gloo or --mpi (OpenMPI over the operator's ssh); elastic: gloo
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -59,6 +61,11 @@ class K8sOptions:
                               "use lower-case letters, digits and '-', at most 63 characters (e.g. ml-team)")
         if self.mlflow_uri_from not in MLFLOW_SOURCES:
             raise HvdgenError(f"--mlflow-uri-from {self.mlflow_uri_from!r} is not known: choose configmap or secret")
+        if self.controller not in CONTROLLERS:
+            raise HvdgenError(f"--controller {self.controller!r} is not known: choose gloo or mpi")
+        if self.elastic and self.controller == "mpi":
+            raise HvdgenError("elastic Horovod runs on Gloo only (horovodrun ignores --mpi there): "
+                              "use --controller gloo, or --no-elastic for an MPI job")
         size = parse_quantity(self.checkpoint_size)
         if size is None:
             raise HvdgenError(f"--checkpoint-size {self.checkpoint_size!r} is not a storage size: e.g. 10Gi")

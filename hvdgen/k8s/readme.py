@@ -83,6 +83,11 @@ the job.
         if opts.non_root else (
         "The pods run as root (`hvdgen k8s --root`), and the operator mounts the job's SSH keys at `/root/.ssh`. "
         "`hvdgen k8s --non-root` (the default for new projects) runs them as the images' user `mpiuser`.")
+    controller = ("Ranks start through OpenMPI (`horovodrun --mpi`: `mpirun` over the operator's ssh); "
+                  "`hvdgen k8s --controller gloo` starts them with Gloo instead.") if opts.controller == "mpi" else (
+        "Ranks start with Gloo (`horovodrun --gloo`), as elastic Horovod requires." if opts.elastic else
+        "Ranks start with Gloo (`horovodrun --gloo`); `hvdgen k8s --controller mpi` starts them through OpenMPI's "
+        "`mpirun` instead (both images carry it).")
     return f"""# Kubernetes: `{name}` as an MPIJob
 
 These manifests run the project with the [Kubeflow MPI Operator](https://github.com/kubeflow/mpi-operator)
@@ -99,7 +104,7 @@ The launcher is created only when every worker's sshd accepts connections
 (`launcherCreationPolicy: WaitForWorkersReady`). Ranks run on the workers; rank 0 writes checkpoints
 to `{CHECKPOINT_DIR}`, which is the claim, so a restarted job resumes where it stopped. The claim asks
 for `ReadWriteMany` because every worker mounts it: on a single node, or a cluster without such a
-storage class, change `accessModes` to `ReadWriteOnce`. {non_root}
+storage class, change `accessModes` to `ReadWriteOnce`. {non_root} {controller}
 
 ## 0. Once per cluster: the MPI Operator
 

@@ -175,6 +175,9 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
             and option_value(argv, "--slots-per-host") is None:
         problems.append(Problem(f"{where}.args", f"the operator's {DISCOVER_HOSTS} lists hosts without slots, so "
                                 "horovodrun has none to give: add --slots-per-host <slotsPerWorker>"))
+    if horovodrun and elastic and "--mpi" in argv:
+        problems.append(Problem(f"{where}.args", "elastic horovodrun runs on Gloo only and ignores --mpi: "
+                                "replace --mpi with --gloo, or drop the discovery script for an MPI job"))
     if not isinstance(specs.get("Worker"), dict):
         return problems
     workers = _replicas(specs["Worker"])

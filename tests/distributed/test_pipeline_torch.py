@@ -5,6 +5,9 @@ real `horovodrun --gloo` jobs whose every rank compares itself with a single-pro
 """
 
 import json
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from torch import nn
 
-from helpers import run_horovod
+from helpers import horovodrun_path, run_horovod, venv_env
 from pipeline_checks import TOL, check_against_reference
 from hvd_runtime.partition import PartitionError
 from hvd_runtime.timeline import load_timeline
@@ -41,6 +44,24 @@ def test_dims_name_every_factor_when_world_does_not_fit():
                               "use -np 2, 4, 6... or a --stages that divides 3")
     with pytest.raises(PipelineConfigError, match="stages must be a positive integer, got 0"):
         PipelineDims(world=2, stages=0)
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_the_grid_knows_the_world_size_before_horovod_starts(controller):
+    """The grid's process sets go to hvd.init, so its size comes from what the launcher set, and
+    horovodrun with Gloo and with MPI (through mpirun) set different variables."""
+    from horovod.common.util import mpi_built
+
+    if controller == "mpi" and not (mpi_built() and shutil.which("mpirun")):
+        pytest.skip("Requires: OpenMPI and a Horovod built with it (scripts/setup.sh)")
+    code = ("import sys; from hvd_runtime.pipeline_grid import launched_world_size as n; "
+            "sys.stdout.write(f'world {n()}\\n')")
+    proc = subprocess.run([horovodrun_path(), "-np", "2", "-H", "localhost:2", f"--{controller}",
+                           sys.executable, "-c", code], env=venv_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(re.findall(r"world (\w+)", proc.stdout)) == ["2", "2"], proc.stdout[-2000:]
+    alone = subprocess.run([sys.executable, "-c", code], env=venv_env(), capture_output=True, text=True)
+    assert alone.stdout.split() == ["world", "None"], alone.stderr[-2000:]
 
 
 def test_dims_rank_layout_and_process_sets():

@@ -1,6 +1,7 @@
 """`hvdgen install-horovod` and `hvdgen doctor` against the real sdist and the installed build."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -113,7 +114,10 @@ def test_doctor_reports_the_build():
     proc = subprocess.run([str(BIN / "hvdgen"), "doctor"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     frameworks = next(line for line in proc.stdout.splitlines() if line.strip().startswith("frameworks"))
-    assert "PyTorch" in frameworks and "controllers  Gloo" in proc.stdout
+    controllers = next(line for line in proc.stdout.splitlines() if line.strip().startswith("controllers"))
+    assert "PyTorch" in frameworks and "Gloo" in controllers
+    # install-horovod builds MPI in exactly when OpenMPI's compiler is there (scripts/setup.sh installs it)
+    assert ("MPI" in controllers) == (shutil.which("mpicxx") is not None), controllers
     tensor_ops = next(line for line in proc.stdout.splitlines() if line.strip().startswith("tensor ops"))
     assert "Gloo" in tensor_ops and "NCCL" not in tensor_ops  # this venv's torch is a CPU build
     assert "(CPU build)" in proc.stdout and "warning" not in proc.stderr

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from hvdgen.errors import HvdgenError
 from hvdgen.k8s.launch import HOSTFILE, horovodrun_args
 from hvdgen.k8s.mpijob import build_mpijob
 from hvdgen.k8s.options import K8sOptions
@@ -29,12 +30,23 @@ def test_static_job_uses_the_operator_hostfile(monkeypatch, tmp_path):
     args = parsed(monkeypatch, launcher_argv(K8sOptions(workers=3, gpus_per_worker=2)))
     assert (args.num_proc, args.hostfile, args.command) == (6, HOSTFILE, ["python", "train.py"])
     assert not launch._is_elastic(args)
+    assert (args.use_gloo, args.use_mpi) == (True, False)  # named, not left to what the image has
     # The operator writes one line per worker in OpenMPI's format; horovodrun turns it into -H.
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("demo-worker-0.demo.ml.svc slots=2\ndemo-worker-1.demo.ml.svc slots=2\n")
     from horovod.runner.common.util import hosts
 
     assert hosts.parse_host_files(str(hostfile)) == "demo-worker-0.demo.ml.svc:2,demo-worker-1.demo.ml.svc:2"
+
+
+def test_an_mpi_job_names_mpi_and_elastic_jobs_cannot(monkeypatch):
+    args = parsed(monkeypatch, launcher_argv(K8sOptions(workers=2, controller="mpi")))
+    assert (args.use_gloo, args.use_mpi, args.hostfile) == (False, True, HOSTFILE)
+    # horovodrun would drop --mpi in elastic mode without a word, so the answers refuse the pair.
+    with pytest.raises(HvdgenError, match=r"^elastic Horovod runs on Gloo only .*use --controller gloo"):
+        K8sOptions(workers=2, elastic=True, controller="mpi")
+    with pytest.raises(HvdgenError, match=r"^--controller 'nccl' is not known: choose gloo or mpi$"):
+        K8sOptions(controller="nccl")
 
 
 def test_elastic_job_uses_the_discovery_script(monkeypatch):

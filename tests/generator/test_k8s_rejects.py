@@ -370,6 +370,17 @@ def test_elastic_hosts_from_the_operator_need_slots_per_host():
         "add --slots-per-host <slotsPerWorker>"]
 
 
+def test_an_elastic_launcher_on_mpi_is_flagged():
+    """horovodrun runs elastic jobs on Gloo and drops --mpi without a word: a hand edit that asks
+    for MPI would not get it."""
+    job = copy.deepcopy(ELASTIC)
+    args = launcher(job)["args"]
+    args[args.index("--gloo")] = "--mpi"
+    assert [str(p) for p in object_problems(job)] == [
+        "spec.mpiReplicaSpecs.Launcher.template.spec.containers[0].args: elastic horovodrun runs on Gloo "
+        "only and ignores --mpi: replace --mpi with --gloo, or drop the discovery script for an MPI job"]
+
+
 def test_a_file_without_an_mpijob_is_not_a_job():
     claim = build_checkpoint_claim(SPEC, K8sOptions())
     lines = [str(p) for p in documents_problems([claim])]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -22,7 +23,8 @@ WORKSPACE_OUTPUTS = ("runs", "mlruns", "mlflow.db")  # what rank 0 writes beside
 
 
 DIGESTS = '''\
-"""sitecustomize for the multi-host jobs' ranks (on PYTHONPATH, which horovodrun passes to every rank).
+"""sitecustomize for the multi-host jobs' ranks (on PYTHONPATH, which horovodrun passes to every rank,
+with Gloo or through mpirun; horovodrun itself and its helpers have no rank and record nothing).
 
 Each rank writes a digest of its weights to HVDT_DIGESTS/<part>-rank<N> whenever the job
 checkpoints (every rank takes part in that, only rank 0 writes the file): `model` for data
@@ -31,10 +33,11 @@ parallel, `stage<S>` for a pipeline's stage, so the test can compare ranks on di
 import hashlib, os
 from pathlib import Path
 
-if os.environ.get("HOROVOD_HOSTNAME"):
+RANK = os.environ.get("HOROVOD_RANK") if os.environ.get("HOROVOD_HOSTNAME") else os.environ.get("OMPI_COMM_WORLD_RANK")
+if RANK is not None:
     import numpy as np
 
-    out, rank = Path(os.environ["HVDT_DIGESTS"]), int(os.environ["HOROVOD_RANK"])
+    out, rank = Path(os.environ["HVDT_DIGESTS"]), int(RANK)
 
     def record(part, arrays):
         digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()
@@ -68,14 +71,28 @@ if os.environ.get("HOROVOD_HOSTNAME"):
 '''
 
 
+def mpi_missing() -> str | None:
+    """Why the MPI controller cannot run here, or None."""
+    from horovod.common.util import mpi_built
+
+    if not shutil.which("mpirun"):
+        return "no mpirun (scripts/setup.sh installs openmpi-bin where it may)"
+    return None if mpi_built() else "this Horovod was built without MPI (no mpicxx when it was built)"
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
 @pytest.mark.parametrize("framework, strategy", [("torch", "data"), ("tensorflow", "data"), ("torch", "pipeline")],
                          ids=["torch-data", "tensorflow-data", "torch-pipeline-2x2"])
-def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy):
+def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, controller):
     """2 worker pods x 2 slots (the GPU overlay's MPIJob, 2 GPUs a worker, run on CPU ranks): data
-    parallel over 4 ranks, or a 2-stage pipeline with 2 replicas. Ranks on different pods end
-    with the same weights; rank 0's pod and the volume hold every output, the others none."""
-    project, job = generated_job(tmp_path, framework, strategy, 2, k8s_flags=("--gpus-per-worker", "2"))
-    assert job["spec"]["slotsPerWorker"] == 2
+    parallel over 4 ranks, or a 2-stage pipeline with 2 replicas, with Gloo or with OpenMPI
+    (mpirun over the operator's ssh). Ranks on different pods end with the same weights; rank 0's
+    pod and the volume hold every output, the others none."""
+    if controller == "mpi" and mpi_missing():
+        pytest.skip(f"Requires: Horovod with MPI: {mpi_missing()}")
+    project, job = generated_job(tmp_path, framework, strategy, 2,
+                                 k8s_flags=("--gpus-per-worker", "2", "--controller", controller))
+    assert job["spec"]["slotsPerWorker"] == 2 and f"--{controller}" in container(job, "Launcher")["args"]
     (tmp_path / "hooks").mkdir()
     (tmp_path / "hooks" / "sitecustomize.py").write_text(DIGESTS)
     digests = tmp_path / "digests"
@@ -84,6 +101,9 @@ def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy):
         PYTHONPATH=str(tmp_path / "hooks"), HVDT_DIGESTS=str(digests), HVDT_FRAMEWORK=framework))
     started = "pipeline of 2 stages x 2 replica(s)" if strategy == "pipeline" else "training on 4 rank(s)"
     assert started in out, out[-3000:]
+    # Gloo tags a rank's lines [rank]<stdout>:, mpirun --tag-output [job,rank]<stdout>:
+    tag = r"\[\d+,0\]<stdout>:" if controller == "mpi" else r"\[0\]<stdout>:"
+    assert re.match(tag, out), f"rank 0's lines are not in the form {controller} prints: {out[-2000:]}"
     assert re.search(r"epoch\s+1\b.*val_accuracy", out), out[-3000:]
     parts = {}
     for path in digests.iterdir():
