@@ -18,6 +18,7 @@ direction arrive in that order, which the schedules rely on, and `recv` checks t
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import threading
@@ -91,11 +92,17 @@ class SocketLink:
 
 
 def reachable_address() -> str:
-    """This host's address on the route to horovodrun's rendezvous server, which every rank reaches.
+    """This host's address on the route to the launcher, which every rank reaches.
 
-    gethostname() alone may resolve to a loopback alias (127.0.1.1) that other hosts cannot reach.
+    gethostname() alone may resolve to a loopback alias (127.0.1.1, as Debian and Ubuntu write
+    /etc/hosts) that other hosts cannot reach. The launcher is horovodrun's rendezvous server
+    with Gloo, and mpirun with MPI (OpenMPI tells each rank its address in OMPI_MCA_orte_hnp_uri,
+    `<job>;tcp://<address>:<port>;...`).
     """
     target = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if not target:
+        found = re.search(r"tcp://([0-9.]+):", os.environ.get("OMPI_MCA_orte_hnp_uri", ""))
+        target = found.group(1) if found else None
     if target:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((target, 9))   # UDP: no packet is sent, the kernel only picks the route

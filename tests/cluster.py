@@ -90,6 +90,9 @@ class Cluster:
     keys: Path | None = None        # the job's key pair, laid out as the operator's Secret
     pods: list[Pod] = field(default_factory=list)
     processes: list[subprocess.Popen] = field(default_factory=list)
+    # Each pod's /etc/hosts names the pod itself on 127.0.1.1, as Debian's installer does on a
+    # workstation (Kubernetes writes the pod's own address); every other pod by its address.
+    own_name_on_loopback: bool = False
 
     @property
     def switch(self) -> str:
@@ -138,8 +141,9 @@ class Cluster:
         return pod
 
     def _write_hosts(self) -> None:
-        names = "".join(f"{p.address}\t{p.name} {p.name.split('.')[0]}\n" for p in self.pods)
         for pod in self.pods:
+            names = "".join(f"{'127.0.1.1' if p is pod and self.own_name_on_loopback else p.address}\t"
+                            f"{p.name} {p.name.split('.')[0]}\n" for p in self.pods)
             (pod.files / "hosts").write_text(f"127.0.0.1\tlocalhost\n{names}")
 
     def command(self, pod: Pod, argv: list[str]) -> list[str]:

@@ -124,6 +124,21 @@ def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, c
         "rank 0's checkpoint is not (alone) on the checkpoint volume"
 
 
+def test_pipeline_stages_link_across_hosts_that_name_themselves_on_loopback(cluster, tmp_path):
+    """A pipeline's stages on different hosts whose /etc/hosts name themselves on 127.0.1.1, as
+    Debian and Ubuntu write it on a workstation, launched with MPI (the CPU overlay: a stage per
+    pod). Each stage's link must listen on an address its neighbour on the other host reaches,
+    not on what the host's own name resolves to."""
+    if mpi_missing():
+        pytest.skip(f"Requires: Horovod with MPI: {mpi_missing()}")
+    project, job = generated_job(tmp_path, "torch", "pipeline", 2, k8s_flags=("--controller", "mpi"))
+    assert job["spec"]["slotsPerWorker"] == 1
+    cluster.own_name_on_loopback = True
+    out, worker_pods, volume = run_across_hosts(cluster, project, job, env=venv_env())
+    assert "pipeline of 2 stages x 1 replica(s)" in out and re.search(r"epoch\s+1\b.*val_accuracy", out), out[-3000:]
+    assert [p.suffix for p in volume.iterdir()] == [".pt"]
+
+
 def test_a_host_the_launcher_cannot_use_ends_the_job_in_one_line(cluster, tmp_path):
     """A hostfile naming a host that does not resolve, one without sshd, or one that refuses the
     job's key: the launcher names the host and the problem, ends in one line, exit 1, within the
