@@ -1,0 +1,67 @@
+"""Which ranks form a tensor-parallel group, and which average gradients together.
+
+    layout = TensorLayout(world=4, tp=2)     # 2 tensor-parallel groups x 2 data-parallel replicas
+    layout.tp_ranks(rank), layout.dp_ranks(rank), layout.process_set_ranks()
+
+A tensor-parallel group's ranks are consecutive, so horovodrun (which fills a host before the
+next) keeps them on one host: they exchange activations in every layer, forward and backward,
+while the data-parallel replicas only average gradients once a step. Horovod needs every process
+set at `hvd.init`, so the layout lists them all beforehand; the whole world reuses Horovod's
+global set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hvd_runtime.config import ConfigError
+
+
+class TensorParallelError(ConfigError):
+    """A tensor-parallel size that does not fit the world or the layer being split."""
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """world = tp x dp, checked; rank r is member r % tp of tensor-parallel group r // tp."""
+
+    world: int
+    tp: int
+
+    def __post_init__(self):
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise TensorParallelError(f"tp must be a positive integer, got {self.tp!r} (e.g. 2)")
+        if self.world % self.tp:
+            raise TensorParallelError(
+                f"world size {self.world} (horovodrun -np) is not tp {self.tp} x replicas: "
+                f"use -np {self.tp}, {2 * self.tp}, {3 * self.tp}... or a tp that divides {self.world}")
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        """This rank's place within its tensor-parallel group: which slice of each split layer it holds."""
+        return rank % self.tp
+
+    def tp_ranks(self, rank: int) -> list[int]:
+        first = rank - rank % self.tp
+        return list(range(first, first + self.tp))
+
+    def dp_ranks(self, rank: int) -> list[int]:
+        """The ranks holding the same slices: where this rank's gradients are averaged."""
+        return list(range(rank % self.tp, self.world, self.tp))
+
+    def process_set_ranks(self) -> list[list[int]]:
+        """Every rank list that needs a process set of its own (neither alone nor the whole world)."""
+        groups = [self.tp_ranks(g * self.tp) for g in range(self.dp)] + [self.dp_ranks(t) for t in range(self.tp)]
+        return [r for r in groups if 1 < len(r) < self.world]
+
+
+def split_range(features: int, parts: int, index: int, what: str) -> slice:
+    """The slice of `features` that part `index` of `parts` holds; one line if they do not divide."""
+    if features % parts:
+        raise TensorParallelError(f"{what} has {features} features, which do not split over tp {parts}: "
+                                  f"choose a tp that divides {features}")
+    size = features // parts
+    return slice(index * size, (index + 1) * size)
