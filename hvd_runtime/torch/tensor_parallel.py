@@ -17,6 +17,11 @@ Megatron's f and g, as autograd functions over Horovod's allreduce in the group'
 The row-parallel bias is added after the sum, whole on every rank, and so gets the same gradient on
 every rank, as does anything else left unsplit. The layers are built from the model's own
 nn.Linear, so the model file never knows it was split.
+
+`apply_tp(model, group)` splits the generated GPT's transformer blocks this way, as Megatron-LM
+does: attention by heads (q, k and v column-parallel, the output projection row-parallel) and the
+MLP column then row; embeddings, LayerNorms and the head stay whole. It reads the blocks' own
+modules (`qkv`, `proj`, `mlp`, `norm1`, `norm2`, `heads`), so model.py is not edited.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from torch import nn
 
 from hvd_runtime.parallel.tensor_groups import TensorLayout, TensorParallelError, split_range
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorParallelError"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
+           "apply_tp"]
 
 
 @dataclass(frozen=True)
@@ -82,15 +88,23 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    """An nn.Linear whose output features are split: this rank computes its slice of them."""
+    """An nn.Linear whose output features are split: this rank computes its slice of them.
 
-    def __init__(self, linear: nn.Linear, group: TensorGroup):
+    chunks: the output features are that many equal parts, each split over the group (a fused
+    q, k, v projection: every rank takes its heads' rows of each). `source_index` lists the
+    original rows this rank holds, in order.
+    """
+
+    def __init__(self, linear: nn.Linear, group: TensorGroup, chunks: int = 1):
         super().__init__()
-        part = split_range(linear.out_features, group.size, group.rank, f"column-parallel {linear}")
+        chunk = linear.out_features // chunks
+        part = split_range(chunk, group.size, group.rank, f"column-parallel {linear}")
+        self.source_index = torch.cat([torch.arange(c * chunk + part.start, c * chunk + part.stop)
+                                       for c in range(chunks)])
         self.group = group
-        self.in_features, self.out_features = linear.in_features, part.stop - part.start
-        self.weight = nn.Parameter(linear.weight.detach()[part].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[part].clone()) if linear.bias is not None else None
+        self.in_features, self.out_features = linear.in_features, len(self.source_index)
+        self.weight = nn.Parameter(linear.weight.detach()[self.source_index].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[self.source_index].clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_CopyToGroup.apply(x, self.group), self.weight, self.bias)
@@ -105,6 +119,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group: TensorGroup):
         super().__init__()
         part = split_range(linear.in_features, group.size, group.rank, f"row-parallel {linear}")
+        self.source_index = torch.arange(part.start, part.stop)  # the original input features (columns) held
         self.group = group
         self.in_features, self.out_features = part.stop - part.start, linear.out_features
         self.weight = nn.Parameter(linear.weight.detach()[:, part].clone())
@@ -116,3 +131,52 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (of {self.in_features * self.group.size}), out_features={self.out_features}"
+
+
+class TensorParallelBlock(nn.Module):
+    """A pre-norm transformer block (the generated GPT's `Block`) with its heads and MLP split over the group."""
+
+    def __init__(self, block: nn.Module, group: TensorGroup):
+        super().__init__()
+        if block.heads % group.size:
+            raise TensorParallelError(f"model.heads {block.heads} do not split over tp {group.size}: "
+                                      f"choose a tp that divides {block.heads}")
+        if block.dropout:
+            raise TensorParallelError(f"model.dropout {block.dropout} with tensor parallelism: the group's ranks "
+                                      "would drop different parts of the activations they share; set model.dropout 0")
+        self.heads = block.heads // group.size
+        self.norm1, self.norm2 = block.norm1, block.norm2
+        self.qkv = ColumnParallelLinear(block.qkv, group, chunks=3)
+        self.proj = RowParallelLinear(block.proj, group)
+        self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], group), block.mlp[1],
+                                 RowParallelLinear(block.mlp[2], group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        local = self.qkv.out_features // 3
+        q, k, v = self.qkv(self.norm1(x)).split(local, dim=2)
+        q, k, v = (t.view(batch, tokens, self.heads, local // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, local))
+        return x + self.mlp(self.norm2(x))
+
+
+def _is_transformer_block(module: nn.Module) -> bool:
+    mlp = getattr(module, "mlp", None)
+    return (all(isinstance(getattr(module, name, None), nn.Linear) for name in ("qkv", "proj"))
+            and isinstance(getattr(module, "heads", None), int) and isinstance(mlp, nn.Sequential)
+            and len(mlp) >= 3 and isinstance(mlp[0], nn.Linear) and isinstance(mlp[2], nn.Linear))
+
+
+def apply_tp(model: nn.Module, group: TensorGroup) -> nn.Module:
+    """Split every transformer block of `model` over the group, in place; returns the model."""
+    names = [name for name, module in model.named_modules() if name and _is_transformer_block(module)]
+    if not names:
+        raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
+                                  "qkv and proj, an MLP of two linears): tensor parallelism splits the gpt model; "
+                                  "use --strategy data, model-split or pipeline for this one")
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, TensorParallelBlock(owner.get_submodule(child), group))
+    return model

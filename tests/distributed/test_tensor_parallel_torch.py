@@ -43,17 +43,39 @@ def test_sizes_that_do_not_split_are_refused_in_one_line():
         RowParallelLinear(nn.Linear(4, 6), group)
 
 
-@pytest.mark.parametrize("np_, tp", [(2, 2), (4, 2)], ids=["tp2", "tp2xdp2"])
-def test_split_mlp_step_matches_the_unsplit_model(tmp_path, np_, tp):
-    """Outputs, the input's gradient and every parameter's gradient equal the unsplit model's
-    (their slice of it) within 1e-5 relative; each rank holds 1/tp of the split weights."""
+@pytest.mark.parametrize("np_, tp, model", [(2, 2, "mlp"), (4, 2, "mlp"), (2, 2, "gpt"), (4, 2, "gpt")],
+                         ids=["mlp-tp2", "mlp-tp2xdp2", "gpt-tp2", "gpt-tp2xdp2"])
+def test_split_step_matches_the_unsplit_model(tmp_path, workload_projects, np_, tp, model):
+    """Outputs, the MLP input's gradient and every parameter's gradient equal the unsplit model's
+    (their slice of it) within 1e-5 relative; each rank holds 1/tp of the split layers' weights.
+    gpt is the generated project's model, its blocks split by apply_tp (heads, then the MLP)."""
     out = tmp_path / "r.json"
-    run_horovod(np_, [sys.executable, str(SCRIPT), "--tp", str(tp), "--out", str(out)], timeout=300)
+    project = ["--project", str(workload_projects["gpt"])] if model == "gpt" else []
+    run_horovod(np_, [sys.executable, str(SCRIPT), "--tp", str(tp), "--model", model, *project, "--out", str(out)],
+                timeout=300)
     reports = json.loads(out.read_text())
     assert sorted(r["rank"] for r in reports) == list(range(np_))
     assert [r["tp_rank"] for r in sorted(reports, key=lambda r: r["rank"])] == [i % tp for i in range(np_)]
     for r in reports:
+        assert r["uncompared"] == [], f"parameters of the unsplit model with no split counterpart: {r['uncompared']}"
         worst = max(r["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, f"rank {r['rank']}: {worst[0]} off by {worst[1]:.2e} (relative): {r['errors']}"
-        for split, whole in zip(r["split_params"], r["whole_params"]):
-            assert split[0] * split[1] * tp == whole[0] * whole[1], (split, whole)
+        assert r["split_share"] == pytest.approx(1 / tp)
+
+
+def test_apply_tp_refuses_what_it_cannot_split(workload_projects):
+    """A model without transformer blocks, heads that do not divide, dropout: one line each."""
+    sys.path.insert(0, str(workload_projects["gpt"]))
+    from model import build_model
+
+    from hvd_runtime.config import ModelConfig
+    from hvd_runtime.torch.tensor_parallel import apply_tp
+
+    group = TensorGroup(rank=0, size=2, process_set=None)
+    with pytest.raises(TensorParallelError, match=r"^Sequential has no transformer blocks to split .*tensor "
+                                                  r"parallelism splits the gpt model; use --strategy data"):
+        apply_tp(nn.Sequential(nn.Linear(4, 4)), group)
+    with pytest.raises(TensorParallelError, match=r"^model.heads 3 do not split over tp 2: choose a tp that divides 3$"):
+        apply_tp(build_model(ModelConfig(width=12, heads=3, layers=1, context=4), (4,), 16), group)
+    with pytest.raises(TensorParallelError, match=r"^model.dropout 0.1 with tensor parallelism: .*set model.dropout 0$"):
+        apply_tp(build_model(ModelConfig(width=8, heads=2, layers=1, context=4, dropout=0.1), (4,), 16), group)

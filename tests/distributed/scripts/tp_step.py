@@ -1,26 +1,34 @@
-"""One training step of an MLP split by tensor parallelism, against the unsplit MLP in the same process.
+"""One training step of a model split by tensor parallelism, against the unsplit model in the same process.
 
-    horovodrun -np 2 --gloo python tp_step.py --tp 2 --out r.json      # tp=2
-    horovodrun -np 4 --gloo python tp_step.py --tp 2 --out r.json      # tp=2 x dp=2
+    horovodrun -np 2 --gloo python tp_step.py --tp 2 --out r.json                      # the MLP, tp=2
+    horovodrun -np 4 --gloo python tp_step.py --tp 2 --out r.json                      # tp=2 x dp=2
+    horovodrun -np 2 --gloo python tp_step.py --tp 2 --model gpt --project DIR --out r.json
 
-Every rank builds the same MLP (Linear, GELU, Linear, GELU, Linear) and runs the whole global
-batch through it as the reference. Its split copy has the first two linears as a column-parallel /
-row-parallel pair over the rank's tensor-parallel group and the last one whole; the rank feeds it
-its data-parallel replica's share of the batch, and Horovod averages gradients over the replicas.
-Each rank reports the relative error of its outputs, its input's gradient and every parameter's
-gradient against the matching slice of the reference; rank 0 writes all ranks' reports as JSON.
+Every rank builds the same model and runs the whole global batch through it as the reference.
+The MLP (Linear, GELU, Linear, GELU, Linear) has its first two linears split as a column-parallel /
+row-parallel pair and its last one whole; the GPT of a generated project (`hvdgen new --model
+gpt`) is split by `apply_tp`. The rank feeds the split copy its data-parallel replica's share of
+the batch, and Horovod averages gradients over the replicas. Each rank reports the relative error
+of its outputs, of its input's gradient (MLP) and of every parameter's gradient against the
+matching slice of the reference; rank 0 writes all ranks' reports as JSON.
 """
 
 import argparse
 import copy
 import json
+import sys
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 from torch import nn
 
 from hvd_runtime.parallel.tensor_groups import TensorLayout
-from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorGroup
+from hvd_runtime.pipeline_grid import launched_world_size
+from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorGroup, apply_tp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import load_workload  # noqa: E402
 
 FEATURES, HIDDEN, OUT, BATCH = 12, 16, 5, 8
 
@@ -29,13 +37,48 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def mlp() -> nn.Sequential:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(),
+                         nn.Linear(HIDDEN, OUT))
+
+
+def split_mlp(model: nn.Sequential, group: TensorGroup) -> nn.Sequential:
+    return nn.Sequential(ColumnParallelLinear(model[0], group), nn.GELU(), RowParallelLinear(model[2], group),
+                         nn.GELU(), copy.deepcopy(model[4]))
+
+
+def gradient_errors(split: nn.Module, model: nn.Module) -> dict[str, float]:
+    """Each of the split model's parameter gradients against the reference's, or the slice this rank holds."""
+    reference = dict(model.named_parameters())
+    errors = {}
+    for module_name, module in split.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            want = reference[full].grad
+            if isinstance(module, ColumnParallelLinear):
+                want = want[module.source_index]
+            elif isinstance(module, RowParallelLinear) and name == "weight":
+                want = want[:, module.source_index]
+            errors[full] = rel(p.grad, want)
+    return errors
+
+
+def split_share(split: nn.Module, model: nn.Module) -> float:
+    """Elements of the split layers' weights this rank holds, over the same layers' whole weights."""
+    whole = dict(model.named_modules())
+    held = [(m.weight.numel(), whole[name].weight.numel()) for name, m in split.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return sum(h for h, _ in held) / sum(w for _, w in held)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--model", default="mlp", choices=["mlp", "gpt"])
+    ap.add_argument("--project", help="a generated --model gpt project, for its model.py")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-
-    from hvd_runtime.pipeline_grid import launched_world_size
 
     layout = TensorLayout(world=launched_world_size() or 1, tp=args.tp)
     wanted = layout.process_set_ranks()
@@ -45,47 +88,43 @@ def main() -> None:
     rank = hvd.rank()
     group = TensorGroup.of(layout, rank, by_ranks)
     dp_ranks = tuple(layout.dp_ranks(rank))
-    dp_set = by_ranks.get(dp_ranks) if len(dp_ranks) > 1 else None
-    if dp_set is None and len(dp_ranks) == layout.world > 1:
-        dp_set = hvd.global_process_set
+    dp_set = None if len(dp_ranks) == 1 else hvd.global_process_set if len(dp_ranks) == layout.world \
+        else by_ranks[dp_ranks]
 
-    torch.manual_seed(7)
-    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(),
-                          nn.Linear(HIDDEN, OUT))
-    g = torch.Generator().manual_seed(11)
-    x, target = torch.randn(BATCH, FEATURES, generator=g), torch.randn(BATCH, OUT, generator=g)
+    if args.model == "gpt":
+        workload = load_workload("gpt", args.project)
+        model = workload.build()
+        x, target = workload.batch(torch.Generator().manual_seed(11), BATCH)
 
-    # The reference: the whole batch through the whole model, mean squared error over the batch.
-    ref_x = x.clone().requires_grad_(True)
+        def loss_of(out, y):
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    else:
+        model = mlp()
+        g = torch.Generator().manual_seed(11)
+        x, target = torch.randn(BATCH, FEATURES, generator=g), torch.randn(BATCH, OUT, generator=g)
+        loss_of = nn.functional.mse_loss
+
+    # The reference: the whole batch through the whole model, the loss a mean over the batch.
+    ref_x = x.clone().requires_grad_(x.is_floating_point())
     ref_out = model(ref_x)
-    nn.functional.mse_loss(ref_out, target).backward()
+    loss_of(ref_out, target).backward()
 
     # The split copy, on this replica's share of the batch.
-    split = nn.Sequential(ColumnParallelLinear(model[0], group), nn.GELU(), RowParallelLinear(model[2], group),
-                          nn.GELU(), copy.deepcopy(model[4]))
+    split = apply_tp(copy.deepcopy(model), group) if args.model == "gpt" else split_mlp(model, group)
     share = slice(rank // layout.tp * BATCH // layout.dp, (rank // layout.tp + 1) * BATCH // layout.dp)
-    my_x = x[share].clone().requires_grad_(True)
+    my_x = x[share].clone().requires_grad_(x.is_floating_point())
     out = split(my_x)
-    nn.functional.mse_loss(out, target[share]).backward()
+    loss_of(out, target[share]).backward()
     for p in split.parameters():  # the replicas' mean: the gradient of the global batch's mean
         if dp_set is not None:
             p.grad = hvd.allreduce(p.grad, op=hvd.Average, process_set=dp_set)
 
-    cols = slice(group.rank * HIDDEN // layout.tp, (group.rank + 1) * HIDDEN // layout.tp)
-    errors = {
-        "output": rel(out.detach(), ref_out.detach()[share]),
-        # each replica's loss is a mean over its share: dp times the global mean's weight per sample
-        "input_grad": rel(my_x.grad / layout.dp, ref_x.grad[share]),
-        "column.weight": rel(split[0].weight.grad, model[0].weight.grad[cols]),
-        "column.bias": rel(split[0].bias.grad, model[0].bias.grad[cols]),
-        "row.weight": rel(split[2].weight.grad, model[2].weight.grad[:, cols]),
-        "row.bias": rel(split[2].bias.grad, model[2].bias.grad),
-        "last.weight": rel(split[4].weight.grad, model[4].weight.grad),
-        "last.bias": rel(split[4].bias.grad, model[4].bias.grad),
-    }
-    report = {"rank": rank, "tp_rank": group.rank, "errors": errors,
-              "split_params": [tuple(split[0].weight.shape), tuple(split[2].weight.shape)],
-              "whole_params": [tuple(model[0].weight.shape), tuple(model[2].weight.shape)]}
+    errors = {"output": rel(out.detach(), ref_out.detach()[share]), **gradient_errors(split, model)}
+    if x.is_floating_point():  # each replica's loss is a mean over its share: dp times a sample's weight
+        errors["input_grad"] = rel(my_x.grad / layout.dp, ref_x.grad[share])
+    compared = {name for name in errors if name not in ("output", "input_grad")}
+    report = {"rank": rank, "tp_rank": group.rank, "errors": errors, "split_share": split_share(split, model),
+              "uncompared": sorted(set(dict(model.named_parameters())) - compared)}
     reports = hvd.allgather_object(report)
     if rank == 0:
         with open(args.out, "w") as f:
