@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from hvd_runtime.config import ConfigError
+from hvd_runtime.parallel.factors import check_factor
 
 
 class PipelineConfigError(ConfigError):
@@ -45,12 +46,7 @@ class PipelineDims:
     stages: int
 
     def __post_init__(self):
-        if not isinstance(self.stages, int) or self.stages < 1:
-            raise PipelineConfigError(f"stages must be a positive integer, got {self.stages!r} (e.g. 2)")
-        if self.world % self.stages:
-            raise PipelineConfigError(
-                f"world size {self.world} (horovodrun -np) is not stages {self.stages} x replicas: "
-                f"use -np {self.stages}, {2 * self.stages}, {3 * self.stages}... or a --stages that divides {self.world}")
+        check_factor(self.world, self.stages, "stages", "--stages", PipelineConfigError)
 
     @property
     def replicas(self) -> int:

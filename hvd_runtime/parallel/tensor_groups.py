@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvd_runtime.config import ConfigError
+from hvd_runtime.parallel.factors import check_factor
 
 
 class TensorParallelError(ConfigError):
@@ -29,12 +30,7 @@ class TensorLayout:
     tp: int
 
     def __post_init__(self):
-        if not isinstance(self.tp, int) or self.tp < 1:
-            raise TensorParallelError(f"tp must be a positive integer, got {self.tp!r} (e.g. 2)")
-        if self.world % self.tp:
-            raise TensorParallelError(
-                f"world size {self.world} (horovodrun -np) is not tp {self.tp} x replicas: "
-                f"use -np {self.tp}, {2 * self.tp}, {3 * self.tp}... or a tp that divides {self.world}")
+        check_factor(self.world, self.tp, "tp", "tp", TensorParallelError)
 
     @property
     def dp(self) -> int:
