@@ -54,6 +54,24 @@ class TensorLayout:
         return [r for r in groups if 1 < len(r) < self.world]
 
 
+@dataclass(frozen=True)
+class TensorGroup:
+    """This rank's tensor-parallel group: its place in it, its size, and its Horovod process set."""
+
+    rank: int
+    size: int
+    process_set: object
+
+    @classmethod
+    def of(cls, layout: TensorLayout, rank: int, process_sets: dict[tuple[int, ...], object]) -> "TensorGroup":
+        """`process_sets`: the sets made at hvd.init for layout.process_set_ranks(), by their ranks."""
+        from horovod.common.process_sets import global_process_set
+
+        ranks = tuple(layout.tp_ranks(rank))
+        return cls(layout.tp_rank(rank), layout.tp,
+                   global_process_set if len(ranks) == layout.world else process_sets[ranks])
+
+
 def split_range(features: int, parts: int, index: int, what: str) -> slice:
     """The slice of `features` that part `index` of `parts` holds; one line if they do not divide."""
     if features % parts:

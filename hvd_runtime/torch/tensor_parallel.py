@@ -26,34 +26,14 @@ modules (`qkv`, `proj`, `mlp`, `norm1`, `norm2`, `heads`), so model.py is not ed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvd_runtime.parallel.tensor_groups import TensorLayout, TensorParallelError, split_range
+from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, split_range
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
            "apply_tp"]
-
-
-@dataclass(frozen=True)
-class TensorGroup:
-    """This rank's tensor-parallel group: its place in it, its size, and its Horovod process set."""
-
-    rank: int
-    size: int
-    process_set: object
-
-    @classmethod
-    def of(cls, layout: TensorLayout, rank: int, process_sets: dict[tuple[int, ...], object]) -> "TensorGroup":
-        """`process_sets`: the sets made at hvd.init for layout.process_set_ranks(), by their ranks."""
-        from horovod.common.process_sets import global_process_set
-
-        ranks = tuple(layout.tp_ranks(rank))
-        return cls(layout.tp_rank(rank), layout.tp,
-                   global_process_set if len(ranks) == layout.world else process_sets[ranks])
 
 
 def _sum_over(tensor: torch.Tensor, group: TensorGroup) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""One gradient of the generated Keras GPT split by tensor parallelism, against the unsplit GPT in the same process.
+
+    horovodrun -np 2 --gloo python tf_tp_step.py --tp 2 --project DIR --out r.json     # tp=2
+    horovodrun -np 4 --gloo python tf_tp_step.py --tp 2 --project DIR --out r.json     # tp=2 x dp=2
+
+The TensorFlow counterpart of tp_step.py: every rank builds the GPT of a generated project
+(`hvdgen new --framework tensorflow --model gpt`) and takes the whole global batch's gradient as
+the reference; `apply_tp` splits it, the rank takes its data-parallel replica's share of the
+batch, and Horovod averages gradients over the replicas. Each rank reports the relative error of
+its logits and of every variable's gradient against the matching slice of the reference; rank 0
+writes all ranks' reports as JSON.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorLayout
+from hvd_runtime.pipeline_grid import launched_world_size
+from hvd_runtime.tf.tensor_parallel import ColumnParallelDense, RowParallelDense, apply_tp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tf_workloads import load_workload  # noqa: E402
+
+BATCH = 8
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def gradients(model: keras.Model, x, y) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """The logits and each trainable variable's gradient of the mean cross-entropy, by variable id."""
+    with tf.GradientTape() as tape:
+        logits = model(x)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+    grads = tape.gradient(loss, model.trainable_variables)  # an embedding's come as IndexedSlices: made dense
+    return logits.numpy(), {id(v): tf.convert_to_tensor(g) for v, g in zip(model.trainable_variables, grads)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--project", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    layout = TensorLayout(world=launched_world_size() or 1, tp=args.tp)
+    wanted = layout.process_set_ranks()
+    sets = [hvd.ProcessSet(r) for r in wanted]
+    hvd.init(process_sets=sets)
+    by_ranks = {tuple(r): s for r, s in zip(wanted, sets)}
+    rank = hvd.rank()
+    group = TensorGroup.of(layout, rank, by_ranks)
+    dp_ranks = tuple(layout.dp_ranks(rank))
+    dp_set = None if len(dp_ranks) == 1 else hvd.global_process_set if len(dp_ranks) == layout.world \
+        else by_ranks[dp_ranks]
+
+    workload = load_workload("gpt", args.project, None, None, None)
+    model = workload.build()
+    x, y = workload.batch(np.random.default_rng(11), BATCH)
+    ref_logits, ref_grads = gradients(model, x, y)
+
+    split = apply_tp(model, group)  # shares the embedding, norms and head with the reference
+    share = slice(rank // layout.tp * BATCH // layout.dp, (rank // layout.tp + 1) * BATCH // layout.dp)
+    logits, grads = gradients(split, x[share], y[share])
+    if dp_set is not None:  # the replicas' mean: the gradient of the global batch's mean
+        grads = {k: hvd.allreduce(g, op=hvd.Average, process_set=dp_set) for k, g in grads.items()}
+
+    errors = {"logits": rel(logits, ref_logits[share])}
+    compared = set()
+    for layer in split._flatten_layers(include_self=False):
+        for name, var in (("kernel", getattr(layer, "kernel", None)), ("bias", getattr(layer, "bias", None))):
+            if var is None or not isinstance(layer, (ColumnParallelDense, RowParallelDense)):
+                continue
+            want = ref_grads[id(getattr(layer.source, name))]
+            if isinstance(layer, ColumnParallelDense):
+                want = np.take(want, layer.source_index, axis=-1)
+            elif name == "kernel":
+                want = np.take(want, layer.source_index, axis=0)
+            errors[f"{layer.name}.{name}"] = rel(grads[id(var)], want)
+            compared.add(id(getattr(layer.source, name)))
+    for var in split.trainable_variables:  # what stays whole is the reference's own variable
+        if id(var) in ref_grads:
+            errors[var.path] = rel(grads[id(var)], ref_grads[id(var)])
+            compared.add(id(var))
+    share_held = [(layer.kernel.shape.num_elements() if hasattr(layer.kernel.shape, "num_elements")
+                   else int(np.prod(layer.kernel.shape)), int(np.prod(layer.source.kernel.shape)))
+                  for layer in split._flatten_layers(include_self=False)
+                  if isinstance(layer, (ColumnParallelDense, RowParallelDense))]
+    report = {"rank": rank, "tp_rank": group.rank, "errors": errors,
+              "split_share": sum(h for h, _ in share_held) / sum(w for _, w in share_held),
+              "uncompared": sorted(v.path for v in model.trainable_variables if id(v) not in compared)}
+    reports = hvd.allgather_object(report)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(reports, f)
+
+
+if __name__ == "__main__":
+    main()
