@@ -65,8 +65,13 @@ def test_split_step_matches_the_unsplit_model(tmp_path, workload_projects, np_, 
 
 def test_apply_tp_refuses_what_it_cannot_split(workload_projects):
     """A model without transformer blocks, heads that do not divide, dropout: one line each."""
-    sys.path.insert(0, str(workload_projects["gpt"]))
-    from model import build_model
+    import importlib.util
+
+    # by its path: a `model` module of the other framework's project may already be imported
+    spec = importlib.util.spec_from_file_location("torch_gpt_model_tp", workload_projects["gpt"] / "model.py")
+    generated = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generated)
+    build_model = generated.build_model
 
     from hvd_runtime.config import ModelConfig
     from hvd_runtime.torch.tensor_parallel import apply_tp
