@@ -1,1 +1,2 @@
-"""Framework-free layouts of ranks for the parallel strategies (no Horovod, no framework)."""
+"""Framework-free layouts of ranks for the parallel strategies: pure arithmetic, and Horovod only
+to name the global process set."""
