@@ -72,6 +72,9 @@ class ColumnParallelDense(_SplitDense):
     """
 
     def __init__(self, dense: keras.layers.Dense, group: TensorGroup, chunks: int = 1):
+        if dense.units % chunks:
+            raise TensorParallelError(f"Dense {dense.name!r} ({dense.units} units) does not divide into {chunks} "
+                                      "equal chunks of output features")
         chunk = dense.units // chunks
         part = split_range(chunk, group.size, group.rank, f"column-parallel Dense {dense.name!r} ({dense.units} units)")
         index = np.concatenate([np.arange(c * chunk + part.start, c * chunk + part.stop) for c in range(chunks)])

@@ -77,6 +77,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: TensorGroup, chunks: int = 1):
         super().__init__()
+        if linear.out_features % chunks:
+            raise TensorParallelError(f"{linear} does not divide into {chunks} equal chunks of output features")
         chunk = linear.out_features // chunks
         part = split_range(chunk, group.size, group.rank, f"column-parallel {linear}")
         self.source_index = torch.cat([torch.arange(c * chunk + part.start, c * chunk + part.stop)
