@@ -2,6 +2,7 @@
 
     layout = TensorLayout(world=4, tp=2)     # 2 tensor-parallel groups x 2 data-parallel replicas
     layout.tp_ranks(rank), layout.dp_ranks(rank), layout.process_set_ranks()
+    ranks = init_tensor_parallel(hvd, tp=2)  # instead of hvd.init(): ranks.group, ranks.dp_set
 
 A tensor-parallel group's ranks are consecutive, so horovodrun (which fills a host before the
 next) keeps them on one host: they exchange activations in every layer, forward and backward,
@@ -70,6 +71,39 @@ class TensorGroup:
         ranks = tuple(layout.tp_ranks(rank))
         return cls(layout.tp_rank(rank), layout.tp,
                    global_process_set if len(ranks) == layout.world else process_sets[ranks])
+
+
+@dataclass(frozen=True)
+class TensorRanks:
+    """What init_tensor_parallel gives a rank: the layout, its tensor group, its dp process set (None alone)."""
+
+    layout: TensorLayout
+    group: TensorGroup
+    dp_set: object
+
+
+def init_tensor_parallel(hvd, tp: int) -> TensorRanks:
+    """hvd.init with every process set the layout needs; `hvd` is horovod.torch or horovod.tensorflow."""
+    from hvd_runtime.pipeline_grid import launched_world_size
+
+    layout = TensorLayout(world=launched_world_size() or 1, tp=tp)
+    wanted = layout.process_set_ranks()
+    sets = [hvd.ProcessSet(r) for r in wanted]
+    hvd.init(process_sets=sets)
+    by_ranks = {tuple(r): s for r, s in zip(wanted, sets)}
+    dp_ranks = tuple(layout.dp_ranks(hvd.rank()))
+    dp_set = None if len(dp_ranks) == 1 else hvd.global_process_set if len(dp_ranks) == layout.world \
+        else by_ranks[dp_ranks]
+    return TensorRanks(layout, TensorGroup.of(layout, hvd.rank(), by_ranks), dp_set)
+
+
+def check_block_splits(heads: int, dropout: float, tp: int) -> None:
+    """What a transformer block needs to split over tp ranks, in either framework: one line if not."""
+    if heads % tp:
+        raise TensorParallelError(f"model.heads {heads} do not split over tp {tp}: choose a tp that divides {heads}")
+    if dropout:
+        raise TensorParallelError(f"model.dropout {dropout} with tensor parallelism: the group's ranks would drop "
+                                  "different parts of the activations they share; set model.dropout 0")
 
 
 def split_range(features: int, parts: int, index: int, what: str) -> slice:

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, split_range
+from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, check_block_splits, split_range
 
 __all__ = ["ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
            "apply_tp"]
@@ -111,12 +111,7 @@ class TensorParallelBlock(keras.layers.Layer):
 
     def __init__(self, block: keras.layers.Layer, group: TensorGroup):
         super().__init__(dtype=block.dtype_policy, name=f"{block.name}_tp{group.rank}")
-        if block.heads % group.size:
-            raise TensorParallelError(f"model.heads {block.heads} do not split over tp {group.size}: "
-                                      f"choose a tp that divides {block.heads}")
-        if block.rate:
-            raise TensorParallelError(f"model.dropout {block.rate} with tensor parallelism: the group's ranks "
-                                      "would drop different parts of the activations they share; set model.dropout 0")
+        check_block_splits(block.heads, block.rate, group.size)
         self.heads, self.local = block.heads // group.size, block.width // group.size
         self.norm1, self.norm2 = block.norm1, block.norm2
         self.qkv = ColumnParallelDense(block.qkv, group, chunks=3)

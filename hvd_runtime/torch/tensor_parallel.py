@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, split_range
+from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, check_block_splits, split_range
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
            "apply_tp"]
@@ -120,12 +120,7 @@ class TensorParallelBlock(nn.Module):
 
     def __init__(self, block: nn.Module, group: TensorGroup):
         super().__init__()
-        if block.heads % group.size:
-            raise TensorParallelError(f"model.heads {block.heads} do not split over tp {group.size}: "
-                                      f"choose a tp that divides {block.heads}")
-        if block.dropout:
-            raise TensorParallelError(f"model.dropout {block.dropout} with tensor parallelism: the group's ranks "
-                                      "would drop different parts of the activations they share; set model.dropout 0")
+        check_block_splits(block.heads, block.dropout, group.size)
         self.heads = block.heads // group.size
         self.norm1, self.norm2 = block.norm1, block.norm2
         self.qkv = ColumnParallelLinear(block.qkv, group, chunks=3)

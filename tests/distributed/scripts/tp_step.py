@@ -23,8 +23,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from hvd_runtime.parallel.tensor_groups import TensorLayout
-from hvd_runtime.pipeline_grid import launched_world_size
+from hvd_runtime.parallel.tensor_groups import init_tensor_parallel
 from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorGroup, apply_tp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,16 +79,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    layout = TensorLayout(world=launched_world_size() or 1, tp=args.tp)
-    wanted = layout.process_set_ranks()
-    sets = [hvd.ProcessSet(r) for r in wanted]
-    hvd.init(process_sets=sets)
-    by_ranks = {tuple(r): s for r, s in zip(wanted, sets)}
-    rank = hvd.rank()
-    group = TensorGroup.of(layout, rank, by_ranks)
-    dp_ranks = tuple(layout.dp_ranks(rank))
-    dp_set = None if len(dp_ranks) == 1 else hvd.global_process_set if len(dp_ranks) == layout.world \
-        else by_ranks[dp_ranks]
+    ranks = init_tensor_parallel(hvd, args.tp)
+    layout, group, dp_set, rank = ranks.layout, ranks.group, ranks.dp_set, hvd.rank()
 
     if args.model == "gpt":
         workload = load_workload("gpt", args.project)
