@@ -12,7 +12,6 @@ writes all ranks' reports as JSON.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from hvd_runtime.parallel.tensor_groups import init_tensor_parallel
 from hvd_runtime.tf.tensor_parallel import ColumnParallelDense, RowParallelDense, apply_tp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_driver import write_results  # noqa: E402
 from tf_workloads import load_workload  # noqa: E402
 
 BATCH = 8
@@ -89,10 +89,7 @@ def main() -> None:
     report = {"rank": rank, "tp_rank": group.rank, "errors": errors,
               "split_share": sum(h for h, _ in share_held) / sum(w for _, w in share_held),
               "uncompared": sorted(v.path for v in model.trainable_variables if id(v) not in compared)}
-    reports = hvd.allgather_object(report)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(reports, f)
+    write_results(hvd, report, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ matching slice of the reference; rank 0 writes all ranks' reports as JSON.
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from hvd_runtime.parallel.tensor_groups import init_tensor_parallel
 from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorGroup, apply_tp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_driver import write_results  # noqa: E402
 from workloads import load_workload  # noqa: E402
 
 FEATURES, HIDDEN, OUT, BATCH = 12, 16, 5, 8
@@ -116,10 +116,7 @@ def main() -> None:
     compared = {name for name in errors if name not in ("output", "input_grad")}
     report = {"rank": rank, "tp_rank": group.rank, "errors": errors, "split_share": split_share(split, model),
               "uncompared": sorted(set(dict(model.named_parameters())) - compared)}
-    reports = hvd.allgather_object(report)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(reports, f)
+    write_results(hvd, report, args.out)
 
 
 if __name__ == "__main__":
