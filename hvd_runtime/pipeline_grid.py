@@ -14,28 +14,14 @@ Framework-free: `hvd_runtime.torch.grid` and `hvd_runtime.tf.pipeline` initialis
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from hvd_runtime.config import ConfigError
-from hvd_runtime.parallel.factors import check_factor
+from hvd_runtime.parallel.world import check_factor, process_set_of
 
 
 class PipelineConfigError(ConfigError):
     """The world size and the stage count do not fit together (-np against `parallel.stages`)."""
-
-
-# How each launcher tells a rank the world size: horovodrun with Gloo, OpenMPI's mpirun (horovodrun
-# with MPI), MPICH and Intel MPI. The grid's process sets go to hvd.init, so the size is needed first.
-WORLD_SIZE_VARIABLES = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-
-
-def launched_world_size() -> int | None:
-    """The world size this process was launched into, before Horovod starts; None if started alone."""
-    for name in WORLD_SIZE_VARIABLES:
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return None
 
 
 @dataclass(frozen=True)
@@ -120,11 +106,7 @@ class PipelineRank:
         return self.dims.rank_of(self.stages - 1, 0)
 
     def process_set(self, ranks: list[int]):
-        from horovod.common.process_sets import global_process_set
-
-        if len(ranks) == self.dims.world:
-            return global_process_set
-        return self._sets[tuple(ranks)]
+        return process_set_of(ranks, self.dims.world, self._sets)
 
 
 def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:

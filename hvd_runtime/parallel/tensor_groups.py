@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvd_runtime.config import ConfigError
-from hvd_runtime.parallel.factors import check_factor
+from hvd_runtime.parallel.world import check_factor, launched_world_size, process_set_of
 
 
 class TensorParallelError(ConfigError):
@@ -66,11 +66,7 @@ class TensorGroup:
     @classmethod
     def of(cls, layout: TensorLayout, rank: int, process_sets: dict[tuple[int, ...], object]) -> "TensorGroup":
         """`process_sets`: the sets made at hvd.init for layout.process_set_ranks(), by their ranks."""
-        from horovod.common.process_sets import global_process_set
-
-        ranks = tuple(layout.tp_ranks(rank))
-        return cls(layout.tp_rank(rank), layout.tp,
-                   global_process_set if len(ranks) == layout.world else process_sets[ranks])
+        return cls(layout.tp_rank(rank), layout.tp, process_set_of(layout.tp_ranks(rank), layout.world, process_sets))
 
 
 @dataclass(frozen=True)
@@ -84,16 +80,13 @@ class TensorRanks:
 
 def init_tensor_parallel(hvd, tp: int) -> TensorRanks:
     """hvd.init with every process set the layout needs; `hvd` is horovod.torch or horovod.tensorflow."""
-    from hvd_runtime.pipeline_grid import launched_world_size
-
     layout = TensorLayout(world=launched_world_size() or 1, tp=tp)
     wanted = layout.process_set_ranks()
     sets = [hvd.ProcessSet(r) for r in wanted]
     hvd.init(process_sets=sets)
     by_ranks = {tuple(r): s for r, s in zip(wanted, sets)}
-    dp_ranks = tuple(layout.dp_ranks(hvd.rank()))
-    dp_set = None if len(dp_ranks) == 1 else hvd.global_process_set if len(dp_ranks) == layout.world \
-        else by_ranks[dp_ranks]
+    dp_ranks = layout.dp_ranks(hvd.rank())
+    dp_set = None if len(dp_ranks) == 1 else process_set_of(dp_ranks, layout.world, by_ranks)
     return TensorRanks(layout, TensorGroup.of(layout, hvd.rank(), by_ranks), dp_set)
 
 

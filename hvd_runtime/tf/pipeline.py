@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from hvd_runtime.partition import Partition, PartitionError
 from hvd_runtime.pipeline_engine import PipelineEngineBase
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank, launched_world_size
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.parallel.world import launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages
 from hvd_runtime.tf.stage import build_stage as _stage_of_plan

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank, launched_world_size
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.parallel.world import launched_world_size
 from hvd_runtime.scaling import set_cycle_time
 
 __all__ = ["PipelineConfigError", "PipelineDims", "PipelineRank", "init_pipeline"]

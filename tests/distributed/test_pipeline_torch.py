@@ -54,7 +54,7 @@ def test_the_grid_knows_the_world_size_before_horovod_starts(controller):
 
     if controller == "mpi" and not (mpi_built() and shutil.which("mpirun")):
         pytest.skip("Requires: OpenMPI and a Horovod built with it (scripts/setup.sh)")
-    code = ("import sys; from hvd_runtime.pipeline_grid import launched_world_size as n; "
+    code = ("import sys; from hvd_runtime.parallel.world import launched_world_size as n; "
             "sys.stdout.write(f'world {n()}\\n')")
     proc = subprocess.run([horovodrun_path(), "-np", "2", "-H", "localhost:2", f"--{controller}",
                            sys.executable, "-c", code], env=venv_env(), capture_output=True, text=True, timeout=120)
