@@ -1,58 +1,23 @@
-"""Which ranks form a tensor-parallel group, and which average gradients together.
+"""A rank's tensor-parallel group, its data-parallel process set, and the checks a split layer needs.
 
-    layout = TensorLayout(world=4, tp=2)     # 2 tensor-parallel groups x 2 data-parallel replicas
-    layout.tp_ranks(rank), layout.dp_ranks(rank), layout.process_set_ranks()
-    ranks = init_tensor_parallel(hvd, tp=2)  # instead of hvd.init(): ranks.group, ranks.dp_set
+    ranks = init_tensor_parallel(hvd, tp=2)  # instead of hvd.init(): ranks.dims, ranks.group, ranks.dp_set
+    ranks.group.rank, ranks.group.size       # which slice of each split layer this rank holds, of how many
 
-A tensor-parallel group's ranks are consecutive, so horovodrun (which fills a host before the
-next) keeps them on one host: they exchange activations in every layer, forward and backward,
-while the data-parallel replicas only average gradients once a step. Horovod needs every process
-set at `hvd.init`, so the layout lists them all beforehand; the whole world reuses Horovod's
-global set.
+The layout (tp groups of consecutive ranks, so on one host; dp groups across them) is
+`hvd_runtime.parallel.dims.ParallelDims`, shared with the pipeline; Horovod needs every process
+set at `hvd.init`, so init_tensor_parallel makes them all there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hvd_runtime.config import ConfigError
-from hvd_runtime.parallel.world import check_factor, launched_world_size, process_set_of
+from hvd_runtime.parallel.dims import ParallelConfigError, ParallelDims
+from hvd_runtime.parallel.world import launched_world_size, process_set_of
 
 
-class TensorParallelError(ConfigError):
-    """A tensor-parallel size that does not fit the world or the layer being split."""
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """world = tp x dp, checked; rank r is member r % tp of tensor-parallel group r // tp."""
-
-    world: int
-    tp: int
-
-    def __post_init__(self):
-        check_factor(self.world, self.tp, "tp", "tp", TensorParallelError)
-
-    @property
-    def dp(self) -> int:
-        return self.world // self.tp
-
-    def tp_rank(self, rank: int) -> int:
-        """This rank's place within its tensor-parallel group: which slice of each split layer it holds."""
-        return rank % self.tp
-
-    def tp_ranks(self, rank: int) -> list[int]:
-        first = rank - rank % self.tp
-        return list(range(first, first + self.tp))
-
-    def dp_ranks(self, rank: int) -> list[int]:
-        """The ranks holding the same slices: where this rank's gradients are averaged."""
-        return list(range(rank % self.tp, self.world, self.tp))
-
-    def process_set_ranks(self) -> list[list[int]]:
-        """Every rank list that needs a process set of its own (neither alone nor the whole world)."""
-        groups = [self.tp_ranks(g * self.tp) for g in range(self.dp)] + [self.dp_ranks(t) for t in range(self.tp)]
-        return [r for r in groups if 1 < len(r) < self.world]
+class TensorParallelError(ParallelConfigError):
+    """A tensor-parallel size that does not fit the layer being split."""
 
 
 @dataclass(frozen=True)
@@ -64,30 +29,30 @@ class TensorGroup:
     process_set: object
 
     @classmethod
-    def of(cls, layout: TensorLayout, rank: int, process_sets: dict[tuple[int, ...], object]) -> "TensorGroup":
-        """`process_sets`: the sets made at hvd.init for layout.process_set_ranks(), by their ranks."""
-        return cls(layout.tp_rank(rank), layout.tp, process_set_of(layout.tp_ranks(rank), layout.world, process_sets))
+    def of(cls, dims: ParallelDims, rank: int, process_sets: dict[tuple[int, ...], object]) -> "TensorGroup":
+        """`process_sets`: the sets made at hvd.init for dims.process_set_ranks(), by their ranks."""
+        return cls(dims.coords(rank).tp, dims.tp, process_set_of(dims.tp_ranks(rank), dims.world, process_sets))
 
 
 @dataclass(frozen=True)
 class TensorRanks:
-    """What init_tensor_parallel gives a rank: the layout, its tensor group, its dp process set (None alone)."""
+    """What init_tensor_parallel gives a rank: the grid, its tensor group, its dp process set (None alone)."""
 
-    layout: TensorLayout
+    dims: ParallelDims
     group: TensorGroup
     dp_set: object
 
 
 def init_tensor_parallel(hvd, tp: int) -> TensorRanks:
-    """hvd.init with every process set the layout needs; `hvd` is horovod.torch or horovod.tensorflow."""
-    layout = TensorLayout(world=launched_world_size() or 1, tp=tp)
-    wanted = layout.process_set_ranks()
+    """hvd.init with every process set the grid needs; `hvd` is horovod.torch or horovod.tensorflow."""
+    dims = ParallelDims(world=launched_world_size() or 1, tp=tp)
+    wanted = dims.process_set_ranks()
     sets = [hvd.ProcessSet(r) for r in wanted]
     hvd.init(process_sets=sets)
     by_ranks = {tuple(r): s for r, s in zip(wanted, sets)}
-    dp_ranks = layout.dp_ranks(hvd.rank())
-    dp_set = None if len(dp_ranks) == 1 else process_set_of(dp_ranks, layout.world, by_ranks)
-    return TensorRanks(layout, TensorGroup.of(layout, hvd.rank(), by_ranks), dp_set)
+    dp_ranks = dims.dp_ranks(hvd.rank())
+    dp_set = None if len(dp_ranks) == 1 else process_set_of(dp_ranks, dims.world, by_ranks)
+    return TensorRanks(dims, TensorGroup.of(dims, hvd.rank(), by_ranks), dp_set)
 
 
 def check_block_splits(heads: int, dropout: float, tp: int) -> None:

@@ -1,5 +1,5 @@
 """What every parallel layout asks of the world, whichever strategy: its size before Horovod starts,
-whether a factor divides it, and which Horovod process set a group of its ranks uses."""
+and which Horovod process set a group of its ranks uses."""
 
 from __future__ import annotations
 
@@ -16,18 +16,6 @@ def launched_world_size() -> int | None:
         if os.environ.get(name):
             return int(os.environ[name])
     return None
-
-
-def check_factor(world: int, factor, name: str, option: str, error: type[Exception]) -> None:
-    """Raise `error` with one line naming -np and the factor unless `factor` divides `world`.
-
-    name: how the layout calls the factor ("stages", "tp"); option: how the user sets it.
-    """
-    if not isinstance(factor, int) or factor < 1:
-        raise error(f"{name} must be a positive integer, got {factor!r} (e.g. 2)")
-    if world % factor:
-        raise error(f"world size {world} (horovodrun -np) is not {name} {factor} x replicas: "
-                    f"use -np {factor}, {2 * factor}, {3 * factor}... or a {option} that divides {world}")
 
 
 def process_set_of(ranks, world: int, sets: dict):

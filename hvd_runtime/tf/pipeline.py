@@ -23,13 +23,14 @@ import tensorflow as tf
 
 from hvd_runtime.partition import Partition, PartitionError
 from hvd_runtime.pipeline_engine import PipelineEngineBase
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.parallel.dims import ParallelDims
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
 from hvd_runtime.parallel.world import launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages
 from hvd_runtime.tf.stage import build_stage as _stage_of_plan
 
-__all__ = ["PipelineConfigError", "PipelineDims", "PipelineEngine", "PipelineRank", "ReplicaContext", "build_stage",
+__all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "ReplicaContext", "build_stage",
            "init_pipeline", "replica_context"]
 
 
@@ -51,7 +52,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     if p2p not in P2P_LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(P2P_LINKS)} (e.g. 'socket')")
     world = launched_world_size() or 1
-    dims = PipelineDims(world=world, stages=stages)
+    dims = ParallelDims(world=world, pp=stages)
     wanted = dims.process_set_ranks(pairs=p2p == "alltoall")
     sets = [hvd.ProcessSet(r) for r in wanted]
     ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets)
@@ -59,18 +60,17 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
         raise PipelineConfigError(f"Horovod started {ctx.size} ranks but the launcher said {world}: "
                                   "launch with horovodrun")
     me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
-    if dims.replicas > 1:
-        me.dp_set = me.process_set(dims.stage_ranks(me.stage))
-    prev = None if me.is_first else me.rank - 1
-    next_ = None if me.is_last else me.rank + 1
+    if dims.dp > 1:
+        me.dp_set = me.process_set(dims.dp_ranks(me.rank))
+    prev, next_ = me.prev_rank, me.next_rank
     if p2p == "socket":
         links = connect_neighbours(hvd, prev, next_)
         me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
     else:
         if prev is not None:
-            me.prev = AlltoallLink(me.rank, prev, me.process_set(dims.pair_ranks(me.stage - 1, me.replica)))
+            me.prev = AlltoallLink(me.rank, prev, me.process_set([prev, me.rank]))
         if next_ is not None:
-            me.next = AlltoallLink(me.rank, next_, me.process_set(dims.pair_ranks(me.stage, me.replica)))
+            me.next = AlltoallLink(me.rank, next_, me.process_set([me.rank, next_]))
     return ctx, me
 
 
@@ -135,7 +135,7 @@ class PipelineEngine(PipelineEngineBase):
         """Start every replica of this stage from replica 0's variables and optimizer state."""
         if self.dims.dp_set is None:
             return
-        root = self.dims.dims.rank_of(self.dims.stage, 0)
+        root = self.dims.stage_root
         self.hvd.broadcast_variables([v.value for v in stage_state_variables(self.stage, self.optimizer)],
                                      root_rank=root, process_set=self.dims.dp_set)
 

@@ -4,18 +4,19 @@
     dims.stage, dims.replica, dims.is_first, dims.is_last
 
 The grid itself (which rank holds which stage, which process sets exist) is framework-free, in
-`hvd_runtime.pipeline_grid`.
+`hvd_runtime.parallel.dims`; this rank's place in it in `hvd_runtime.pipeline_grid`.
 """
 
 from __future__ import annotations
 
 import os
 
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineDims, PipelineRank
+from hvd_runtime.parallel.dims import ParallelDims
+from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
 from hvd_runtime.parallel.world import launched_world_size
 from hvd_runtime.scaling import set_cycle_time
 
-__all__ = ["PipelineConfigError", "PipelineDims", "PipelineRank", "init_pipeline"]
+__all__ = ["ParallelDims", "PipelineConfigError", "PipelineRank", "init_pipeline"]
 
 
 def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
@@ -37,7 +38,7 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
     if p2p not in LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'socket')")
     world = launched_world_size() or (hvd.size() if hvd.is_initialized() else 1)
-    dims = PipelineDims(world=world, stages=stages)
+    dims = ParallelDims(world=world, pp=stages)
     wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"))
     if hvd.is_initialized():
         if wanted and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
@@ -49,13 +50,13 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
         set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available())
         hvd.init(process_sets=sets)
     if hvd.size() != dims.world:
-        dims = PipelineDims(world=hvd.size(), stages=stages)
+        dims = ParallelDims(world=hvd.size(), pp=stages)
     me = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
     local = hvd.local_size()
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local))
-    if dims.replicas > 1:
-        me.dp_set = me.process_set(dims.stage_ranks(me.stage))
-    if p2p == "torch" and dims.stages > 1:
+    if dims.dp > 1:
+        me.dp_set = me.process_set(dims.dp_ranks(me.rank))
+    if p2p == "torch" and dims.pp > 1:
         init_torch_distributed()
 
     def link(peer: int, pair: list[int]):
@@ -64,11 +65,11 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
         return LINKS[p2p](me.rank, peer, me.process_set(pair))
 
     if p2p == "socket":
-        links = connect_neighbours(hvd, None if me.is_first else me.rank - 1, None if me.is_last else me.rank + 1)
+        links = connect_neighbours(hvd, me.prev_rank, me.next_rank)
         me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
         return me
     if not me.is_first:
-        me.prev = link(me.rank - 1, dims.pair_ranks(me.stage - 1, me.replica))
+        me.prev = link(me.prev_rank, [me.prev_rank, me.rank])
     if not me.is_last:
-        me.next = link(me.rank + 1, dims.pair_ranks(me.stage, me.replica))
+        me.next = link(me.next_rank, [me.rank, me.next_rank])
     return me

@@ -25,11 +25,11 @@ import torch
 from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline_engine import PipelineEngineBase
 from hvd_runtime.pipeline_grid import micro_batch_sizes
-from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims, PipelineRank, init_pipeline
+from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.stage import build_stage, plan_stages
 
-__all__ = ["PipelineConfigError", "PipelineDims", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
+__all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
            "micro_batch_sizes", "plan_stages"]
 
 
@@ -56,7 +56,7 @@ class PipelineEngine(PipelineEngineBase):
         """Start every replica of this stage from replica 0's parameters and buffers."""
         if self.dims.dp_set is None:
             return
-        root = self.dims.dims.rank_of(self.dims.stage, 0)
+        root = self.dims.stage_root
         handles = [self.hvd.broadcast_async_(t.data, root, name=f"pp.init.{name}", process_set=self.dims.dp_set)
                    for name, t in self.stage.state_dict().items()]
         for h in handles:

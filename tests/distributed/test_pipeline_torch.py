@@ -21,7 +21,7 @@ from helpers import horovodrun_path, run_horovod, venv_env
 from pipeline_checks import TOL, check_against_reference
 from hvd_runtime.partition import PartitionError
 from hvd_runtime.timeline import load_timeline
-from hvd_runtime.torch.grid import PipelineConfigError, PipelineDims
+from hvd_runtime.torch.grid import PipelineConfigError
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.p2p import _header, _read_header
 from hvd_runtime.torch.pipeline import micro_batch_sizes
@@ -36,15 +36,6 @@ ALL_BLOCKS = [str(i) for i in range(7)]
 
 
 # -- grid, micro-batches, stages: no Horovod needed -----------------------------------------------
-
-def test_dims_name_every_factor_when_world_does_not_fit():
-    with pytest.raises(PipelineConfigError) as err:
-        PipelineDims(world=3, stages=2)
-    assert str(err.value) == ("world size 3 (horovodrun -np) is not stages 2 x replicas: "
-                              "use -np 2, 4, 6... or a --stages that divides 3")
-    with pytest.raises(PipelineConfigError, match="stages must be a positive integer, got 0"):
-        PipelineDims(world=2, stages=0)
-
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_the_grid_knows_the_world_size_before_horovod_starts(controller):
@@ -62,18 +53,6 @@ def test_the_grid_knows_the_world_size_before_horovod_starts(controller):
     assert sorted(re.findall(r"world (\w+)", proc.stdout)) == ["2", "2"], proc.stdout[-2000:]
     alone = subprocess.run([sys.executable, "-c", code], env=venv_env(), capture_output=True, text=True)
     assert alone.stdout.split() == ["world", "None"], alone.stderr[-2000:]
-
-
-def test_dims_rank_layout_and_process_sets():
-    d = PipelineDims(world=6, stages=3)
-    assert d.replicas == 2 and d.describe() == "6 ranks = 3 stages x 2 replicas"
-    assert [d.coords(r) for r in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
-    assert all(d.rank_of(*d.coords(r)) == r for r in range(6))
-    assert d.stage_ranks(1) == [1, 4]
-    assert d.process_set_ranks(pairs=False) == [[0, 3], [1, 4], [2, 5]]
-    assert d.process_set_ranks(pairs=True)[3:] == [[0, 1], [1, 2], [3, 4], [4, 5]]
-    # two ranks, two stages: the only pair is the whole world, which is Horovod's global set
-    assert PipelineDims(world=2, stages=2).process_set_ranks(pairs=True) == []
 
 
 def test_micro_batch_sizes_follow_tensor_split():

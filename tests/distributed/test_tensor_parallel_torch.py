@@ -13,27 +13,14 @@ import pytest
 from torch import nn
 
 from helpers import run_horovod
-from hvd_runtime.parallel.tensor_groups import TensorLayout, TensorParallelError
+from hvd_runtime.parallel.tensor_groups import TensorParallelError
 from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorGroup, apply_tp
 from tp_checks import check_apply_tp_refusals, check_tp_reports, load_generated_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "tp_step.py"
 
 
-def test_layout_keeps_tensor_groups_consecutive_and_lists_every_process_set():
-    layout = TensorLayout(world=8, tp=2)
-    assert layout.dp == 4 and layout.tp_ranks(5) == [4, 5] and layout.tp_rank(5) == 1
-    assert layout.dp_ranks(5) == [1, 3, 5, 7]
-    assert layout.process_set_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 2, 4, 6], [1, 3, 5, 7]]
-    # tp = world: one group, the global set; no replicas to average over
-    assert TensorLayout(world=2, tp=2).process_set_ranks() == []
-
-
 def test_sizes_that_do_not_split_are_refused_in_one_line():
-    with pytest.raises(TensorParallelError) as err:
-        TensorLayout(world=3, tp=2)
-    assert str(err.value) == ("world size 3 (horovodrun -np) is not tp 2 x replicas: "
-                              "use -np 2, 4, 6... or a tp that divides 3")
     group = TensorGroup(rank=0, size=3, process_set=None)
     with pytest.raises(TensorParallelError, match=r"^column-parallel Linear\(in_features=4, out_features=8, "
                                                   r"bias=True\) has 8 features, which do not split over tp 3: "

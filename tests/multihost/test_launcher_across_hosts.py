@@ -61,7 +61,7 @@ if RANK is not None:
         state.save_checkpoint = package.save_checkpoint = after(
             state.save_checkpoint, lambda *args: "model", torch_weights)
         pipeline.save_pipeline_checkpoint = after(
-            pipeline.save_pipeline_checkpoint, lambda *args: f"stage{args[-1].dims.coords(rank)[0]}", torch_weights)
+            pipeline.save_pipeline_checkpoint, lambda *args: f"stage{args[-1].dims.coords(rank).pp}", torch_weights)
     else:
         import hvd_runtime.tf as package
         import hvd_runtime.tf.state as state

@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
 
     ranks = init_tensor_parallel(hvd, args.tp)
-    layout, group, dp_set, rank = ranks.layout, ranks.group, ranks.dp_set, hvd.rank()
+    layout, group, dp_set, rank = ranks.dims, ranks.group, ranks.dp_set, hvd.rank()
 
     if args.model == "gpt":
         workload = load_workload("gpt", args.project)

@@ -1,0 +1,64 @@
+"""The rank grid every strategy shares (hvd_runtime.parallel.dims): layout, process sets, refusals.
+
+Pure arithmetic: no Horovod, no framework.
+"""
+
+import pytest
+
+from hvd_runtime.parallel.dims import Coords, ParallelConfigError, ParallelDims
+
+
+def test_tensor_groups_are_innermost_then_stages_then_replicas():
+    dims = ParallelDims(world=8, tp=2, pp=2)
+    assert dims.dp == 2 and dims.describe() == "8 ranks = 2 stages x tp 2 x 2 replicas"
+    assert [tuple(dims.coords(r)) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert all(dims.rank_of(*dims.coords(r)) == r for r in range(8))
+    assert dims.coords(5) == Coords(dp=1, pp=0, tp=1)
+    assert dims.tp_ranks(5) == [4, 5]          # same replica and stage: one host
+    assert dims.pp_ranks(5) == [5, 7]          # the stages rank 5's activations flow through
+    assert dims.dp_ranks(5) == [1, 5]          # the ranks holding rank 5's parameters
+
+
+def test_every_process_set_is_listed_once_tp_then_dp_then_pairs():
+    dims = ParallelDims(world=8, tp=2, pp=2)
+    assert dims.process_set_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.process_set_ranks(pairs=True)[8:] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_a_pipeline_alone_keeps_its_stages_consecutive():
+    dims = ParallelDims(world=6, pp=3)
+    assert dims.dp == 2 and dims.describe() == "6 ranks = 3 stages x 2 replicas"
+    assert [(c.pp, c.dp) for c in map(dims.coords, range(6))] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert dims.dp_ranks(4) == [1, 4]
+    assert dims.process_set_ranks() == [[0, 3], [1, 4], [2, 5]]
+    assert dims.process_set_ranks(pairs=True)[3:] == [[0, 1], [1, 2], [3, 4], [4, 5]]
+
+
+def test_tensor_parallel_alone_groups_consecutive_ranks():
+    dims = ParallelDims(world=8, tp=2)
+    assert dims.dp == 4 and dims.tp_ranks(5) == [4, 5] and dims.coords(5).tp == 1
+    assert dims.dp_ranks(5) == [1, 3, 5, 7]
+    assert dims.process_set_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_groups_of_one_and_the_whole_world_need_no_set_of_their_own():
+    assert ParallelDims(world=2, tp=2).process_set_ranks() == []           # one group: the global set
+    assert ParallelDims(world=2, pp=2).process_set_ranks(pairs=True) == []  # the only pair is the world
+    assert ParallelDims(world=3).process_set_ranks() == []                 # plain data parallel
+    assert ParallelDims(world=3).describe() == "3 ranks = 3 replicas"
+
+
+@pytest.mark.parametrize("world, tp, pp, line", [
+    (3, 2, 1, "world size 3 (horovodrun -np) is not tp 2 x replicas: use -np 2, 4, 6... or a tp that divides 3"),
+    (3, 1, 2, "world size 3 (horovodrun -np) is not stages 2 x replicas: use -np 2, 4, 6... "
+              "or a --stages that divides 3"),
+    (6, 2, 2, "world size 6 (horovodrun -np) is not tp 2 x stages 2 x replicas: use -np 4, 8, 12... "
+              "or tp and --stages whose product divides 6"),
+    (2, 0, 1, "tp must be a positive integer, got 0 (e.g. 2)"),
+    (2, 1, "2", "stages must be a positive integer, got '2' (e.g. 2)"),
+])
+def test_a_world_that_does_not_fit_is_refused_in_one_line_naming_np_and_the_factors(world, tp, pp, line):
+    with pytest.raises(ParallelConfigError) as err:
+        ParallelDims(world=world, tp=tp, pp=pp)
+    assert str(err.value) == line
