@@ -79,12 +79,13 @@ class HorovodConfig:
 
 @dataclass
 class ParallelConfig:
-    """model-split and pipeline only: how the model is cut into stages."""
+    """model-split, pipeline and tensor only: how the model is cut into stages, or its layers split."""
 
     stages: int = 2                 # model-split: devices per worker; pipeline: ranks per replica (-np = stages x replicas)
     micro_batches: int = 4          # each batch is cut into this many (a smaller batch: one per sample)
     schedule: str = "1f1b"          # pipeline: gpipe | 1f1b (same bubble; 1f1b holds <= stages micro-batches)
     partition: str = "params"       # params | time | block names or indices where stages 2.. start, e.g. "3" or "2,4"
+    tp: int = 1                     # tensor: ranks per tensor-parallel group (-np = tp x replicas)
 
 
 @dataclass

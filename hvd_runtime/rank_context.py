@@ -12,9 +12,12 @@ from typing import ClassVar
 
 
 class RankContext:
-    """rank, size, local_rank, local_size and is_root of this process, live."""
+    """rank, size, local_rank, local_size and is_root of this process, live; and which data-parallel
+    replica it is (`data_rank` of `data_size`), which differs from its rank under tensor parallelism,
+    where a group of ranks shares each batch."""
 
     horovod_module: ClassVar[str]
+    tensor: object = None  # hvd_runtime.parallel.tensor_groups.TensorRanks under tensor parallelism
 
     def _hvd(self):
         return importlib.import_module(self.horovod_module)
@@ -38,4 +41,14 @@ class RankContext:
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which shard of each batch this rank reads: its data-parallel replica."""
+        return self.rank if self.tensor is None else self.tensor.dims.coords(self.rank).dp
+
+    @property
+    def data_size(self) -> int:
+        """How many replicas average gradients: what sharding and LR scaling count."""
+        return self.size if self.tensor is None else self.tensor.dims.dp
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FRAMEWORKS = ("torch", "tensorflow")
-STRATEGIES = ("data", "model-split", "pipeline")
+STRATEGIES = ("data", "model-split", "pipeline", "tensor")
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,7 @@ class Model:
     blocks: int             # blocks at the generated config: the most stages it can be cut into
     block_names: str        # what those blocks are, for a refusal
     more_blocks: str        # how a user gets more of them
+    heads: int = 0          # attention heads at the generated config: what tensor parallelism splits (0: none)
 
 
 MODELS = {
@@ -24,7 +25,7 @@ MODELS = {
     "resnet18": Model("ResNet-18 for small images (digits by default, or your image folder streamed from disk)", 10,
                       "stem, 8 residual blocks, head", "split inside a block in model.py"),
     "gpt": Model("a GPT-style decoder-only language model over a token file read through memmap", 6,
-                 "embedding, 4 transformer layers, head", "add transformer layers (config.yaml model.layers)"),
+                 "embedding, 4 transformer layers, head", "add transformer layers (config.yaml model.layers)", heads=4),
 }
 
 # The framework release each generated project pins: the one this hvdgen release is tested with.
@@ -39,6 +40,7 @@ AVAILABLE = {
     ("torch", "pipeline"): "stages on ranks, GPipe or 1F1B micro-batches; stages x replicas with process sets",
     ("tensorflow", "model-split"): "stages on one worker's devices (GPUs or logical CPUs); Horovod DP across workers",
     ("tensorflow", "pipeline"): "stages on ranks, a GradientTape per micro-batch, GPipe or 1F1B; stages x replicas",
+    ("torch", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",
 }
 
 

@@ -83,18 +83,19 @@ def list_cmd() -> None:
 @main.command("new")
 @click.argument("name")
 @click.option("--framework", "-f", default="torch", show_default=True, help="torch or tensorflow.")
-@click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split or pipeline.")
+@click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split, pipeline or tensor.")
 @click.option("--model", "-m", default="mlp", show_default=True, help="mlp, resnet18 or gpt (see hvdgen list).")
 @click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Directory in which the project folder NAME is created.")
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
 @click.option("--micro-batches", type=int, default=None, help="model-split / pipeline: micro-batches per batch [4].")
 @click.option("--schedule", default=None, help="pipeline: gpipe or 1f1b [1f1b].")
+@click.option("--tp", type=int, default=None, help="tensor: ranks per tensor-parallel group [2].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
 def new_cmd(name: str, framework: str, strategy: str, model: str, stages: int | None, micro_batches: int | None,
-            schedule: str | None, elastic: bool, output: Path, dry_run: bool, force: bool) -> None:
+            schedule: str | None, tp: int | None, elastic: bool, output: Path, dry_run: bool, force: bool) -> None:
     """Generate a training project NAME."""
     from hvdgen.errors import HvdgenError
     from hvdgen.render import generate
@@ -102,9 +103,13 @@ def new_cmd(name: str, framework: str, strategy: str, model: str, stages: int | 
 
     staged = {"stages": stages, "micro_batches": micro_batches, "schedule": schedule}
     given = {k: v for k, v in staged.items() if v is not None}
-    if given and strategy == "data":
+    if given and strategy in ("data", "tensor"):
         flag = "--" + next(iter(given)).replace("_", "-")
-        raise HvdgenError(f"{flag} applies to --strategy model-split or pipeline, not data: drop it or pick one")
+        raise HvdgenError(f"{flag} applies to --strategy model-split or pipeline, not {strategy}: drop it or pick one")
+    if tp is not None and strategy != "tensor":
+        raise HvdgenError(f"--tp applies to --strategy tensor, not {strategy}: drop it, or use --strategy tensor")
+    if tp is not None:
+        given["tp"] = tp
     if schedule is not None and strategy == "model-split":
         raise HvdgenError("--schedule applies to --strategy pipeline (model-split runs its micro-batches in order): "
                           "drop --schedule, or use --strategy pipeline")

@@ -64,6 +64,7 @@ class ProjectSpec:
     stages: int = 2        # model-split: devices per worker; pipeline: ranks per pipeline
     micro_batches: int = 4
     schedule: str = "1f1b"
+    tp: int = 2            # tensor: ranks per tensor-parallel group
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
 
@@ -105,9 +106,24 @@ class ProjectSpec:
                               "and parallel.micro_batches there")
         if self.schedule not in SCHEDULES:
             raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-        if self.elastic and self.strategy == "pipeline":
-            raise HvdgenError("--elastic works with the data and model-split strategies: a pipeline cannot lose "
-                              "a stage; drop --elastic or use --strategy data")
+        if self.elastic and self.strategy in ("pipeline", "tensor"):
+            lost = "a stage" if self.strategy == "pipeline" else "a slice of every layer"
+            raise HvdgenError(f"--elastic works with the data and model-split strategies: a {self.strategy} job cannot "
+                              f"lose {lost}; drop --elastic or use --strategy data")
+        if self.strategy == "tensor":
+            self._check_tensor()
+
+    def _check_tensor(self) -> None:
+        heads = catalog.MODELS[self.model].heads
+        if not heads:
+            raise HvdgenError(f"--strategy tensor splits attention heads and MLPs, and the {self.model} model has "
+                              "none: use --model gpt, or --strategy data for this one")
+        if not _whole(self.tp) or self.tp < 2:
+            raise HvdgenError(f"--tp must be an integer of at least 2, got {self.tp!r}: e.g. --tp 2")
+        if heads % self.tp:
+            fits = ", ".join(str(n) for n in range(2, heads + 1) if heads % n == 0)
+            raise HvdgenError(f"--tp {self.tp} does not divide the generated {self.model}'s {heads} attention heads: "
+                              f"use --tp {fits}; for more, raise model.heads in config.yaml and parallel.tp there")
 
     @property
     def package(self) -> str:
@@ -115,8 +131,9 @@ class ProjectSpec:
 
     @property
     def cpu_np(self) -> int:
-        """Ranks of the smallest run on one CPU: one pipeline of `stages` ranks, else 2 workers."""
-        return self.stages if self.strategy == "pipeline" else 2
+        """Ranks of the smallest run on one CPU: one pipeline of `stages` ranks, one tensor-parallel
+        group of `tp`, else 2 workers."""
+        return {"pipeline": self.stages, "tensor": self.tp}.get(self.strategy, 2)
 
     @property
     def ranks_per_gpu_node(self) -> int:

@@ -50,8 +50,7 @@ def init_tensor_parallel(hvd, tp: int) -> TensorRanks:
     sets = [hvd.ProcessSet(r) for r in wanted]
     hvd.init(process_sets=sets)
     by_ranks = {tuple(r): s for r, s in zip(wanted, sets)}
-    dp_ranks = dims.dp_ranks(hvd.rank())
-    dp_set = None if len(dp_ranks) == 1 else process_set_of(dp_ranks, dims.world, by_ranks)
+    dp_set = process_set_of(dims.dp_ranks(hvd.rank()), dims.world, by_ranks)
     return TensorRanks(dims, TensorGroup.of(dims, hvd.rank(), by_ranks), dp_set)
 
 

@@ -19,8 +19,11 @@ def launched_world_size() -> int | None:
 
 
 def process_set_of(ranks, world: int, sets: dict):
-    """The Horovod process set of `ranks`: the global set for the whole world, else the one made
-    for exactly these ranks at hvd.init (`sets`, keyed by the ranks as a tuple)."""
+    """The Horovod process set of `ranks`: the global set for the whole world, None for a rank
+    alone (nothing to exchange), else the one made for exactly these ranks at hvd.init (`sets`,
+    keyed by the ranks as a tuple)."""
     from horovod.common.process_sets import global_process_set
 
-    return global_process_set if len(ranks) == world else sets[tuple(ranks)]
+    if len(ranks) == world:
+        return global_process_set
+    return None if len(ranks) == 1 else sets[tuple(ranks)]

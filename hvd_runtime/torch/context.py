@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from hvd_runtime.devices import stage_gpus
+from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
 from hvd_runtime.rank_context import RankContext
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
@@ -20,6 +21,7 @@ class Context(RankContext):
 
     horovod_module: ClassVar[str] = "horovod.torch"
     device: torch.device
+    tensor: TensorRanks | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -63,13 +65,18 @@ def pin_device(seed: int = 0, threads_per_rank: int = 0, devices_per_rank: int =
 
 
 def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                 devices_per_rank: int = 1) -> Context:
+                 devices_per_rank: int = 1, tp: int | None = None) -> Context:
     """hvd.init(), then pin_device: the start of every data-parallel job.
 
     devices_per_rank: the model-split's stages (one GPU each); ctx.device is then stage 0's GPU.
+    tp: tensor parallelism's group size; Horovod starts with the process sets of tp groups and
+    data-parallel groups (ctx.tensor), and ctx.data_rank / data_size count replicas, not ranks.
     """
     import horovod.torch as hvd
 
     set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available())
-    hvd.init()
-    return Context(pin_device(seed, threads_per_rank, devices_per_rank))
+    if tp is None:
+        hvd.init()
+        return Context(pin_device(seed, threads_per_rank, devices_per_rank))
+    tensor = init_tensor_parallel(hvd, tp)
+    return Context(pin_device(seed, threads_per_rank, devices_per_rank), tensor)

@@ -75,7 +75,7 @@ def train_epoch(model: nn.Module, batches: ShardedBatches, optimizer, schedule: 
             loss = loss_fn(out, y)
         precision.backward(loss / k)
         if (i + 1) % k == 0:
-            schedule.apply(optimizer, state.step // k, ctx.size, ctx.local_size)
+            schedule.apply(optimizer, state.step // k, ctx.data_size, ctx.local_size)
             # Horovod: waits for the allreduced gradients, then applies them.
             precision.step(optimizer, model.parameters())
             optimizer.zero_grad()

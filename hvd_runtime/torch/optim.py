@@ -65,6 +65,9 @@ def plain_optimizer(params, optim_cfg, lr: float):
 def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int):
     """Build the optimizer, wrap it for Horovod, and return it with its LR schedule.
 
+    Under tensor parallelism (ctx.tensor) gradients are averaged over the data-parallel process
+    set only, and with a single replica the optimizer is left unwrapped: nothing to average.
+
     Raises ConfigError for horovod.adasum on a job without Adasum (Gloo): at start-up, not as
     a HorovodInternalError at the first step.
     """
@@ -74,7 +77,12 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         raise ValueError("horovod.backward_passes_per_step must be at least 1")
     check_adasum(hvd_cfg.adasum, hvd)
     schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch)
-    optimizer = plain_optimizer(model.parameters(), optim_cfg, schedule.lr(0, ctx.size, ctx.local_size))
+    optimizer = plain_optimizer(model.parameters(), optim_cfg, schedule.lr(0, ctx.data_size, ctx.local_size))
+    process_set = hvd.global_process_set
+    if ctx.tensor is not None:  # tensor parallel: average over the replicas holding the same slices
+        if ctx.data_size == 1:
+            return optimizer, schedule
+        process_set = ctx.tensor.dp_set
     # Horovod: average gradients across ranks with ring-allreduce, one fused allreduce per step.
     optimizer = hvd.DistributedOptimizer(
         optimizer,
@@ -82,5 +90,6 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         compression=hvd.Compression.fp16 if hvd_cfg.fp16_compression else hvd.Compression.none,
         backward_passes_per_step=hvd_cfg.backward_passes_per_step,
         op=hvd.Adasum if hvd_cfg.adasum else hvd.Average,
+        process_set=process_set,
     )
     return optimizer, schedule

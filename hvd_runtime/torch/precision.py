@@ -19,13 +19,15 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    def __init__(self, name: str, device: torch.device, clip_norm: float = 0.0):
+    def __init__(self, name: str, device: torch.device, clip_norm: float = 0.0, grad_norm=None):
+        """grad_norm(parameters): the global gradient norm, where the parameters alone do not give
+        it (a tensor-parallel model: hvd_runtime.torch.tensor_state.SplitParameters.grad_norm)."""
         if name not in DTYPES:
             raise ConfigError(f"train.precision is {name!r}: choose one of {', '.join(DTYPES)}")
         if name == "fp16" and torch.device(device).type != "cuda":
             raise ConfigError("train.precision fp16 needs a GPU (its loss scaling is CUDA's): "
                               "use bf16 on the CPU, or fp32")
-        self.name, self.device, self.clip_norm = name, torch.device(device), clip_norm
+        self.name, self.device, self.clip_norm, self.grad_norm = name, torch.device(device), clip_norm, grad_norm
         self.dtype = DTYPES[name]
         self.scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None
 
@@ -43,12 +45,19 @@ class Precision:
         if self.scaler is None and not self.clip_norm:
             optimizer.step()  # Horovod: waits for the allreduced gradients, then applies them
             return
-        optimizer.synchronize()  # Horovod: the averaged gradients, before touching them
+        distributed = hasattr(optimizer, "synchronize")  # a lone tensor-parallel replica steps unwrapped
+        if distributed:
+            optimizer.synchronize()  # Horovod: the averaged gradients, before touching them
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if self.clip_norm:
-            torch.nn.utils.clip_grad_norm_(parameters, self.clip_norm)
-        with optimizer.skip_synchronize():  # Horovod: already synchronized above
+            parameters = list(parameters)
+            if self.grad_norm is None:
+                torch.nn.utils.clip_grad_norm_(parameters, self.clip_norm)
+            else:
+                torch.nn.utils.clip_grads_with_norm_(parameters, self.clip_norm, self.grad_norm(parameters))
+        # Horovod: already synchronized above
+        with optimizer.skip_synchronize() if distributed else contextlib.nullcontext():
             if self.scaler is not None:
                 self.scaler.step(optimizer)
                 self.scaler.update()

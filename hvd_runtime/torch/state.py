@@ -44,9 +44,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def snapshot(model: nn.Module, optimizer, state, rng_states=None) -> dict:
-    return {"model": _to_cpu(model.state_dict()), "optimizer": _to_cpu(optimizer.state_dict()),
-            "state": state_fields(state), "rng": rng_states}
+def snapshot(model: nn.Module, optimizer, state, rng_states=None, split=None) -> dict:
+    """What a checkpoint holds. With `split` (a tensor-parallel model's SplitParameters; every rank
+    must then call this) the weights and optimizer state are gathered whole, as the unsplit model's."""
+    weights = model.state_dict() if split is None else split.full_model_state()
+    moments = optimizer.state_dict() if split is None else split.full_optimizer_state(optimizer)
+    return {"model": _to_cpu(weights), "optimizer": _to_cpu(moments), "state": state_fields(state), "rng": rng_states}
 
 
 def load_latest(store: CheckpointStore) -> dict | None:
@@ -60,30 +63,45 @@ def load_latest(store: CheckpointStore) -> dict | None:
 
 def model_misfit(saved: dict, current: dict) -> str | None:
     """Why a checkpoint's weights cannot load into this model (another dataset's classes, other
-    layer sizes), as the config error the user sees; None when they fit."""
+    layer sizes), as the config error the user sees; None when they fit. `current`: the model's
+    state_dict, or the shapes it has in a checkpoint (saved_shapes)."""
     shapes = {k: tuple(v.shape) for k, v in saved.items()}
-    wanted = {k: tuple(v.shape) for k, v in current.items()}
+    wanted = {k: tuple(getattr(v, "shape", v)) for k, v in current.items()}
     if shapes == wanted:
         return None
     differ = sorted(k for k in set(shapes) | set(wanted) if shapes.get(k) != wanted.get(k))
     return misfit_message(f"{differ[0]}: {shapes.get(differ[0])} saved, {wanted.get(differ[0])} now")
 
 
+def saved_shapes(model: nn.Module, split=None) -> dict[str, tuple[int, ...]]:
+    """The shapes of this model's weights in a checkpoint (a tensor-parallel model's: the unsplit ones)."""
+    return split.saved_shapes() if split is not None else {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def restore_or_broadcast(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
-                         resume: bool = True) -> TrainState:
-    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands."""
+                         resume: bool = True, split=None) -> TrainState:
+    """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
+
+    split: a tensor-parallel model's SplitParameters. Checkpoints then hold the unsplit model
+    (whatever tp wrote them) and each rank loads its slices; a fresh start gathers every rank's
+    slices first, so all replicas begin from one model.
+    """
     import horovod.torch as hvd
 
+    fresh = snapshot(model, optimizer, TrainState(), split=split) if split is not None else None
     payload = None
     if ctx.is_root:
-        payload = (load_latest(store) if resume else None) or snapshot(model, optimizer, TrainState())
-        misfit = model_misfit(payload["model"], model.state_dict())
+        payload = (load_latest(store) if resume else None) or fresh or snapshot(model, optimizer, TrainState())
+        misfit = model_misfit(payload["model"], saved_shapes(model, split))
         if misfit:
             payload = {"misfit": misfit}
     # Horovod: every rank starts from rank 0's weights, optimizer state and position.
     payload = hvd.broadcast_object(payload, root_rank=0, name="initial_state")
     if "misfit" in payload:  # every rank stops with rank 0's reason, none waits for the others
         raise ConfigError(payload["misfit"])
+    if split is not None:
+        payload["model"] = split.local_model_state(payload["model"])
+        payload["optimizer"] = split.local_optimizer_state(optimizer, payload["optimizer"])
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     rngs = payload.get("rng")
@@ -100,7 +118,7 @@ def restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Co
     payload = load_latest(store) if ctx.is_root and resume else None
     if payload is None:
         return ElasticStart()
-    refusal = model_misfit(payload["model"], model.state_dict())
+    refusal = model_misfit(payload["model"], saved_shapes(model))
     if refusal:
         return ElasticStart(refusal=refusal)
     model.load_state_dict(payload["model"])
@@ -108,13 +126,15 @@ def restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Co
     return ElasticStart(**payload["state"])
 
 
-def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, state):
-    """Called by every rank (running statistics are averaged, RNG states gathered); only rank 0 writes."""
+def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, state, split=None):
+    """Called by every rank (running statistics are averaged, RNG states gathered, a tensor-parallel
+    model's slices gathered with `split`); only rank 0 writes."""
     import horovod.torch as hvd
 
     average_buffers(model, name="checkpoint.buffers")
     rngs = hvd.allgather_object(rng_state(), name="rng_states")
+    whole = snapshot(model, optimizer, state, rngs, split=split) if split is not None else None
     if not store.is_writer:
         return None
-    payload = snapshot(model, optimizer, state, rngs)
+    payload = whole or snapshot(model, optimizer, state, rngs)
     return store.save(state.step, lambda path: torch.save(payload, path))

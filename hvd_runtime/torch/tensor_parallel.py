@@ -36,35 +36,36 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorPa
            "apply_tp"]
 
 
-def _sum_over(tensor: torch.Tensor, group: TensorGroup) -> torch.Tensor:
+def _sum_over(tensor: torch.Tensor, group: TensorGroup, name: str) -> torch.Tensor:
+    """A named allreduce: the same names every step let Horovod's response cache skip negotiation."""
     import horovod.torch as hvd
 
-    return hvd.allreduce(tensor.contiguous(), op=hvd.Sum, process_set=group.process_set)
+    return hvd.allreduce(tensor.contiguous(), op=hvd.Sum, process_set=group.process_set, name=name)
 
 
 class _CopyToGroup(torch.autograd.Function):
     """f: identity forward, gradient summed over the group backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, name):
+        ctx.group, ctx.name = group, name
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _sum_over(grad, ctx.group), None
+        return _sum_over(grad, ctx.group, f"{ctx.name}.f"), None, None
 
 
 class _SumOverGroup(torch.autograd.Function):
     """g: partial results summed over the group forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _sum_over(x, group)
+    def forward(ctx, x, group, name):
+        return _sum_over(x, group, f"{name}.g")
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -75,8 +76,9 @@ class ColumnParallelLinear(nn.Module):
     original rows this rank holds, in order.
     """
 
-    def __init__(self, linear: nn.Linear, group: TensorGroup, chunks: int = 1):
+    def __init__(self, linear: nn.Linear, group: TensorGroup, chunks: int = 1, name: str = "tp.column"):
         super().__init__()
+        self.name = name  # names this layer's allreduces: unique per layer
         if linear.out_features % chunks:
             raise TensorParallelError(f"{linear} does not divide into {chunks} equal chunks of output features")
         chunk = linear.out_features // chunks
@@ -89,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach()[self.source_index].clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToGroup.apply(x, self.group), self.weight, self.bias)
+        return F.linear(_CopyToGroup.apply(x, self.group, self.name), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (of {self.out_features * self.group.size})"
@@ -98,8 +100,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """An nn.Linear whose input features are split: this rank multiplies its slice, the group sums."""
 
-    def __init__(self, linear: nn.Linear, group: TensorGroup):
+    def __init__(self, linear: nn.Linear, group: TensorGroup, name: str = "tp.row"):
         super().__init__()
+        self.name = name  # names this layer's allreduces: unique per layer
         part = split_range(linear.in_features, group.size, group.rank, f"row-parallel {linear}")
         self.source_index = torch.arange(part.start, part.stop)  # the original input features (columns) held
         self.group = group
@@ -108,7 +111,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _SumOverGroup.apply(F.linear(x, self.weight), self.group)
+        out = _SumOverGroup.apply(F.linear(x, self.weight), self.group, self.name)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -118,15 +121,18 @@ class RowParallelLinear(nn.Module):
 class TensorParallelBlock(nn.Module):
     """A pre-norm transformer block (the generated GPT's `Block`) with its heads and MLP split over the group."""
 
-    def __init__(self, block: nn.Module, group: TensorGroup):
+    def __init__(self, block: nn.Module, group: TensorGroup, name: str = "tp"):
         super().__init__()
         check_block_splits(block.heads, block.dropout, group.size)
         self.heads = block.heads // group.size
-        self.norm1, self.norm2 = block.norm1, block.norm2
-        self.qkv = ColumnParallelLinear(block.qkv, group, chunks=3)
-        self.proj = RowParallelLinear(block.proj, group)
-        self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], group), block.mlp[1],
-                                 RowParallelLinear(block.mlp[2], group))
+        # The block's own names, in its order: the split model's state_dict and parameter order
+        # are the unsplit model's (hvd_runtime.torch.tensor_state relies on it for checkpoints).
+        self.norm1 = block.norm1
+        self.qkv = ColumnParallelLinear(block.qkv, group, chunks=3, name=f"{name}.qkv")
+        self.proj = RowParallelLinear(block.proj, group, name=f"{name}.proj")
+        self.norm2 = block.norm2
+        self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], group, name=f"{name}.up"), block.mlp[1],
+                                 RowParallelLinear(block.mlp[2], group, name=f"{name}.down"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, _ = x.shape
@@ -146,14 +152,17 @@ def _is_transformer_block(module: nn.Module) -> bool:
 
 
 def apply_tp(model: nn.Module, group: TensorGroup) -> nn.Module:
-    """Split every transformer block of `model` over the group, in place; returns the model."""
+    """Split every transformer block of `model` over the group, in place; returns the model
+    (unchanged for a group of one: tp 1 is the unsplit model)."""
     names = [name for name, module in model.named_modules() if name and _is_transformer_block(module)]
     if not names:
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
                                   "qkv and proj, an MLP of two linears): tensor parallelism splits the gpt model; "
                                   "use --strategy data, model-split or pipeline for this one")
+    if group.size == 1:
+        return model
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, TensorParallelBlock(owner.get_submodule(child), group))
+        setattr(owner, child, TensorParallelBlock(owner.get_submodule(child), group, name=f"tp.{name}"))
     return model

@@ -1,0 +1,133 @@
+"""A tensor-parallel model's state in the unsplit model's format: gathered to save, sliced to load.
+
+    split = SplitParameters(model)                       # after apply_tp
+    saved = split.full_model_state()                     # every rank calls (a collective); whole tensors
+    model.load_state_dict(split.local_model_state(saved))
+
+apply_tp keeps the unsplit model's parameter names and order, so a checkpoint written this way
+is the unsplit model's own: a run saved at tp=2 resumes at tp=1 (or 4, or under data
+parallelism), and the model logged to MLflow loads into the plain `build_model`. Optimizer state
+tensors shaped like their parameter (momentum, Adam's moments) are gathered and sliced with it.
+
+The gradient norm that clipping needs is the whole model's: the split parameters' squares are
+summed over the group, the whole ones (LayerNorms, embeddings, the head, row-parallel biases)
+counted once, so every rank of a group clips by the same factor and the whole ones stay identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hvd_runtime.parallel.tensor_groups import TensorGroup
+from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one parameter is split: along `dim`, this rank holding the original positions `index`."""
+
+    dim: int
+    index: torch.Tensor
+    group: TensorGroup
+
+
+def _splits(model: nn.Module) -> dict[str, Split]:
+    splits = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, ColumnParallelLinear):
+            splits[prefix + "weight"] = Split(0, module.source_index, module.group)
+            if module.bias is not None:
+                splits[prefix + "bias"] = Split(0, module.source_index, module.group)
+        elif isinstance(module, RowParallelLinear):
+            splits[prefix + "weight"] = Split(1, module.source_index, module.group)
+    return splits
+
+
+def _gather(tensor: torch.Tensor, split: Split, name: str) -> torch.Tensor:
+    import horovod.torch as hvd
+
+    pieces = hvd.allgather(tensor.detach().movedim(split.dim, 0).contiguous(), process_set=split.group.process_set,
+                           name=f"tp.gather.{name}")
+    positions = hvd.allgather(split.index, process_set=split.group.process_set, name=f"tp.gather.{name}.index")
+    whole = torch.empty_like(pieces)
+    whole[positions] = pieces
+    return whole.movedim(0, split.dim)
+
+
+class SplitParameters:
+    """Which parameters apply_tp split and how; the checkpoint and clipping views built on that."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.by_name = _splits(model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.by_param = {pid: self.by_name[name] for pid, name in names.items() if name in self.by_name}
+
+    def _params_in_order(self, optimizer) -> list[nn.Parameter]:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The unsplit model's state_dict; every rank of the job must call it.
+
+        It ends with a barrier of the whole job: each group gathers in its own process set, and a
+        group that finished and exited would shut Horovod down under a group still gathering.
+        """
+        import horovod.torch as hvd
+
+        state = self.model.state_dict()
+        whole = {name: _gather(t, self.by_name[name], name) if name in self.by_name else t for name, t in state.items()}
+        hvd.barrier()
+        return whole
+
+    def local_model_state(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.index_select(self.by_name[name].dim, self.by_name[name].index) if name in self.by_name else t
+                for name, t in full.items()}
+
+    def saved_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shapes this model's state has in a checkpoint (the unsplit ones)."""
+        shapes = {}
+        for name, t in self.model.state_dict().items():
+            shape = list(t.shape)
+            if name in self.by_name:
+                shape[self.by_name[name].dim] *= self.by_name[name].group.size
+            shapes[name] = tuple(shape)
+        return shapes
+
+    def _map_optimizer_state(self, optimizer, state_dict: dict, convert) -> dict:
+        params = self._params_in_order(optimizer)
+        moved = {}
+        for index, entries in state_dict["state"].items():
+            split = self.by_param.get(id(params[index]))
+            moved[index] = {key: convert(value, split, f"optimizer.{index}.{key}") if split is not None
+                            and isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                            for key, value in entries.items()}
+        return {**state_dict, "state": moved}
+
+    def full_optimizer_state(self, optimizer) -> dict:
+        """The optimizer's state_dict as the unsplit model's optimizer would hold it; every rank calls it."""
+        return self._map_optimizer_state(optimizer, optimizer.state_dict(), _gather)
+
+    def local_optimizer_state(self, optimizer, full: dict) -> dict:
+        return self._map_optimizer_state(optimizer, full, lambda t, s, _: t.index_select(s.dim, s.index))
+
+    def grad_norm(self, parameters=None) -> torch.Tensor:
+        """The whole model's gradient L2 norm, the same on every rank of a tensor-parallel group."""
+        import horovod.torch as hvd
+
+        split_sq, whole_sq = torch.zeros(()), torch.zeros(())
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            squares = p.grad.detach().float().pow(2).sum().cpu()
+            if id(p) in self.by_param:
+                split_sq = split_sq + squares
+            else:
+                whole_sq = whole_sq + squares
+        groups = {id(s.group): s.group for s in self.by_param.values()}
+        for group in groups.values():  # one group per model (apply_tp splits over one)
+            split_sq = hvd.allreduce(split_sq, op=hvd.Sum, process_set=group.process_set, name="tp.grad_norm")
+        return (split_sq + whole_sq).sqrt()

@@ -1,0 +1,77 @@
+"""A generated `--strategy tensor` GPT project trains under horovodrun and resumes at another tp.
+
+One job of 4 ranks (tp 2 x 2 replicas) trains two short epochs on token files the test writes:
+the loss falls; the ranks holding the same slices (0 and 2, 1 and 3) end with the same weights,
+and the two slices differ; only rank 0 writes, and the checkpoint holds the unsplit model's names
+and shapes. Then a checkpoint written at tp 2 resumes at tp 1 (one unsplit process), and one
+written at tp 1 resumes at tp 2: epoch 2 of the resumed run equals the straight run's within
+1e-5, so the slices are gathered to, and taken from, their own places.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_horovod
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+pytestmark = pytest.mark.slow
+
+TINY = ["--model.width", "16", "--model.heads", "2", "--model.layers", "2", "--model.context", "16",
+        "--train.batch_size", "8", "--tracking.enabled", "false"]
+
+
+def generate(tmp_path: Path) -> tuple[Path, list[str]]:
+    """The project, and overrides pointing it at a small token file (about 10 steps an epoch at 2 replicas)."""
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--strategy", "tensor", "--model", "gpt",
+                    "--output", str(tmp_path)], check=True, capture_output=True)
+    project = tmp_path / "proj"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((project / "README.md").read_text()[:3200])
+    subprocess.run([sys.executable, "prepare_tokens.py", str(corpus), "--out", str(tmp_path / "tokens")],
+                   cwd=project, check=True, capture_output=True)
+    return project, ["--data.path", str(tmp_path / "tokens"), *TINY]
+
+
+def train(np_: int, project: Path, ranks: Path, epochs: int, *overrides: str) -> tuple[list[dict], str, list[str]]:
+    """Metrics of each epoch, rank 0's output, and every rank's parameter digest."""
+    proc = run_horovod(np_, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
+                             "--train.epochs", str(epochs), *overrides],
+                       cwd=project, env={"DIGEST": "parameters"}, timeout=400)
+    lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], proc.stdout, json.loads((ranks / "digests.json").read_text())
+
+
+def test_tensor_project_trains_tp_groups_times_replicas(tmp_path):
+    project, args = generate(tmp_path)
+    epochs, out, digests = train(4, project, tmp_path / "tp2dp2", 2, *args)
+    assert "training on 4 rank(s)" in out
+    assert epochs[1]["train_loss"] < epochs[0]["train_loss"]
+    assert digests[0] == digests[2] and digests[1] == digests[3], "replicas of one slice differ"
+    assert digests[0] != digests[1], "the two ranks of a tensor-parallel group hold the same weights"
+    assert not list((tmp_path / "tp2dp2").glob("rank[123]/checkpoints/*")), "only rank 0 writes checkpoints"
+    [saved] = (tmp_path / "tp2dp2" / "rank0" / "checkpoints").glob(f"ckpt-{epochs[1]['step']:09d}.*")
+    weights = torch.load(saved, map_location="cpu", weights_only=False)["model"]
+    assert weights["1.qkv.weight"].shape == (3 * 16, 16) and weights["1.mlp.2.weight"].shape == (16, 4 * 16)
+
+
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, saved_at, resumed_at):
+    """-np = tp, one replica: both runs read the same batches, so the resumed epoch 2 must be the
+    straight run's epoch 2 (a slice gathered to the wrong place would load another model)."""
+    project, args = generate(tmp_path)
+    straight, _, _ = train(saved_at, project, tmp_path / "straight", 2, *args, "--parallel.tp", str(saved_at))
+    steps = straight[0]["step"]
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}.*")
+    (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
+    shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)
+    resumed, out, _ = train(resumed_at, project, tmp_path / "resumed", 2, *args, "--parallel.tp", str(resumed_at))
+    assert f"resuming from checkpoints/{saved.name}: epoch 1, step {steps}" in out
+    assert [(e["epoch"], e["step"]) for e in resumed] == [(2, straight[1]["step"])]
+    for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
+        assert resumed[0][key] == pytest.approx(straight[1][key], rel=1e-5), key
