@@ -48,6 +48,21 @@ def is_available(framework: str, strategy: str) -> bool:
     return (framework, strategy) in AVAILABLE
 
 
+def splits(strategy: str, model: str) -> bool:
+    """Whether `strategy` can split `model`: tensor parallelism splits attention heads and MLPs."""
+    return strategy != "tensor" or MODELS[model].heads > 0
+
+
+def default_model(strategy: str) -> str:
+    """The model a project of `strategy` starts from unless --model says otherwise."""
+    return next(name for name in MODELS if splits(strategy, name))
+
+
+def shapes() -> list[tuple[str, str, str]]:
+    """Every (framework, strategy, model) hvdgen new generates."""
+    return [(f, s, m) for f, s in sorted(AVAILABLE) for m in MODELS if splits(s, m)]
+
+
 def rows() -> list[tuple[str, str, bool, str]]:
     """Every framework x strategy, available or not, for `hvdgen list`."""
     return [(f, s, is_available(f, s), AVAILABLE.get((f, s), "not yet available"))
@@ -55,5 +70,5 @@ def rows() -> list[tuple[str, str, bool, str]]:
 
 
 def model_rows() -> list[tuple[str, str]]:
-    """Every model and what it is: each generates for every available framework x strategy."""
+    """Every model and what it is: each generates for every available framework x strategy that splits it."""
     return [(name, model.what) for name, model in MODELS.items()]

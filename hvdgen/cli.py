@@ -84,7 +84,7 @@ def list_cmd() -> None:
 @click.argument("name")
 @click.option("--framework", "-f", default="torch", show_default=True, help="torch or tensorflow.")
 @click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split, pipeline or tensor.")
-@click.option("--model", "-m", default="mlp", show_default=True, help="mlp, resnet18 or gpt (see hvdgen list).")
+@click.option("--model", "-m", default=None, help="mlp, resnet18 or gpt (see hvdgen list) [mlp; gpt for tensor].")
 @click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Directory in which the project folder NAME is created.")
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
@@ -94,7 +94,7 @@ def list_cmd() -> None:
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
-def new_cmd(name: str, framework: str, strategy: str, model: str, stages: int | None, micro_batches: int | None,
+def new_cmd(name: str, framework: str, strategy: str, model: str | None, stages: int | None, micro_batches: int | None,
             schedule: str | None, tp: int | None, elastic: bool, output: Path, dry_run: bool, force: bool) -> None:
     """Generate a training project NAME."""
     from hvdgen.errors import HvdgenError
@@ -113,6 +113,10 @@ def new_cmd(name: str, framework: str, strategy: str, model: str, stages: int | 
     if schedule is not None and strategy == "model-split":
         raise HvdgenError("--schedule applies to --strategy pipeline (model-split runs its micro-batches in order): "
                           "drop --schedule, or use --strategy pipeline")
+    if model is None:
+        from hvdgen import catalog
+
+        model = catalog.default_model(strategy) if strategy in catalog.STRATEGIES else "mlp"
     spec = ProjectSpec(name=name, framework=framework, strategy=strategy, model=model, elastic=elastic, **given)
     target = output / name
     result = generate(spec, target, force=force, dry_run=dry_run)

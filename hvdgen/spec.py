@@ -115,13 +115,13 @@ class ProjectSpec:
 
     def _check_tensor(self) -> None:
         heads = catalog.MODELS[self.model].heads
-        if not heads:
+        if not catalog.splits(self.strategy, self.model):
             raise HvdgenError(f"--strategy tensor splits attention heads and MLPs, and the {self.model} model has "
                               "none: use --model gpt, or --strategy data for this one")
         if not _whole(self.tp) or self.tp < 2:
             raise HvdgenError(f"--tp must be an integer of at least 2, got {self.tp!r}: e.g. --tp 2")
         if heads % self.tp:
-            fits = ", ".join(str(n) for n in range(2, heads + 1) if heads % n == 0)
+            fits = " or ".join(str(n) for n in range(2, heads + 1) if heads % n == 0)
             raise HvdgenError(f"--tp {self.tp} does not divide the generated {self.model}'s {heads} attention heads: "
                               f"use --tp {fits}; for more, raise model.heads in config.yaml and parallel.tp there")
 

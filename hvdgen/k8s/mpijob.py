@@ -31,6 +31,7 @@ ROOT_SSH_PATH = "/root/.ssh"
 NON_ROOT_SSH_PATH = "/home/mpiuser/.ssh"
 NON_ROOT_UID = 1000  # the images' mpiuser
 STAGES_LABEL = "hvdgen/stages"  # on model-split and pipeline jobs, for `hvdgen k8s --check`
+TP_LABEL = "hvdgen/tp"  # on tensor-parallel jobs, for `hvdgen k8s --check`
 GPU_RESOURCE = "nvidia.com/gpu"
 NCCL_ENV = {
     "NCCL_DEBUG": "WARN",  # INFO prints the ring/tree set-up: use it when NCCL hangs
@@ -57,6 +58,8 @@ def labels(spec: ProjectSpec, opts: K8sOptions, component: str | None = None) ->
            "hvdgen/strategy": spec.strategy}
     if spec.strategy in ("model-split", "pipeline"):
         out[STAGES_LABEL] = str(spec.stages)
+    if spec.strategy == "tensor":
+        out[TP_LABEL] = str(spec.tp)
     if component:
         out["app.kubernetes.io/component"] = component
     return out

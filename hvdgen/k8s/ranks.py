@@ -5,7 +5,10 @@
   worker with G GPUs runs G / stages ranks, and G must be a multiple of the stages (with fewer,
   the stages would fall back to the CPU);
 - pipeline: one rank per GPU and one stage per rank; the world (workers x slots) must be whole
-  pipelines, a multiple of the stages, and cannot be elastic (a lost worker is a lost stage).
+  pipelines, a multiple of the stages, and cannot be elastic (a lost worker is a lost stage);
+- tensor: one rank per GPU; the world must be whole tensor-parallel groups (a multiple of tp), a
+  GPU worker holds whole groups (its GPUs a multiple of tp: a group's activations cross it in
+  every layer), and it cannot be elastic (a lost worker is a lost slice of every layer).
 
 `slotsPerWorker` is the ranks per worker and `-np` is workers x slots, in every overlay.
 """
@@ -26,9 +29,11 @@ def slots_per_worker(spec: ProjectSpec, gpus: int) -> int:
 
 def default_answers(spec: ProjectSpec) -> dict:
     """The k8s answers that depend on the strategy: one CPU worker per pipeline stage, one GPU per
-    model-split stage."""
+    model-split stage, one CPU worker and one GPU per rank of a tensor-parallel group."""
     if spec.strategy == "pipeline":
         return {"workers": spec.stages}
+    if spec.strategy == "tensor":
+        return {"workers": spec.tp, "gpus_per_worker": spec.tp}
     if spec.strategy == "model-split":
         return {"gpus_per_worker": spec.stages}
     return {}
@@ -46,8 +51,8 @@ def check_shape(spec: ProjectSpec, opts: K8sOptions) -> None:
     """Refuse, with one line naming the numbers, a job whose ranks do not fit the strategy."""
     if spec.strategy == "model-split":
         _check_model_split(spec, opts)
-    elif spec.strategy == "pipeline":
-        _check_pipeline(spec, opts)
+    elif spec.strategy in ("pipeline", "tensor"):
+        _check_whole_groups(spec, opts)
 
 
 def _check_model_split(spec: ProjectSpec, opts: K8sOptions) -> None:
@@ -60,12 +65,21 @@ def _check_model_split(spec: ProjectSpec, opts: K8sOptions) -> None:
                           "per worker), or 0 for no gpu overlay")
 
 
-def _check_pipeline(spec: ProjectSpec, opts: K8sOptions) -> None:
+def _check_whole_groups(spec: ProjectSpec, opts: K8sOptions) -> None:
+    """A pipeline's world is whole pipelines, a tensor-parallel one whole tp groups; neither can be elastic."""
+    pipeline = spec.strategy == "pipeline"
+    size, groups = (spec.stages, f"the pipeline's {spec.stages} stages") if pipeline else (spec.tp, f"tp {spec.tp}")
     if opts.elastic:
-        raise HvdgenError("a pipeline job cannot be elastic (losing a worker loses a stage): drop --elastic")
+        lost = "a stage" if pipeline else "a slice of every layer"
+        raise HvdgenError(f"a {spec.strategy} job cannot be elastic (losing a worker loses {lost}): drop --elastic")
+    if not pipeline and opts.gpus_per_worker % spec.tp:
+        whole = max(opts.gpus_per_worker // spec.tp, 1) * spec.tp
+        raise HvdgenError(f"tensor parallelism keeps each group of tp {spec.tp} ranks on one worker (they exchange "
+                          f"activations in every layer), so --gpus-per-worker must be a multiple of {spec.tp}, got "
+                          f"{opts.gpus_per_worker}: use e.g. --gpus-per-worker {whole}, or 0 for no gpu overlay")
     for overlay, slots in overlays(spec, opts):
         np = opts.workers * slots
-        if np % spec.stages:
-            fit = next(w for w in range(opts.workers, opts.workers + spec.stages + 1) if (w * slots) % spec.stages == 0)
+        if np % size:
+            fit = next(w for w in range(opts.workers, opts.workers + size + 1) if (w * slots) % size == 0)
             raise HvdgenError(f"the {overlay} job would run -np {np} ({opts.workers} workers x {slots} slots), not a "
-                              f"multiple of the pipeline's {spec.stages} stages: use e.g. --workers {fit}")
+                              f"multiple of {groups}: use e.g. --workers {fit}")

@@ -46,6 +46,8 @@ def _ranks(spec: ProjectSpec, opts: K8sOptions, gpus: int) -> str:
     shape += f" (`slotsPerWorker: {slots}`): {_count(world, 'rank')}"
     if spec.strategy == "pipeline":
         shape += f", {_count(world // spec.stages, 'pipeline')} of {spec.stages} stages"
+    if spec.strategy == "tensor":
+        shape += f", {_count(world // spec.tp, 'tensor-parallel group')} of {spec.tp}"
     return shape
 
 

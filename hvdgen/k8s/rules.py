@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 
 from hvdgen.k8s.launch import DISCOVER_HOSTS, HOSTFILE, option_value
-from hvdgen.k8s.mpijob import STAGES_LABEL
+from hvdgen.k8s.mpijob import STAGES_LABEL, TP_LABEL
 from hvdgen.k8s.names import MAX_LABEL, dns1035_fix, is_dns1035_label, last_worker_name
 from hvdgen.k8s.problems import Problem
 
@@ -205,6 +205,15 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
         problems.append(Problem(f"{REPLICAS}.Worker.replicas", f"Worker replicas ({workers}) x slotsPerWorker "
                                 f"({slots}) = {expected} ranks, not whole pipelines of {stages} stages: make it a "
                                 f"multiple of {stages}"))
+    tp = str(_get(job, "metadata", "labels", TP_LABEL))
+    if tp.isdigit() and int(tp) > 0 and expected % int(tp):
+        problems.append(Problem(f"{REPLICAS}.Worker.replicas", f"Worker replicas ({workers}) x slotsPerWorker "
+                                f"({slots}) = {expected} ranks, not whole tensor-parallel groups of tp {tp}: make it "
+                                f"a multiple of {tp}"))
+    if tp.isdigit() and int(tp) > 0 and slots > 1 and slots % int(tp):
+        problems.append(Problem("spec.slotsPerWorker", f"slotsPerWorker {slots} splits tensor-parallel groups of tp "
+                                f"{tp} across workers (they exchange activations in every layer): make it a "
+                                f"multiple of {tp}"))
     return problems
 
 

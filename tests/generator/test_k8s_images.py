@@ -30,7 +30,8 @@ HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sy
 def project(request, tmp_path_factory) -> Path:
     framework, strategy = request.param
     target = tmp_path_factory.mktemp("img") / "demo"
-    generate(ProjectSpec(name="demo", framework=framework, strategy=strategy), target)
+    generate(ProjectSpec(name="demo", framework=framework, strategy=strategy, model=catalog.default_model(strategy)),
+             target)
     return target
 
 

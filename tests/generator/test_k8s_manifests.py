@@ -78,11 +78,17 @@ def worker(job: dict) -> dict:
 @pytest.mark.parametrize("framework,strategy", offered())
 @pytest.mark.parametrize("workers,gpus,elastic", SHAPES)
 def test_generated_manifests_validate(tmp_path, framework, strategy, workers, gpus, elastic):
-    spec = ProjectSpec(name="Mnist_DDP", framework=framework, strategy=strategy)
+    spec = ProjectSpec(name="Mnist_DDP", framework=framework, strategy=strategy,
+                       model=catalog.default_model(strategy))
     opts = options(workers, gpus, elastic)
     if strategy == "pipeline" and (elastic or workers % spec.stages):
         # A pipeline needs whole pipelines of workers (-np = stages x replicas) and no elastic.
         with pytest.raises(HvdgenError, match="cannot be elastic|not a multiple of the pipeline's 2 stages"):
+            write(tmp_path, spec, opts)
+        return
+    if strategy == "tensor" and (elastic or workers % spec.tp):
+        # Whole tensor-parallel groups (-np = tp x replicas; the CPU overlay runs a rank per worker), no elastic.
+        with pytest.raises(HvdgenError, match="cannot be elastic|not a multiple of tp 2"):
             write(tmp_path, spec, opts)
         return
     root = write(tmp_path, spec, opts)
@@ -158,7 +164,8 @@ def test_long_project_name_is_shortened_so_every_worker_name_is_a_dns_label(tmp_
 @pytest.mark.parametrize("framework,strategy", offered())
 @pytest.mark.parametrize("non_root", [True, False], ids=["non-root", "root"])
 def test_both_user_modes_validate(tmp_path, framework, strategy, non_root):
-    spec = ProjectSpec(name="demo", framework=framework, strategy=strategy)
+    spec = ProjectSpec(name="demo", framework=framework, strategy=strategy,
+                       model=catalog.default_model(strategy))
     opts = options_of(spec).updated(non_root=non_root, gpus_per_worker=2 * spec.stages)
     root = write(tmp_path, spec, opts)
     every_folder_validates(root, spec, opts)
@@ -174,12 +181,13 @@ def test_both_user_modes_validate(tmp_path, framework, strategy, non_root):
 def what_new_writes():
     """Every project `hvdgen new` can make, as far as k8s/ depends on it."""
     for framework, strategy in offered():
-        for stages in ((2,) if strategy == "data" else (2, 3, 4)):
-            for elastic in ((False,) if strategy == "pipeline" else (False, True)):
-                extra = {"stages": stages} if strategy != "data" else {}
+        staged = strategy in ("model-split", "pipeline")
+        for split in ((2, 3, 4) if staged else (2, 4) if strategy == "tensor" else (2,)):
+            for elastic in ((False,) if strategy in ("pipeline", "tensor") else (False, True)):
+                extra = {"stages": split} if staged else {"tp": split} if strategy == "tensor" else {}
                 yield pytest.param(ProjectSpec(name="demo", framework=framework, strategy=strategy, elastic=elastic,
-                                               **extra),
-                                   id=f"{framework}-{strategy}-{stages}-{'elastic' if elastic else 'static'}")
+                                               model=catalog.default_model(strategy), **extra),
+                                   id=f"{framework}-{strategy}-{split}-{'elastic' if elastic else 'static'}")
 
 
 @pytest.mark.parametrize("spec", list(what_new_writes()))

@@ -238,6 +238,20 @@ def pipeline_not_whole(job):
     args[args.index("-np") + 1] = "6"
 
 
+def tensor_not_whole_groups(job):
+    job["metadata"]["labels"].update({"hvdgen/strategy": "tensor", "hvdgen/tp": "4"})
+    job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] = 3
+    args = launcher(job)["args"]
+    args[args.index("-np") + 1] = "6"
+
+
+def tensor_group_across_workers(job):
+    job["metadata"]["labels"].update({"hvdgen/strategy": "tensor", "hvdgen/tp": "4"})
+    job["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] = 4
+    args = launcher(job)["args"]
+    args[args.index("-np") + 1] = "8"
+
+
 # (break, field path the message must name, words of the fix the message must contain)
 CASES = [
     (misspelled_limits, f"{WORKER_C}.resources", ["'limit'", "did you mean 'limits'"]),
@@ -285,6 +299,9 @@ CASES = [
     (model_split_gpus_not_stages, f"{WORKER_C}.resources.limits", ["3 GPUs", "2 stages", "give 2 GPUs"]),
     (model_split_one_rank_per_gpu, "spec.slotsPerWorker", ["is 2", "1 model-split rank", "slotsPerWorker: 1"]),
     (pipeline_not_whole, f"{REPLICAS}.Worker.replicas", ["6 ranks", "4 stages", "multiple of 4"]),
+    (tensor_not_whole_groups, f"{REPLICAS}.Worker.replicas", ["6 ranks", "groups of tp 4", "multiple of 4"]),
+    (tensor_group_across_workers, "spec.slotsPerWorker", ["slotsPerWorker 2", "tp 4 across workers",
+                                                          "multiple of 4"]),
 ]
 
 

@@ -11,7 +11,7 @@ from hvdgen.render import check_tree, render_tree
 from hvdgen.spec import ProjectSpec
 
 
-SHAPES = [(f, s, m) for f, s in sorted(catalog.AVAILABLE) for m in catalog.MODELS]
+SHAPES = catalog.shapes()
 
 
 @pytest.mark.parametrize("framework, strategy, model", SHAPES)
@@ -39,8 +39,11 @@ def keys(node: dict, prefix: str = "") -> set[str]:
 
 def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
     expected = keys(dataclasses.asdict(RunConfig()))
-    if strategy == "data":  # the stage settings only appear where there are stages
-        expected = {k for k in expected if not k.startswith("parallel.")}
+    # the stage settings only appear where there are stages, parallel.tp only under tensor parallelism
+    if strategy != "tensor":
+        expected.discard("parallel.tp")
+    if strategy in ("data", "tensor"):
+        expected = {k for k in expected if not k.startswith("parallel.") or k == "parallel.tp"}
     expected = {k for k in expected if not k.startswith("model.")} | MODEL_KEYS[model]
     if model == "gpt":  # AdamW: no momentum; tokens: no image or synthetic settings
         expected = {k for k in expected if not k.startswith("data.") and k != "optim.momentum"} | TOKEN_DATA_KEYS

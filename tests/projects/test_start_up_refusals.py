@@ -164,6 +164,13 @@ WORKLOAD_REFUSALS = [
      "model.tie_embeddings: false), or keep both on one stage"),
     ("torch", "resnet18", "data", lambda p: ["--train.precision", "fp16"],
      "train.precision fp16 needs a GPU (its loss scaling is CUDA's): use bf16 on the CPU, or fp32"),
+    ("torch", "gpt", "tensor", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), "--parallel.tp", "3"],
+     "world size 2 (horovodrun -np) is not tp 3 x replicas: use -np 3, 6, 9... or a tp that divides 2"),
+    ("torch", "gpt", "tensor", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), "--model.heads", "1"],
+     "model.heads 1 do not split over tp 2: choose a tp that divides 1"),
+    ("torch", "gpt", "tensor", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), "--model.dropout", "0.1"],
+     "model.dropout 0.1 with tensor parallelism: the group's ranks would drop different parts of the activations "
+     "they share; set model.dropout 0"),
     ("tensorflow", "resnet18", "pipeline", _not_an_image,
      "tabby.png is not a readable image (cannot identify image file"),
     ("tensorflow", "resnet18", "data", lambda p: ["--train.precision", "fp16"],
@@ -175,6 +182,7 @@ WORKLOAD_REFUSALS = [
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("framework, model, strategy, make_args, problem", WORKLOAD_REFUSALS,
                          ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu",
+                              "tp-not-dividing-np", "tp-not-dividing-heads", "tp-with-dropout",
                               "tf-not-an-image", "tf-fp16-on-cpu"])
 def test_workload_data_and_model_problems_stop_every_rank(tmp_path, framework, model, strategy, make_args, problem):
     project = generate(tmp_path, framework, strategy, model)
