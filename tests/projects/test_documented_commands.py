@@ -48,6 +48,8 @@ SHAPES = [(framework, *shape) for framework in ("torch", "tensorflow") for shape
 # The models other than the MLP change model.py, data.py, config.yaml and the README's model and
 # data sections; their strategy parts are the MLP's, run above.
 SHAPES += [(framework, "data", ("--model", model)) for framework in ("torch", "tensorflow") for model in ("resnet18", "gpt")]
+# Tensor parallelism splits the GPT, its default model (PyTorch only so far).
+SHAPES += [("torch", "tensor", ())]
 
 # Commands that need more than this machine, and where they are exercised instead.
 NOT_HERE = (
@@ -91,14 +93,16 @@ GPU_NODE_LINE = re.compile(r"horovodrun -np (\d+) -H localhost:\1 python train\.
 def gpu_node_fits(command: str, strategy: str, stages: int) -> bool:
     """A one-node GPU line (`horovodrun -np N -H localhost:N python train.py  # one node, G GPUs`)
     needs G GPUs to run; here it is held to the rules the runtime applies at start-up instead:
-    a pipeline's ranks are a multiple of its stages, and model-split's ranks each find their
-    stages' GPUs on the node (hvd_runtime.devices.stage_gpus)."""
+    a pipeline's ranks are a multiple of its stages, a tensor-parallel job's of its tp (2 here),
+    and model-split's ranks each find their stages' GPUs on the node (hvd_runtime.devices.stage_gpus)."""
     from hvd_runtime.devices import stage_gpus
 
     ranks = int(GPU_NODE_LINE.match(command).group(1))
     gpus = ranks * (stages if strategy == "model-split" else 1)
     if strategy == "pipeline":
         return ranks % stages == 0
+    if strategy == "tensor":
+        return ranks % 2 == 0
     if strategy == "model-split":
         return all(stage_gpus(stages, rank, ranks, gpus) for rank in range(ranks))
     return True
@@ -191,8 +195,9 @@ def every_documented_command_runs(tmp_path: Path, framework: str, strategy: str,
     dry = subprocess.run(["make", "-n", "train", "PYTHON=python", "HOROVODRUN=horovodrun"], cwd=project,
                          capture_output=True, text=True, check=True).stdout.strip().splitlines()
     assert dry[-1] == cpu_launch, f"make train runs {dry!r}, the README shows {cpu_launch!r}"
+    gpt = "gpt" in extra or strategy == "tensor"
     # before it, only a GPT project's data: made from the standard library when data/tokens is missing
-    assert dry[:-1] == (["python prepare_tokens.py --out data/tokens"] if "gpt" in extra else []), dry
+    assert dry[:-1] == (["python prepare_tokens.py --out data/tokens"] if gpt else []), dry
     ran, skipped = [cpu_launch], {}
     for command in dict.fromkeys(expand(c, cpu_launch) for c in commands):  # each once, as it runs
         if command == cpu_launch:
@@ -237,7 +242,7 @@ def every_documented_command_runs(tmp_path: Path, framework: str, strategy: str,
     else:
         assert any(c.startswith("make test") for c in ran)
     assert any(c == cpu_launch for c in ran), "the CPU launch line itself runs in every shape"
-    if "gpt" in extra:
+    if gpt:
         assert any(c.startswith("python prepare_tokens.py my_corpus.txt") for c in ran)
         assert (project / "data" / "tokens" / "meta.json").is_file()
     else:
