@@ -52,3 +52,8 @@ class RankContext:
         """How many replicas average gradients: what sharding and LR scaling count."""
         return self.size if self.tensor is None else self.tensor.dims.dp
 
+    @property
+    def dp_set(self):
+        """The Horovod process set gradients are averaged in; None when this rank is the only replica."""
+        return self._hvd().global_process_set if self.tensor is None else self.tensor.dp_set
+

@@ -41,6 +41,7 @@ AVAILABLE = {
     ("tensorflow", "model-split"): "stages on one worker's devices (GPUs or logical CPUs); Horovod DP across workers",
     ("tensorflow", "pipeline"): "stages on ranks, a GradientTape per micro-batch, GPipe or 1F1B; stages x replicas",
     ("torch", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",
+    ("tensorflow", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",
 }
 
 

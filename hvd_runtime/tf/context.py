@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hvd_runtime.devices import stage_gpus
+from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
 from hvd_runtime.rank_context import RankContext
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
@@ -20,6 +21,7 @@ class Context(RankContext):
 
     horovod_module: ClassVar[str] = "horovod.tensorflow"
     device: str     # "GPU:0" (the first GPU this rank sees: its own, or stage 0's) or "CPU:0"
+    tensor: TensorRanks | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -70,17 +72,23 @@ def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, dev
 
 
 def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                 devices_per_rank: int = 1, process_sets=None) -> Context:
+                 devices_per_rank: int = 1, process_sets=None, tp: int | None = None) -> Context:
     """hvd.init(), pin this rank's device(s), seed with seed + rank.
 
     Seeds differ per rank so dropout differs; the model itself is made identical by broadcasting
     rank 0's variables, and the data order comes from a seed shared by all ranks.
+    tp: tensor parallelism's group size; Horovod starts with the process sets of tp groups and
+    data-parallel groups (ctx.tensor), and ctx.data_rank / data_size count replicas, not ranks.
     """
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     set_cycle_time(cycle_time_ms, gpu=bool(tf.config.list_physical_devices("GPU")))
-    hvd.init(process_sets=process_sets)  # process sets are fixed here (a pipeline's grid)
+    tensor = None
+    if tp is None:
+        hvd.init(process_sets=process_sets)  # process sets are fixed here (a pipeline's grid)
+    else:
+        tensor = init_tensor_parallel(hvd, tp)
     device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank, devices_per_rank)
     seed_everything(seed + hvd.rank())
-    return Context(device)
+    return Context(device, tensor)

@@ -29,11 +29,14 @@ class GradientSync:
     """Average (or Adasum-combine) gradients across ranks, except those of local variables."""
 
     def __init__(self, fp16_compression: bool = False, adasum: bool = False,
-                 local_variables: Iterable = ()):
+                 local_variables: Iterable = (), process_set="global"):
+        """process_set: where gradients are averaged (a tensor-parallel model's dp set, from
+        ctx.dp_set); None when this rank is the only replica: nothing is averaged."""
         import horovod.tensorflow as hvd
 
         check_adasum(adasum, hvd)   # a ConfigError at start-up: Gloo has no Adasum op
         self._hvd = hvd
+        self.process_set = hvd.global_process_set if process_set == "global" else process_set
         self.compression = hvd.Compression.fp16 if fp16_compression else hvd.Compression.none
         self.op = hvd.Adasum if adasum else hvd.Average
         self._local: dict[int, object] = {}   # id -> variable; holding it keeps the id unique
@@ -51,10 +54,10 @@ class GradientSync:
         """`grads[i]` belongs to `variables[i]`; returns the gradients to apply, in the same order."""
         shared = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and not self.is_local(v)]
         out = list(grads)
-        if shared:
+        if shared and self.process_set is not None:
             dense = [tf.convert_to_tensor(grads[i]) for i in shared]  # IndexedSlices -> dense: one fused op
             reduced = self._hvd.grouped_allreduce(dense, op=self.op, compression=self.compression,
-                                                  name="gradients")
+                                                  name="gradients", process_set=self.process_set)
             for i, g in zip(shared, reduced):
                 out[i] = g
         return out

@@ -76,8 +76,9 @@ def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int, *,
 
     One optimizer step is `backward_passes_per_step` batches, so the warmup is counted in those.
     With `clip` (and optim.clip_norm > 0) it clips gradients by their global norm as it applies
-    them, which in TrainStep is after the allreduce. A pipeline stage passes clip=False: it holds
-    part of the model, and its engine clips by the whole model's norm instead.
+    them, which in TrainStep is after the allreduce. A pipeline stage and a tensor-parallel model
+    pass clip=False: each holds part of the model, and the whole model's norm is summed over the
+    ranks holding the parts (the pipeline engine; TrainStep's grad_norm).
     """
     import horovod.tensorflow as hvd
 
@@ -86,7 +87,7 @@ def make_optimizer(optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int, *,
     if hvd_cfg.backward_passes_per_step < 1:
         raise ValueError(f"horovod.backward_passes_per_step must be at least 1, got {hvd_cfg.backward_passes_per_step}")
     gpu_allreduce = hvd.nccl_built() and ctx.device.startswith("GPU")
-    scaler = lr_scaler(ctx.size, ctx.local_size, optim_cfg.scale_lr, hvd_cfg.adasum, bool(gpu_allreduce))
+    scaler = lr_scaler(ctx.data_size, ctx.local_size, optim_cfg.scale_lr, hvd_cfg.adasum, bool(gpu_allreduce))
     optimizer_steps = max(1, steps_per_epoch // hvd_cfg.backward_passes_per_step)
     schedule = WarmupSchedule(optim_cfg.lr, scaler, int(round(optim_cfg.warmup_epochs * optimizer_steps)),
                               follow=followed_count(optim_cfg, hvd_cfg, bool(gpu_allreduce)))

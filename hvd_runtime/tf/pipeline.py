@@ -88,6 +88,14 @@ class ReplicaContext:
     def is_root(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_rank(self) -> int:
+        return self.rank
+
+    @property
+    def data_size(self) -> int:
+        return self.size
+
 
 def replica_context(ctx: Context, dims: PipelineRank) -> ReplicaContext:
     """The data-parallel view of this rank: its replica among `replicas` (stages do not multiply the batch)."""

@@ -44,19 +44,27 @@ def shared_variables(model, optimizer, local_variables=()) -> list:
     return model_vars + list(optimizer.variables)
 
 
-def snapshot(model, optimizer, state: TrainState, rng_states=None) -> dict:
+def snapshot(model, optimizer, state: TrainState, rng_states=None, split=None) -> dict:
+    """What a checkpoint holds. With `split` (a tensor-parallel model's SplitVariables; every rank
+    must then call this) the variables are gathered whole, as the unsplit model's."""
+    if split is not None:
+        return {"model": split.full_model_arrays(), "optimizer": split.full_optimizer_arrays(optimizer),
+                "state": state_fields(state), "rng": rng_states}
     return {"model": [np.asarray(v) for v in model.variables],
             "optimizer": [np.asarray(v) for v in optimizer.variables],
             "state": state_fields(state), "rng": rng_states}
 
 
-def misfit(variables, arrays, what: str) -> str | None:
-    """Why saved arrays cannot be assigned to these variables, as the user's config error; None if they fit."""
+def misfit(variables, arrays, what: str, shapes=None) -> str | None:
+    """Why saved arrays cannot be assigned to these variables, as the user's config error; None if they fit.
+
+    shapes: the variables' shapes in a checkpoint, where they differ from their own (a split model's).
+    """
     if len(variables) != len(arrays):
         return misfit_message(f"{len(arrays)} {what} arrays saved, {len(variables)} variables now")
-    for v, a in zip(variables, arrays):
-        if tuple(v.shape) != tuple(a.shape):
-            return misfit_message(f"{v.path}: {tuple(a.shape)} saved, {tuple(v.shape)} now")
+    for v, a, shape in zip(variables, arrays, shapes or [tuple(v.shape) for v in variables]):
+        if tuple(shape) != tuple(a.shape):
+            return misfit_message(f"{v.path}: {tuple(a.shape)} saved, {tuple(shape)} now")
     return None
 
 
@@ -82,16 +90,19 @@ def load_latest(store: CheckpointStore) -> tuple[Path, dict] | None:
 
 
 def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool = True,
-                         local_variables=()) -> TrainState:
+                         local_variables=(), split=None) -> TrainState:
     """Load rank 0's latest checkpoint (if any) into every rank; return where training stands.
 
     The optimizer's variables are created here, before the broadcast, so they are synchronised
     along with the model's instead of after a first step that already used them.
+    split: a tensor-parallel model's SplitVariables (see restore_split).
     """
     import horovod.tensorflow as hvd
 
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
+    if split is not None:
+        return restore_split(store, model, optimizer, ctx, split, resume)
     meta = {"state": asdict(TrainState()), "rng": None}
     if ctx.is_root:
         found = load_latest(store) if resume else None
@@ -116,6 +127,34 @@ def restore_or_broadcast(store: CheckpointStore, model, optimizer, ctx: Context,
     return TrainState(**meta["state"])
 
 
+def restore_split(store: CheckpointStore, model, optimizer, ctx: Context, split, resume: bool = True) -> TrainState:
+    """A tensor-parallel model: checkpoints hold the unsplit model (whatever tp wrote them); rank 0
+    sends the whole arrays and each rank assigns its slices. A fresh start gathers every rank's
+    slices first, so all replicas begin from one model."""
+    import horovod.tensorflow as hvd
+
+    fresh = snapshot(model, optimizer, TrainState(), split=split)
+    payload = None
+    if ctx.is_root:
+        found = load_latest(store) if resume else None
+        payload = found[1] if found else fresh
+        problem = (misfit(model.variables, payload["model"], "model", split.saved_model_shapes())
+                   or misfit(optimizer.variables, payload["optimizer"], "optimizer",
+                             split.saved_optimizer_shapes(optimizer)))
+        if problem:
+            payload = {"misfit": problem}
+    # Horovod: every rank starts from rank 0's weights, optimizer state and position, its own slices of them.
+    payload = hvd.broadcast_object(payload, root_rank=0, name="initial_state")
+    if "misfit" in payload:
+        raise ConfigError(payload["misfit"])
+    _assign(model.variables, split.local_model_arrays(payload["model"]))
+    _assign(optimizer.variables, split.local_optimizer_arrays(optimizer, payload["optimizer"]), "optimizer")
+    rngs = payload["rng"]
+    if rngs and len(rngs) == ctx.size:
+        set_rng_state(rngs[ctx.rank])
+    return TrainState(**payload["state"])
+
+
 def restore_on_root(store: CheckpointStore, model, optimizer, ctx: Context, resume: bool = True) -> ElasticStart:
     """Rank 0 alone loads its latest checkpoint (if any), with no collective: an elastic job's
     state reaches the other ranks in its first sync (see ElasticStart). RNG states are not handed
@@ -135,15 +174,17 @@ def restore_on_root(store: CheckpointStore, model, optimizer, ctx: Context, resu
     return ElasticStart(**payload["state"])
 
 
-def save_checkpoint(store: CheckpointStore, model, optimizer, state: TrainState) -> Path | None:
-    """Called by every rank (the RNG states are gathered, BatchNorm statistics averaged); only rank 0 writes."""
+def save_checkpoint(store: CheckpointStore, model, optimizer, state: TrainState, split=None) -> Path | None:
+    """Called by every rank (the RNG states are gathered, BatchNorm statistics averaged, a
+    tensor-parallel model's slices gathered with `split`); only rank 0 writes."""
     import horovod.tensorflow as hvd
 
     average_statistics(model, name="checkpoint.statistics")
     rngs = hvd.allgather_object(rng_state(), name="rng_states")
+    whole = snapshot(model, optimizer, state, rngs, split=split) if split is not None else None
     if not store.is_writer:
         return None
-    payload = snapshot(model, optimizer, state, rngs)
+    payload = whole or snapshot(model, optimizer, state, rngs)
 
     def write(path: Path) -> None:
         with open(path, "wb") as f:

@@ -18,10 +18,16 @@ class TrainStep:
 
     With backward_passes_per_step = k > 1 the batch's gradients are accumulated, and only calls
     with `apply=True` (every k-th) allreduce the mean and update the weights.
+
+    clip_norm with grad_norm(grads, variables): clip by a norm the optimizer cannot see alone (a
+    tensor-parallel model's, summed over its group), after the allreduce; the optimizer must then
+    not clip itself (make_optimizer(clip=False)).
     """
 
-    def __init__(self, model, optimizer, loss_fn, sync: GradientSync, backward_passes_per_step: int = 1):
+    def __init__(self, model, optimizer, loss_fn, sync: GradientSync, backward_passes_per_step: int = 1,
+                 clip_norm: float = 0.0, grad_norm=None):
         self.model, self.optimizer, self.loss_fn, self.sync = model, optimizer, loss_fn, sync
+        self.clip_norm, self.grad_norm = clip_norm if grad_norm is not None else 0.0, grad_norm
         self.variables = list(model.trainable_variables)
         self.k = backward_passes_per_step
         self.accumulator = GradientAccumulator(self.variables, self.k) if self.k > 1 else None
@@ -45,7 +51,17 @@ class TrainStep:
         # optimizer clips by global norm (optim.clip_norm) and, for fp16, unscales and skips
         # overflowed steps: both on the averaged gradients, so every rank does the same.
         grads = self.sync(grads, self.variables)
+        if self.clip_norm:
+            grads = self._clipped(grads)
         self.optimizer.apply_gradients(zip(grads, self.variables))
+
+    def _clipped(self, grads):
+        """grads scaled to at most clip_norm (of the unscaled gradients, under fp16 loss scaling)."""
+        norm = self.grad_norm(grads, self.variables)
+        scale = getattr(self.optimizer, "dynamic_scale", None)  # fp16: the grads are the scaled loss's
+        unscaled = norm / tf.cast(scale, norm.dtype) if scale is not None else norm
+        factor = tf.minimum(1.0, self.clip_norm / (unscaled + 1e-6))
+        return [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
 
     def _train_on_batch(self, x, y):
         loss, correct, grads = self._forward_backward(x, y)

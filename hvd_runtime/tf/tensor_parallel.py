@@ -51,7 +51,8 @@ class _SplitDense(keras.layers.Layer):
 
     def __init__(self, dense: keras.layers.Dense, group: TensorGroup, kernel: np.ndarray, bias: np.ndarray | None,
                  source_index: np.ndarray):
-        super().__init__(dtype=dense.dtype_policy, name=f"{dense.name}_tp{group.rank}")
+        # One name on every rank: in a tf.function, op names (and so Horovod's tensor names) must match.
+        super().__init__(dtype=dense.dtype_policy, name=f"{dense.name}_tp")
         self.group, self.source_index = group, source_index
         # The unsplit Dense it came from, not tracked: its weights are not this layer's to train.
         object.__setattr__(self, "source", dense)
@@ -110,12 +111,15 @@ class TensorParallelBlock(keras.layers.Layer):
     """A pre-norm transformer block (the generated GPT's `Block`) with its heads and MLP split over the group."""
 
     def __init__(self, block: keras.layers.Layer, group: TensorGroup):
-        super().__init__(dtype=block.dtype_policy, name=f"{block.name}_tp{group.rank}")
+        super().__init__(dtype=block.dtype_policy, name=f"{block.name}_tp")
         check_block_splits(block.heads, block.rate, group.size)
         self.heads, self.local = block.heads // group.size, block.width // group.size
-        self.norm1, self.norm2 = block.norm1, block.norm2
+        # The block's own layers in its order: the split model's variables line up with the
+        # unsplit model's (hvd_runtime.tf.tensor_state relies on it for checkpoints).
+        self.norm1 = block.norm1
         self.qkv = ColumnParallelDense(block.qkv, group, chunks=3)
         self.proj = RowParallelDense(block.proj, group)
+        self.norm2 = block.norm2
         self.fc = ColumnParallelDense(block.fc, group)
         self.out = RowParallelDense(block.out, group)
 
@@ -133,12 +137,15 @@ def _is_transformer_block(layer) -> bool:
             and isinstance(getattr(layer, "heads", None), int))
 
 
-def apply_tp(model: keras.Model, group: TensorGroup) -> keras.Sequential:
-    """A keras.Sequential of `model`'s layers, each transformer block split over the group."""
+def apply_tp(model: keras.Model, group: TensorGroup) -> keras.Model:
+    """A keras.Sequential of `model`'s layers, each transformer block split over the group
+    (`model` itself for a group of one: tp 1 is the unsplit model)."""
     if not any(_is_transformer_block(layer) for layer in model.layers):
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
                                   "qkv and proj, an MLP of fc and out): tensor parallelism splits the gpt model; "
                                   "use --strategy data, model-split or pipeline for this one")
+    if group.size == 1:
+        return model
     layers = [TensorParallelBlock(layer, group) if _is_transformer_block(layer) else layer for layer in model.layers]
     inputs = model.inputs[0]
     return keras.Sequential([keras.Input(inputs.shape[1:], dtype=inputs.dtype), *layers])

@@ -131,7 +131,6 @@ CASES = [
     ("tensor-on-mlp", _nothing, ["new", "proj", "--strategy", "tensor", "--model", "mlp"]),
     ("tensor-tp-not-dividing-heads", _nothing, ["new", "proj", "--strategy", "tensor", "--tp", "3"]),
     ("tensor-tp-one", _nothing, ["new", "proj", "--strategy", "tensor", "--tp", "1"]),
-    ("tensor-tf-not-yet", _nothing, ["new", "proj", "--strategy", "tensor", "--framework", "tensorflow"]),
     ("tp-on-data", _nothing, ["new", "proj", "--tp", "2"]),
     ("stages-on-tensor", _nothing, ["new", "proj", "--strategy", "tensor", "--stages", "2"]),
     ("elastic-tensor", _nothing, ["new", "proj", "--strategy", "tensor", "--elastic"]),

@@ -48,8 +48,8 @@ SHAPES = [(framework, *shape) for framework in ("torch", "tensorflow") for shape
 # The models other than the MLP change model.py, data.py, config.yaml and the README's model and
 # data sections; their strategy parts are the MLP's, run above.
 SHAPES += [(framework, "data", ("--model", model)) for framework in ("torch", "tensorflow") for model in ("resnet18", "gpt")]
-# Tensor parallelism splits the GPT, its default model (PyTorch only so far).
-SHAPES += [("torch", "tensor", ())]
+# Tensor parallelism splits the GPT, its default model.
+SHAPES += [(framework, "tensor", ()) for framework in ("torch", "tensorflow")]
 
 # Commands that need more than this machine, and where they are exercised instead.
 NOT_HERE = (

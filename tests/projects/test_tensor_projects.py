@@ -1,4 +1,5 @@
-"""A generated `--strategy tensor` GPT project trains under horovodrun and resumes at another tp.
+"""A generated `--strategy tensor` GPT project (torch and TensorFlow) trains under horovodrun and
+resumes at another tp.
 
 One job of 4 ranks (tp 2 x 2 replicas) trains two short epochs on token files the test writes:
 the loss falls; the ranks holding the same slices (0 and 2, 1 and 3) end with the same weights,
@@ -9,6 +10,7 @@ written at tp 1 resumes at tp 2: epoch 2 of the resumed run equals the straight 
 """
 
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -26,10 +28,13 @@ TINY = ["--model.width", "16", "--model.heads", "2", "--model.layers", "2", "--m
         "--train.batch_size", "8", "--tracking.enabled", "false"]
 
 
-def generate(tmp_path: Path) -> tuple[Path, list[str]]:
+FRAMEWORKS = ["torch", "tensorflow"]
+
+
+def generate(tmp_path: Path, framework: str) -> tuple[Path, list[str]]:
     """The project, and overrides pointing it at a small token file (about 10 steps an epoch at 2 replicas)."""
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--strategy", "tensor", "--model", "gpt",
-                    "--output", str(tmp_path)], check=True, capture_output=True)
+                    "--framework", framework, "--output", str(tmp_path)], check=True, capture_output=True)
     project = tmp_path / "proj"
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((project / "README.md").read_text()[:3200])
@@ -42,13 +47,22 @@ def train(np_: int, project: Path, ranks: Path, epochs: int, *overrides: str) ->
     """Metrics of each epoch, rank 0's output, and every rank's parameter digest."""
     proc = run_horovod(np_, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
                              "--train.epochs", str(epochs), *overrides],
-                       cwd=project, env={"DIGEST": "parameters"}, timeout=400)
+                       cwd=project, env={"DIGEST": "parameters", "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], proc.stdout, json.loads((ranks / "digests.json").read_text())
 
 
-def test_tensor_project_trains_tp_groups_times_replicas(tmp_path):
-    project, args = generate(tmp_path)
+def saved_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
+    """The shapes of the model's weights in a checkpoint (torch's state_dict, or Keras' variable list)."""
+    if checkpoint.suffix == ".pkl":
+        with open(checkpoint, "rb") as f:
+            return {tuple(a.shape) for a in pickle.load(f)["model"]}
+    return {tuple(t.shape) for t in torch.load(checkpoint, map_location="cpu", weights_only=False)["model"].values()}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_tensor_project_trains_tp_groups_times_replicas(tmp_path, framework):
+    project, args = generate(tmp_path, framework)
     epochs, out, digests = train(4, project, tmp_path / "tp2dp2", 2, *args)
     assert "training on 4 rank(s)" in out
     assert epochs[1]["train_loss"] < epochs[0]["train_loss"]
@@ -56,15 +70,18 @@ def test_tensor_project_trains_tp_groups_times_replicas(tmp_path):
     assert digests[0] != digests[1], "the two ranks of a tensor-parallel group hold the same weights"
     assert not list((tmp_path / "tp2dp2").glob("rank[123]/checkpoints/*")), "only rank 0 writes checkpoints"
     [saved] = (tmp_path / "tp2dp2" / "rank0" / "checkpoints").glob(f"ckpt-{epochs[1]['step']:09d}.*")
-    weights = torch.load(saved, map_location="cpu", weights_only=False)["model"]
-    assert weights["1.qkv.weight"].shape == (3 * 16, 16) and weights["1.mlp.2.weight"].shape == (16, 4 * 16)
+    # the unsplit q, k, v projection and MLP output (torch: (out, in); Keras: (in, out)), no slices
+    whole = {(48, 16), (16, 64)} if framework == "torch" else {(16, 48), (64, 16)}
+    assert whole <= saved_shapes(saved)
+    assert not {(24, 16), (16, 32), (16, 24), (32, 16)} & saved_shapes(saved)
 
 
 @pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
-def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, saved_at, resumed_at):
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, framework, saved_at, resumed_at):
     """-np = tp, one replica: both runs read the same batches, so the resumed epoch 2 must be the
     straight run's epoch 2 (a slice gathered to the wrong place would load another model)."""
-    project, args = generate(tmp_path)
+    project, args = generate(tmp_path, framework)
     straight, _, _ = train(saved_at, project, tmp_path / "straight", 2, *args, "--parallel.tp", str(saved_at))
     steps = straight[0]["step"]
     [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}.*")
