@@ -28,6 +28,7 @@ class PipelineRank:
     rank: int
     p2p: str
     dp_set: object = None                 # Horovod ProcessSet of this stage's replicas, None if alone
+    tensor_group: object = None           # TensorGroup of this stage's tensor-parallel slices (tp > 1)
     prev: object = None                   # p2p Link to the previous stage
     next: object = None                   # p2p Link to the next stage
     _sets: dict = field(default_factory=dict, repr=False)

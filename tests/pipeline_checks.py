@@ -10,7 +10,7 @@ import pytest
 TOL = 1e-5   # relative, fp32
 
 
-def check_against_reference(results, np, stages, schedule, m, all_blocks):
+def check_against_reference(results, np, stages, schedule, m, all_blocks, tp=1):
     assert sorted(r["rank"] for r in results) == list(range(np))
     for r in results:
         # activations held at once: GPipe all m, 1F1B at most p - stage
@@ -22,8 +22,12 @@ def check_against_reference(results, np, stages, schedule, m, all_blocks):
         if r["update_err"]:  # a weight-free stage (a flatten) has no parameters to compare
             worst = max(r["update_err"].items(), key=lambda kv: kv[1])
             assert worst[1] < TOL, f"rank {r['rank']}: parameter {worst[0]} update off by {worst[1]:.2e} (relative)"
-    # every block of the model was compared, on every replica
-    for replica in {r["replica"] for r in results}:
-        blocks = [b for r in sorted(results, key=lambda r: r["stage"]) if r["replica"] == replica for b in r["blocks"]]
-        assert blocks == list(all_blocks)
-        assert len({r["stage"] for r in results if r["replica"] == replica}) == stages
+    # every block of the model was compared, on every replica and every tensor-parallel slice
+    lanes = {(r["replica"], r.get("tp_rank", 0)) for r in results}
+    assert len(lanes) == np // stages and {t for _, t in lanes} == set(range(tp))
+    for lane in lanes:
+        ranks = sorted((r for r in results if (r["replica"], r.get("tp_rank", 0)) == lane), key=lambda r: r["stage"])
+        assert [b for r in ranks for b in r["blocks"]] == list(all_blocks)
+        assert [r["stage"] for r in ranks] == list(range(stages))
+    if tp > 1:  # the split layers were split, and compared slice against slice
+        assert all(r["split_params"] for r in results if r["update_err"])

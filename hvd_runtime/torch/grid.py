@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from hvd_runtime.parallel.dims import ParallelDims
+from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
 from hvd_runtime.parallel.world import launched_world_size
 from hvd_runtime.scaling import set_cycle_time
@@ -20,7 +21,7 @@ __all__ = ["ParallelDims", "PipelineConfigError", "PipelineRank", "init_pipeline
 
 
 def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
-                  cycle_time_ms: float = 0.0) -> PipelineRank:
+                  cycle_time_ms: float = 0.0, tp: int = 1) -> PipelineRank:
     """Initialise Horovod with the pipeline's process sets and open the neighbour links.
 
     p2p: "socket" (a TCP connection per neighbour pair, the default, as for TensorFlow: fastest,
@@ -28,6 +29,8 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
     (Horovod collectives in 2-rank process sets).
     threads: torch CPU threads for this rank; default cores / ranks on this host.
     cycle_time_ms: Horovod's background-loop period (hvd_runtime.scaling.set_cycle_time).
+    tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`): the grid is
+    replicas x stages x tp, and each slice talks to the same slice of the neighbouring stages.
     """
     import horovod.torch as hvd
     import torch
@@ -38,7 +41,7 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
     if p2p not in LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'socket')")
     world = launched_world_size() or (hvd.size() if hvd.is_initialized() else 1)
-    dims = ParallelDims(world=world, pp=stages)
+    dims = ParallelDims(world=world, tp=tp, pp=stages)
     wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"))
     if hvd.is_initialized():
         if wanted and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
@@ -50,12 +53,14 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
         set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available())
         hvd.init(process_sets=sets)
     if hvd.size() != dims.world:
-        dims = ParallelDims(world=hvd.size(), pp=stages)
+        dims = ParallelDims(world=hvd.size(), tp=tp, pp=stages)
     me = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
     local = hvd.local_size()
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local))
     if dims.dp > 1:
         me.dp_set = me.process_set(dims.dp_ranks(me.rank))
+    if dims.tp > 1:
+        me.tensor_group = TensorGroup.of(dims, me.rank, me._sets)
     if p2p == "torch" and dims.pp > 1:
         init_torch_distributed()
 

@@ -28,6 +28,7 @@ from hvd_runtime.pipeline_grid import micro_batch_sizes
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.stage import build_stage, plan_stages
+from hvd_runtime.torch.tensor_state import SplitParameters
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
            "micro_batch_sizes", "plan_stages"]
@@ -115,8 +116,13 @@ class PipelineEngine(PipelineEngineBase):
         replica holds the same averaged gradients, so the sum is divided by the replicas), exactly
         what torch.nn.utils.clip_grad_norm_ computes on the unsplit model.
         """
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
-        squares = sum((g.detach().double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        params = [p for p in self.stage.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        # With tensor parallelism a whole (unsplit) parameter is held by each of the tp ranks of its
+        # stage: its square counts 1/tp from each, a split one's slice counts once.
+        split = set(SplitParameters(self.stage).by_param) if self.dims.dims.tp > 1 else set()
+        squares = sum((p.grad.detach().double().pow(2).sum() / (1 if id(p) in split else self.dims.dims.tp)
+                       for p in params), torch.zeros((), dtype=torch.float64))
         # Horovod: every rank's share of the squared norm, summed over the whole job
         total = self.hvd.allreduce(squares.cpu(), op=self.hvd.Sum, name="pp.grad_norm") / self.dims.replicas
         scale = self.clip_norm / (total.sqrt().item() + 1e-6)

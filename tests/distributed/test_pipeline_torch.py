@@ -148,8 +148,9 @@ PIPELINE_CASES = [
 ]
 # The generated models, split: (model, np, stages, schedule, micro-batches, clip norm, what it covers)
 WORKLOAD_CASES = [
-    ("resnet18", 2, 2, "1f1b", 4, 0.0, "ResNet-18 pp=2, BatchNorm per micro-batch"),
-    ("gpt", 4, 4, "gpipe", 2, 0.1, "GPT pp=4 (one block a stage), gradients clipped by the whole model's norm"),
+    ("resnet18", 2, 2, "1f1b", 4, 0.0, 1, "ResNet-18 pp=2, BatchNorm per micro-batch"),
+    ("gpt", 4, 4, "gpipe", 2, 0.1, 1, "GPT pp=4 (one block a stage), gradients clipped by the whole model's norm"),
+    ("gpt", 4, 2, "1f1b", 2, 0.1, 2, "GPT pp=2 x tp=2: each stage's blocks split over 2 ranks, clipped"),
 ]
 WORKLOAD_BLOCKS = {"resnet18": [str(i) for i in range(10)], "gpt": [str(i) for i in range(4)]}
 
@@ -166,15 +167,16 @@ def test_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model,np_,stages,schedule,m,clip,what", WORKLOAD_CASES, ids=[c[-1] for c in WORKLOAD_CASES])
+@pytest.mark.parametrize("model,np_,stages,schedule,m,clip,tp,what", WORKLOAD_CASES, ids=[c[-1] for c in WORKLOAD_CASES])
 def test_generated_models_split_into_a_pipeline_match_single_process(tmp_path, workload_projects, model, np_, stages,
-                                                                     schedule, m, clip, what):
+                                                                     schedule, m, clip, tp, what):
     out = tmp_path / "result.json"
     run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule", schedule,
                       "--micro-batches", str(m), "--model", model, "--project", str(workload_projects[model]),
-                      "--clip-norm", str(clip), "--batch", "8", "--out", str(out)], cwd=tmp_path, timeout=280)
+                      "--clip-norm", str(clip), "--batch", "8", "--tp", str(tp), "--out", str(out)],
+                cwd=tmp_path, timeout=280)
     results = json.loads(out.read_text())
-    check_against_reference(results, np_, stages, schedule, m, WORKLOAD_BLOCKS[model])
+    check_against_reference(results, np_, stages, schedule, m, WORKLOAD_BLOCKS[model], tp=tp)
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 

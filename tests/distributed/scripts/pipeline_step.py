@@ -18,6 +18,8 @@ from torch import nn
 
 from hvd_runtime.torch.objective import accuracy, accuracy_sum, cross_entropy
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
+from hvd_runtime.torch.tensor_parallel import apply_tp
+from hvd_runtime.torch.tensor_state import SplitParameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
@@ -72,7 +74,7 @@ def main():
 
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
-    dims = init_pipeline(stages=args.stages, p2p=args.p2p, threads=1)
+    dims = init_pipeline(stages=args.stages, p2p=args.p2p, threads=1, tp=args.tp)
     g = torch.Generator().manual_seed(7)
     global_batch = args.batch * dims.replicas
     batches = [work.batch(g, global_batch) for _ in range(args.steps)]
@@ -96,6 +98,8 @@ def main():
 
     # the pipeline: this rank's stage of a fresh copy of the same model
     stage = build_stage(work.build(), dims, partition=args.partition, sample=xs[0][: args.batch])
+    if args.tp > 1:  # each stage's transformer blocks split over its tensor-parallel group
+        stage = apply_tp(stage, dims.tensor_group)
     weights = list(stage.parameters()) or [{"params": []}]  # a weight-free stage, as plain_optimizer does
     engine = PipelineEngine(stage, dims, loss_fn=cross_entropy, optimizer=torch.optim.SGD(weights, lr=args.lr),
                             schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=accuracy,
@@ -103,9 +107,18 @@ def main():
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 
     after = ref.state_dict()
-    update_err = {name: rel(p.detach() - before[name], after[name] - before[name])
+    splits = SplitParameters(stage).by_name  # tensor parallelism: this rank holds a slice of these
+
+    def held(name, tensor):
+        """The part of a reference tensor this rank's stage holds."""
+        split = splits.get(name)
+        return tensor if split is None else tensor.index_select(split.dim, split.index)
+
+    update_err = {name: rel(p.detach() - held(name, before[name]), held(name, after[name] - before[name]))
                   for name, p in stage.state_dict().items()}
-    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "blocks": list(stage.plan.stage_names(dims.stage)),
+    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
+              "tp_rank": dims.tensor_group.rank if dims.tensor_group else 0,
+              "split_params": sorted(splits), "blocks": list(stage.plan.stage_names(dims.stage)),
               "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err,
               "clipped": clipped, **run}
     write_results(hvd, result, args.out)
