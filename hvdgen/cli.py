@@ -75,7 +75,7 @@ def list_cmd() -> None:
     for framework, strategy, available, what in rows():
         mark = "available" if available else "planned  "
         click.echo(f"{framework:<11} {strategy:<12} {mark}  {what}")
-    click.echo("\nmodels (--model), each for every available framework x strategy above:")
+    click.echo("\nmodels (--model), each for every available framework x strategy above (tensor splits the gpt):")
     for model, what in model_rows():
         click.echo(f"{model:<11} {what}")
 
