@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hvd_runtime.parallel.dims import ParallelConfigError, ParallelDims
-from hvd_runtime.parallel.world import launched_world_size, process_set_of
+from hvd_runtime.parallel.world import grid_of, launched_world_size, process_set_of
 
 
 class TensorParallelError(ParallelConfigError):
@@ -45,7 +45,7 @@ class TensorRanks:
 
 def init_tensor_parallel(hvd, tp: int) -> TensorRanks:
     """hvd.init with every process set the grid needs; `hvd` is horovod.torch or horovod.tensorflow."""
-    dims = ParallelDims(world=launched_world_size() or 1, tp=tp)
+    dims = grid_of(hvd, launched_world_size() or 1, tp=tp)
     wanted = dims.process_set_ranks()
     sets = [hvd.ProcessSet(r) for r in wanted]
     hvd.init(process_sets=sets)

@@ -18,6 +18,25 @@ def launched_world_size() -> int | None:
     return None
 
 
+def grid_of(hvd, world: int, tp: int = 1, pp: int = 1):
+    """The ParallelDims of this launch, or its one-line refusal raised on every rank together.
+
+    The grid must be known before hvd.init (it lists the process sets), so a bad one is found while
+    each rank runs on its own clock; horovodrun stops the others the moment one exits, and a rank
+    still starting would never print the line. So every rank first meets in hvd.init and one
+    collective, then all raise. `hvd`: horovod.torch or horovod.tensorflow.
+    """
+    from hvd_runtime.parallel.dims import ParallelConfigError, ParallelDims
+
+    try:
+        return ParallelDims(world=world, tp=tp, pp=pp)
+    except ParallelConfigError:
+        if not hvd.is_initialized():
+            hvd.init()
+        hvd.allgather_object(None, name="grid.refusal")
+        raise
+
+
 def process_set_of(ranks, world: int, sets: dict):
     """The Horovod process set of `ranks`: the global set for the whole world, None for a rank
     alone (nothing to exchange), else the one made for exactly these ranks at hvd.init (`sets`,

@@ -25,7 +25,7 @@ from hvd_runtime.partition import Partition, PartitionError
 from hvd_runtime.pipeline_engine import PipelineEngineBase
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
-from hvd_runtime.parallel.world import launched_world_size
+from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages
 from hvd_runtime.tf.stage import build_stage as _stage_of_plan
@@ -52,7 +52,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     if p2p not in P2P_LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(P2P_LINKS)} (e.g. 'socket')")
     world = launched_world_size() or 1
-    dims = ParallelDims(world=world, pp=stages)
+    dims = grid_of(hvd, world, pp=stages)
     wanted = dims.process_set_ranks(pairs=p2p == "alltoall")
     sets = [hvd.ProcessSet(r) for r in wanted]
     ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets)

@@ -14,7 +14,7 @@ import os
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
-from hvd_runtime.parallel.world import launched_world_size
+from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.scaling import set_cycle_time
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineRank", "init_pipeline"]
@@ -41,7 +41,7 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
     if p2p not in LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'socket')")
     world = launched_world_size() or (hvd.size() if hvd.is_initialized() else 1)
-    dims = ParallelDims(world=world, tp=tp, pp=stages)
+    dims = grid_of(hvd, world, tp=tp, pp=stages)
     wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"))
     if hvd.is_initialized():
         if wanted and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
