@@ -78,11 +78,8 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
     check_adasum(hvd_cfg.adasum, hvd)
     schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch)
     optimizer = plain_optimizer(model.parameters(), optim_cfg, schedule.lr(0, ctx.data_size, ctx.local_size))
-    process_set = hvd.global_process_set
-    if ctx.tensor is not None:  # tensor parallel: average over the replicas holding the same slices
-        if ctx.data_size == 1:
-            return optimizer, schedule
-        process_set = ctx.tensor.dp_set
+    if ctx.dp_set is None:  # a lone tensor-parallel replica: nothing to average
+        return optimizer, schedule
     # Horovod: average gradients across ranks with ring-allreduce, one fused allreduce per step.
     optimizer = hvd.DistributedOptimizer(
         optimizer,
@@ -90,6 +87,6 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         compression=hvd.Compression.fp16 if hvd_cfg.fp16_compression else hvd.Compression.none,
         backward_passes_per_step=hvd_cfg.backward_passes_per_step,
         op=hvd.Adasum if hvd_cfg.adasum else hvd.Average,
-        process_set=process_set,
+        process_set=ctx.dp_set,  # tensor parallel: the replicas holding the same slices
     )
     return optimizer, schedule

@@ -50,6 +50,8 @@ class PipelineEngine(PipelineEngineBase):
                               "scaling needed) or fp32")
         self._autocast = Precision(precision, self.device).autocast
         self.clip_norm = clip_norm
+        # Tensor-parallel stages: the parameters held as slices, found once (the clip norm counts them apart)
+        self._split_ids = set(SplitParameters(stage).by_param) if dims.dims.tp > 1 else set()
         self._saved: dict[int, tuple] = {}     # micro-batch -> (input, output to backpropagate)
         self._sync_replicas()
 
@@ -120,8 +122,7 @@ class PipelineEngine(PipelineEngineBase):
         grads = [p.grad for p in params]
         # With tensor parallelism a whole (unsplit) parameter is held by each of the tp ranks of its
         # stage: its square counts 1/tp from each, a split one's slice counts once.
-        split = set(SplitParameters(self.stage).by_param) if self.dims.dims.tp > 1 else set()
-        squares = sum((p.grad.detach().double().pow(2).sum() / (1 if id(p) in split else self.dims.dims.tp)
+        squares = sum((p.grad.detach().double().pow(2).sum() / (1 if id(p) in self._split_ids else self.dims.dims.tp)
                        for p in params), torch.zeros((), dtype=torch.float64))
         # Horovod: every rank's share of the squared norm, summed over the whole job
         total = self.hvd.allreduce(squares.cpu(), op=self.hvd.Sum, name="pp.grad_norm") / self.dims.replicas

@@ -118,15 +118,11 @@ class SplitParameters:
         """The whole model's gradient L2 norm, the same on every rank of a tensor-parallel group."""
         import horovod.torch as hvd
 
-        split_sq, whole_sq = torch.zeros(()), torch.zeros(())
+        sums = {True: [], False: []}  # split or whole: kept on the gradients' device, one copy to the host each
         for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            squares = p.grad.detach().float().pow(2).sum().cpu()
-            if id(p) in self.by_param:
-                split_sq = split_sq + squares
-            else:
-                whole_sq = whole_sq + squares
+            if p.grad is not None:
+                sums[id(p) in self.by_param].append(p.grad.detach().float().pow(2).sum())
+        split_sq, whole_sq = (torch.stack(s).sum().cpu() if s else torch.zeros(()) for s in (sums[True], sums[False]))
         groups = {id(s.group): s.group for s in self.by_param.values()}
         for group in groups.values():  # one group per model (apply_tp splits over one)
             split_sq = hvd.allreduce(split_sq, op=hvd.Sum, process_set=group.process_set, name="tp.grad_norm")
