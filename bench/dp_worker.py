@@ -42,7 +42,8 @@ def barrier() -> None:
 
 
 def run_ours(dataset, model, args) -> float:
-    from hvd_runtime.torch import ShardedBatches, TrainState, init_horovod, make_optimizer, train_epoch
+    from hvd_runtime.loop import train_epoch
+    from hvd_runtime.torch import ShardedBatches, TrainState, TrainStep, init_horovod, make_optimizer
 
     ctx = init_horovod(seed=0, threads_per_rank=1, cycle_time_ms=args.cycle_time_ms)
     batches = ShardedBatches(dataset.train, args.batch_size, ctx.rank, ctx.size, seed=0)
@@ -50,12 +51,13 @@ def run_ours(dataset, model, args) -> float:
     optimizer, schedule = make_optimizer(model, optim_cfg, HorovodConfig(), ctx, len(batches))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     state = TrainState()
+    step = TrainStep(model, optimizer, schedule, loss_fn, ctx)
     loss_fn = nn.CrossEntropyLoss()
-    train_epoch(model, batches, optimizer, schedule, loss_fn, ctx, state)  # warm-up
+    train_epoch(step, batches, state, is_root=ctx.is_root)  # warm-up
     barrier()
     started = time.perf_counter()
     for _ in range(args.epochs):
-        train_epoch(model, batches, optimizer, schedule, loss_fn, ctx, state)
+        train_epoch(step, batches, state, is_root=ctx.is_root)
     barrier()
     return time.perf_counter() - started
 

@@ -67,7 +67,7 @@ def worker(steps: int, out: Path) -> None:
     from hvd_runtime.timeline import load_timeline, step_bubble
     from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
-    dims = init_pipeline(stages=2, p2p="torch", threads=1)   # the link docs/benchmarks-pipeline.md was measured on
+    _, dims = init_pipeline(stages=2, threads_per_rank=1, p2p="torch")   # the link docs/benchmarks-pipeline.md was measured on
     base = Baseline() if hvd.rank() == 0 else None
     rows = []
     for schedule in SCHEDULES:

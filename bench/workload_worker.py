@@ -62,7 +62,8 @@ def load(args):
 
 
 def run_ours(dataset, model, args, hvd) -> tuple[float, int]:
-    from hvd_runtime.torch import ShardedBatches, TrainState, init_horovod, make_optimizer, train_epoch
+    from hvd_runtime.loop import train_epoch
+    from hvd_runtime.torch import ShardedBatches, TrainState, TrainStep, init_horovod, make_optimizer
 
     ctx = init_horovod(seed=0, threads_per_rank=1)
     batches = ShardedBatches(dataset.train, args.batch_size, ctx.rank, ctx.size, seed=0, workers=0)
@@ -70,10 +71,11 @@ def run_ours(dataset, model, args, hvd) -> tuple[float, int]:
     optimizer, schedule = make_optimizer(model, optim_cfg, HorovodConfig(), ctx, len(batches))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     state = TrainState()
-    train_epoch(model, batches, optimizer, schedule, cross_entropy, ctx, state)  # warm-up
+    step = TrainStep(model, optimizer, schedule, cross_entropy, ctx)
+    train_epoch(step, batches, state, is_root=ctx.is_root)  # warm-up
     barrier(hvd)
     started = time.perf_counter()
-    train_epoch(model, batches, optimizer, schedule, cross_entropy, ctx, state)
+    train_epoch(step, batches, state, is_root=ctx.is_root)
     barrier(hvd)
     return time.perf_counter() - started, len(batches) * batches.samples_per_step
 

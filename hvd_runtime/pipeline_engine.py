@@ -8,19 +8,26 @@ metrics once, sample-weighted over the last stage's dp replicas, to every rank.
 A framework subclass supplies the tensor work: `_forward`, `_backward`, splitting a batch into
 micro-batches, zeroing and applying gradients, and a sum-allreduce of a float64 vector. Its
 `hvd` is horovod.torch or horovod.tensorflow; their object collectives are the same.
+
+An engine is a step of hvd_runtime.loop (`train_batch`, `evaluate`, `sum_over_ranks`): a
+pipeline trains in the same epoch loop as every other strategy.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank, micro_batch_sizes
 from hvd_runtime.schedule import Op, build_schedule
-from hvd_runtime.timeline import TimelineRecorder, save_timeline
+from hvd_runtime.timeline import TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline
 
 
 class PipelineEngineBase:
     """Runs one stage's part of the schedule each step; subclasses do the tensor work."""
+
+    batches_per_update = 1   # a step's micro-batches are accumulated inside the engine
 
     def __init__(self, hvd, dims: PipelineRank, schedule: str, micro_batches: int, metrics_fn=None,
                  timeline: bool = False, timeline_steps: int = 20):
@@ -73,8 +80,12 @@ class PipelineEngineBase:
         """Average this stage's gradients over its dp replicas and apply them."""
         raise NotImplementedError
 
-    def _allreduce_sum(self, values: np.ndarray, name: str) -> np.ndarray:
+    def sum_over_ranks(self, values: np.ndarray, name: str) -> np.ndarray:
+        """A float64 vector summed over every rank of the job."""
         raise NotImplementedError
+
+    def _before_step(self, step: int) -> None:
+        """Set what depends on the job's batch count (a learning rate the optimizer does not keep)."""
 
     def _set_training(self, train: bool) -> None:
         """Switch train/eval modes where the framework keeps them on the model."""
@@ -184,7 +195,7 @@ class PipelineEngineBase:
                                                            name="pp.metric_names")
             self._names_synced = True
             sums = np.concatenate([sums, np.zeros(2 + len(self._metric_names) - len(sums))])
-        total = self._allreduce_sum(sums, name)
+        total = self.sum_over_ranks(sums, name)
         n = total[1]
         return float(total[0] / n), {k: float(total[2 + j] / n) for j, k in enumerate(self._metric_names)}
 
@@ -200,6 +211,13 @@ class PipelineEngineBase:
         self._finish_step()
         self.steps += 1
         return self._report(sums, "pp.train_report")
+
+    def train_batch(self, x, y, apply: bool, step: int) -> tuple[float, dict[str, float]]:
+        """hvd_runtime.loop's call: one step; its loss, and its metrics (averaged over dp) as sums."""
+        self._before_step(step)
+        loss, metrics = self.train_step(x, y)
+        n = self._count(y if y is not None else x)
+        return loss, {key: value * n for key, value in metrics.items()}
 
     def evaluate(self, batches) -> tuple[float, dict[str, float]]:
         """Forward-only passes over (x, y) batches; sample-weighted (loss, metrics) over dp, on every rank."""
@@ -222,3 +240,18 @@ class PipelineEngineBase:
             meta = {"schedule": self.schedule, "stages": self.dims.stages, "replicas": self.dims.replicas,
                     "micro_batches": self.micro_batches}
             save_timeline(run_dir, records, meta)
+
+    def close_timeline(self, run_dir) -> dict | None:
+        """Every rank calls: gather the timelines; rank 0 draws them and returns the bubble against theory.
+
+        None on other ranks, and when this run trained no step (a restart after the last epoch).
+        """
+        self.save_timeline(run_dir)
+        if self.hvd.rank() != 0:
+            return None
+        timeline = load_timeline(run_dir)
+        if not timeline.steps:
+            return None
+        stages, m = self.dims.stages, self.micro_batches
+        return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),
+                "bubble_measured": measured_bubble(timeline), "bubble_theory": (stages - 1) / (m + stages - 1)}

@@ -13,11 +13,17 @@ from typing import ClassVar
 
 class RankContext:
     """rank, size, local_rank, local_size and is_root of this process, live; and which data-parallel
-    replica it is (`data_rank` of `data_size`), which differs from its rank under tensor parallelism,
-    where a group of ranks shares each batch."""
+    replica it is (`data_rank` of `data_size`), which differs from its rank under tensor or
+    pipeline parallelism, where a group of ranks (a tp group, a replica's stages) shares each batch."""
 
     horovod_module: ClassVar[str]
-    tensor: object = None  # hvd_runtime.parallel.tensor_groups.TensorRanks under tensor parallelism
+    tensor: object = None    # hvd_runtime.parallel.tensor_groups.TensorRanks under tensor parallelism
+    pipeline: object = None  # hvd_runtime.pipeline_grid.PipelineRank: this rank's stage and replica
+
+    @property
+    def _grid(self):
+        """This rank's place in a grid of ranks (both kinds hold the ParallelDims and the dp set), or None."""
+        return self.pipeline if self.pipeline is not None else self.tensor
 
     def _hvd(self):
         return importlib.import_module(self.horovod_module)
@@ -45,15 +51,15 @@ class RankContext:
     @property
     def data_rank(self) -> int:
         """Which shard of each batch this rank reads: its data-parallel replica."""
-        return self.rank if self.tensor is None else self.tensor.dims.coords(self.rank).dp
+        return self.rank if self._grid is None else self._grid.dims.coords(self.rank).dp
 
     @property
     def data_size(self) -> int:
         """How many replicas average gradients: what sharding and LR scaling count."""
-        return self.size if self.tensor is None else self.tensor.dims.dp
+        return self.size if self._grid is None else self._grid.dims.dp
 
     @property
     def dp_set(self):
         """The Horovod process set gradients are averaged in; None when this rank is the only replica."""
-        return self._hvd().global_process_set if self.tensor is None else self.tensor.dp_set
+        return self._hvd().global_process_set if self._grid is None else self._grid.dp_set
 

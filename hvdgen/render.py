@@ -1,8 +1,8 @@
 """Render the templates for a ProjectSpec into a temporary tree, check it, then move it into place.
 
-Templates live in `templates/base` (every project), `templates/<framework>` (framework files
-that override or add to base) and, where a strategy needs a different file, in
-`templates/<framework>-<strategy>`. Files ending in `.j2` are rendered by a sandboxed Jinja with
+Templates live in `templates/base` (every project) and `templates/<framework>` (framework files
+that override or add to base); strategies differ inside one train.py.j2 per framework, its
+shared blocks in `templates/base/_train.j2`. Files ending in `.j2` are rendered by a sandboxed Jinja with
 StrictUndefined, so a typo in a template fails loudly; others are copied as they are. User strings
 reach templates only as data.
 """
@@ -40,10 +40,9 @@ ONLY_WHEN = {
 
 
 def _layers(spec: ProjectSpec) -> list[Path]:
-    """base, then the framework's files, then (if any) the files one strategy replaces."""
+    """base, then the framework's files."""
     root = templates_dir()
-    layers = [root / "base", root / spec.framework, root / f"{spec.framework}-{spec.strategy}"]
-    return [layer for layer in layers if layer.is_dir()]
+    return [root / "base", root / spec.framework]
 
 
 def template_files(spec: ProjectSpec) -> dict[str, Path]:
@@ -60,7 +59,7 @@ def template_files(spec: ProjectSpec) -> dict[str, Path]:
 
 
 def _environment(spec: ProjectSpec) -> SandboxedEnvironment:
-    # The most specific layer first: a strategy's train.py.j2 wins over the framework's.
+    # The framework's layer first: its files win over base's.
     env = SandboxedEnvironment(loader=jinja2.FileSystemLoader([str(p) for p in reversed(_layers(spec))]),
                                undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                trim_blocks=True, lstrip_blocks=True)

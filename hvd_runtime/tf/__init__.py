@@ -2,7 +2,8 @@
 
 Built on `horovod.tensorflow` (collectives) and plain Keras 3 (model, optimizer), with the
 gradient allreduce as an explicit step in a custom loop (or, for `model.fit`, wrapped around the
-optimizer's apply_gradients). `horovod.tensorflow.keras` is not used: on Keras 3 its optimizer
+optimizer's apply_gradients); the epoch loop is hvd_runtime.loop's, driving a TrainStep.
+`horovod.tensorflow.keras` is not used: on Keras 3 its optimizer
 wrapper is silently bypassed and its callbacks fail.
 """
 
@@ -10,7 +11,6 @@ from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.fit import AverageMetrics, BroadcastVariables, distribute_fit
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
-from hvd_runtime.tf.loop import Every, allreduce_sums, evaluate, train_epoch
 from hvd_runtime.tf.objective import accuracy, accuracy_sum, cross_entropy
 from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer
 from hvd_runtime.tf.precision import loss_scaled, use_precision
@@ -18,8 +18,7 @@ from hvd_runtime.tf.state import TrainState, checkpoint_store, restore_or_broadc
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm
 
-__all__ = ["AverageMetrics", "BroadcastVariables", "Context", "Every", "GradientAccumulator", "GradientSync",
+__all__ = ["AverageMetrics", "BroadcastVariables", "Context", "GradientAccumulator", "GradientSync",
            "ShardedBatches", "SyncBatchNormalization", "TrainState", "TrainStep", "WarmupSchedule", "accuracy",
-           "accuracy_sum", "allreduce_sums", "checkpoint_store", "cross_entropy", "distribute_fit", "evaluate",
-           "init_horovod", "loss_scaled", "make_optimizer", "restore_or_broadcast", "save_checkpoint", "train_epoch",
-           "use_precision", "use_sync_batchnorm"]
+           "accuracy_sum", "checkpoint_store", "cross_entropy", "distribute_fit", "init_horovod", "loss_scaled",
+           "make_optimizer", "restore_or_broadcast", "save_checkpoint", "use_precision", "use_sync_batchnorm"]

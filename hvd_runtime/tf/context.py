@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from hvd_runtime.devices import stage_gpus
 from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
+from hvd_runtime.pipeline_grid import PipelineRank
 from hvd_runtime.rank_context import RankContext
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
 
@@ -22,6 +23,7 @@ class Context(RankContext):
     horovod_module: ClassVar[str] = "horovod.tensorflow"
     device: str     # "GPU:0" (the first GPU this rank sees: its own, or stage 0's) or "CPU:0"
     tensor: TensorRanks | None = None
+    pipeline: PipelineRank | None = None
 
 
 def seed_everything(seed: int) -> None:

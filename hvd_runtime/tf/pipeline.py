@@ -16,7 +16,7 @@ process set) and applied. Data: shard by replica, as in hvd_runtime.torch.pipeli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tensorflow as tf
@@ -71,7 +71,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
             me.prev = AlltoallLink(me.rank, prev, me.process_set([prev, me.rank]))
         if next_ is not None:
             me.next = AlltoallLink(me.rank, next_, me.process_set([me.rank, next_]))
-    return ctx, me
+    return replace(ctx, pipeline=me), me
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class PipelineEngine(PipelineEngineBase):
         norm = (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.dims.replicas) ** 0.5
         return [g * (self.clip_norm / norm) for g in grads] if norm > self.clip_norm else grads
 
-    def _allreduce_sum(self, values, name):
+    def sum_over_ranks(self, values, name):
         return self.hvd.allreduce(tf.constant(values, tf.float64), op=self.hvd.Sum, name=name).numpy()
 
     @staticmethod

@@ -1,5 +1,8 @@
 """One training step in a custom loop: forward, backward, allreduce, apply; compiled once.
 
+What hvd_runtime.loop drives (its Step), for a whole model on each rank (data parallel,
+model-split, tensor parallel).
+
 This is the loop Keras 3 needs under Horovod: `horovod.tensorflow.keras`'s DistributedOptimizer
 is never called by Keras 3's `model.fit`, which then trains each rank alone without a word.
 Here the allreduce is an explicit line between `tape.gradient` and `apply_gradients`.
@@ -7,10 +10,20 @@ Here the allreduce is an explicit line between `tape.gradient` and `apply_gradie
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
+from hvd_runtime.loop import evaluate_batches
+from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
 from hvd_runtime.tf.objective import accuracy_sum
+
+
+def sum_over_ranks(values: np.ndarray, name: str) -> np.ndarray:
+    """A float64 vector summed over every rank of the job."""
+    import horovod.tensorflow as hvd
+
+    return hvd.allreduce(tf.constant(values), op=hvd.Sum, name=name).numpy()
 
 
 class TrainStep:
@@ -24,16 +37,20 @@ class TrainStep:
     not clip itself (make_optimizer(clip=False)).
     """
 
+    metric_names = ("accuracy",)
+
     def __init__(self, model, optimizer, loss_fn, sync: GradientSync, backward_passes_per_step: int = 1,
                  clip_norm: float = 0.0, grad_norm=None):
         self.model, self.optimizer, self.loss_fn, self.sync = model, optimizer, loss_fn, sync
         self.clip_norm, self.grad_norm = clip_norm if grad_norm is not None else 0.0, grad_norm
         self.variables = list(model.trainable_variables)
-        self.k = backward_passes_per_step
+        self.k = self.batches_per_update = backward_passes_per_step
+        self.sum_over_ranks = sum_over_ranks
         self.accumulator = GradientAccumulator(self.variables, self.k) if self.k > 1 else None
         self._step = tf.function(self._train_on_batch, reduce_retracing=True)
         self._accumulate = tf.function(self._accumulate_batch, reduce_retracing=True)
         self._apply_accumulated = tf.function(self._apply_accumulated_fn)
+        self._eval_totals = tf.function(self._eval_totals_fn, reduce_retracing=True)
 
     def _forward_backward(self, x, y):
         with tf.GradientTape() as tape:
@@ -83,3 +100,20 @@ class TrainStep:
         if apply:
             self._apply_accumulated()
         return out
+
+    def train_batch(self, x, y, apply: bool, step: int):
+        """hvd_runtime.loop's call: the learning rate follows the optimizer's own iterations."""
+        loss, correct = self(x, y, apply=apply)
+        return loss, {"accuracy": correct}
+
+    def _eval_totals_fn(self, x, y):
+        logits = self.model(x, training=False)
+        return self.loss_fn(y, logits) * tf.cast(tf.shape(y)[0], tf.float32), {"accuracy": accuracy_sum(logits, y)}
+
+    def evaluate(self, batches) -> tuple[float, dict[str, float]]:
+        """Loss and accuracy over the whole validation set, each sample counted once on one rank.
+
+        Every rank first takes the job's mean BatchNorm statistics, so all ranks evaluate one model.
+        """
+        average_statistics(self.model, name="eval.statistics")
+        return evaluate_batches(self._eval_totals, batches, self.sum_over_ranks, self.metric_names)

@@ -88,6 +88,11 @@ class SplitVariables:
     def full_model_arrays(self) -> list[np.ndarray]:
         return self.full_arrays(self.model.variables, self.model_splits())
 
+    def whole_model(self, unsplit):
+        """`unsplit` (a fresh build of the same model) holding the trained weights; every rank calls."""
+        unsplit.set_weights(self.full_model_arrays())
+        return unsplit
+
     def full_optimizer_arrays(self, optimizer) -> list[np.ndarray]:
         return self.full_arrays(optimizer.variables, self.optimizer_splits(optimizer))
 

@@ -1,7 +1,8 @@
 """Horovod initialised for a pipeline on PyTorch: the grid's process sets, and links to the neighbours.
 
-    dims = init_pipeline(stages=2)      # instead of hvd.init(): process sets are fixed at init
+    ctx, dims = init_pipeline(stages=2)   # instead of init_horovod(): process sets are fixed at init
     dims.stage, dims.replica, dims.is_first, dims.is_last
+    ctx.device, ctx.data_rank, ctx.data_size   # this rank's device; its replica, of how many
 
 The grid itself (which rank holds which stage, which process sets exist) is framework-free, in
 `hvd_runtime.parallel.dims`; this rank's place in it in `hvd_runtime.pipeline_grid`.
@@ -16,18 +17,20 @@ from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.scaling import set_cycle_time
+from hvd_runtime.torch.context import Context, pin_device
 
-__all__ = ["ParallelDims", "PipelineConfigError", "PipelineRank", "init_pipeline"]
+__all__ = ["Context", "ParallelDims", "PipelineConfigError", "PipelineRank", "init_pipeline"]
 
 
-def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
-                  cycle_time_ms: float = 0.0, tp: int = 1) -> PipelineRank:
-    """Initialise Horovod with the pipeline's process sets and open the neighbour links.
+def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
+                  p2p: str = "socket", tp: int = 1) -> tuple[Context, PipelineRank]:
+    """Initialise Horovod with the pipeline's process sets, pin the device, open the neighbour links.
 
     p2p: "socket" (a TCP connection per neighbour pair, the default, as for TensorFlow: fastest,
     see docs/pipeline.md), "torch" (torch.distributed gloo send/recv), "alltoall" or "broadcast"
     (Horovod collectives in 2-rank process sets).
-    threads: torch CPU threads for this rank; default cores / ranks on this host.
+    seed, threads_per_rank: as init_horovod's (seed + rank; on the CPU, cores / ranks on this host
+    threads by default).
     cycle_time_ms: Horovod's background-loop period (hvd_runtime.scaling.set_cycle_time).
     tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`): the grid is
     replicas x stages x tp, and each slice talks to the same slice of the neighbouring stages.
@@ -55,8 +58,7 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
     if hvd.size() != dims.world:
         dims = ParallelDims(world=hvd.size(), tp=tp, pp=stages)
     me = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
-    local = hvd.local_size()
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local))
+    ctx = Context(pin_device(seed, threads_per_rank), pipeline=me)
     if dims.dp > 1:
         me.dp_set = me.process_set(dims.dp_ranks(me.rank))
     if dims.tp > 1:
@@ -72,9 +74,9 @@ def init_pipeline(stages: int, p2p: str = "socket", threads: int | None = None,
     if p2p == "socket":
         links = connect_neighbours(hvd, me.prev_rank, me.next_rank)
         me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
-        return me
+        return ctx, me
     if not me.is_first:
         me.prev = link(me.prev_rank, [me.prev_rank, me.rank])
     if not me.is_last:
         me.next = link(me.next_rank, [me.rank, me.next_rank])
-    return me
+    return ctx, me

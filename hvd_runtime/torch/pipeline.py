@@ -39,7 +39,7 @@ class PipelineEngine(PipelineEngineBase):
 
     def __init__(self, stage: torch.nn.Module, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
                  micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
-                 device=None, precision: str = "fp32", clip_norm: float = 0.0):
+                 device=None, precision: str = "fp32", clip_norm: float = 0.0, lr_schedule=None):
         import horovod.torch as hvd
 
         super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
@@ -49,7 +49,7 @@ class PipelineEngine(PipelineEngineBase):
             raise ConfigError("train.precision fp16 is not offered for the pipeline strategy: use bf16 (no loss "
                               "scaling needed) or fp32")
         self._autocast = Precision(precision, self.device).autocast
-        self.clip_norm = clip_norm
+        self.clip_norm, self.lr_schedule = clip_norm, lr_schedule
         # Tensor-parallel stages: the parameters held as slices, found once (the clip norm counts them apart)
         self._split_ids = set(SplitParameters(stage).by_param) if dims.dims.tp > 1 else set()
         self._saved: dict[int, tuple] = {}     # micro-batch -> (input, output to backpropagate)
@@ -131,5 +131,9 @@ class PipelineEngine(PipelineEngineBase):
             for g in grads:
                 g.mul_(scale)
 
-    def _allreduce_sum(self, values, name):
+    def _before_step(self, step):
+        if self.lr_schedule is not None:  # the LR for this step, scaled by the replicas (stages add no samples)
+            self.lr_schedule.apply(self.optimizer, step, self.dims.replicas)
+
+    def sum_over_ranks(self, values, name):
         return self.hvd.allreduce(torch.from_numpy(values), op=self.hvd.Sum, name=name).numpy()

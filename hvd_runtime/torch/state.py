@@ -138,3 +138,8 @@ def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, state, 
         return None
     payload = whole or snapshot(model, optimizer, state, rngs)
     return store.save(state.step, lambda path: torch.save(payload, path))
+
+
+def checkpoint_store(cfg, ctx: Context) -> CheckpointStore:
+    """Rank 0 writes the checkpoints; other ranks never touch the disk."""
+    return CheckpointStore(cfg.dir, cfg.keep, is_writer=ctx.is_root)

@@ -83,6 +83,11 @@ class SplitParameters:
         hvd.barrier()
         return whole
 
+    def whole_model(self, unsplit: nn.Module) -> nn.Module:
+        """`unsplit` (a fresh build of the same model) holding the trained weights; every rank calls."""
+        unsplit.load_state_dict(self.full_model_state())
+        return unsplit
+
     def local_model_state(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.index_select(self.by_name[name].dim, self.by_name[name].index) if name in self.by_name else t
                 for name, t in full.items()}

@@ -74,7 +74,7 @@ def main():
 
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
-    dims = init_pipeline(stages=args.stages, p2p=args.p2p, threads=1, tp=args.tp)
+    _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp)
     g = torch.Generator().manual_seed(7)
     global_batch = args.batch * dims.replicas
     batches = [work.batch(g, global_batch) for _ in range(args.steps)]

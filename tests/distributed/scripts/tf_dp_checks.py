@@ -26,9 +26,11 @@ import tensorflow as tf  # noqa: E402
 from hvd_runtime.checkpoint import CheckpointStore  # noqa: E402
 from hvd_runtime.config import HorovodConfig, OptimConfig  # noqa: E402
 from hvd_runtime.data import Split  # noqa: E402
-from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, Every, GradientSync, distribute_fit, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
-                            allreduce_sums, checkpoint_store, make_optimizer, restore_or_broadcast,
-                            save_checkpoint, train_epoch, use_sync_batchnorm)
+from hvd_runtime.loop import Every, means_over_ranks, train_epoch  # noqa: E402
+from hvd_runtime.tf.step import sum_over_ranks  # noqa: E402
+from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, GradientSync, distribute_fit, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
+                            checkpoint_store, make_optimizer, restore_or_broadcast,
+                            save_checkpoint, use_sync_batchnorm)
 from hvd_runtime.config import CheckpointConfig  # noqa: E402
 
 assert ctx.size == 2, "run with -np 2"
@@ -216,7 +218,7 @@ report("model_parallel_shards_match_full_layer", diff < TOL and moved > 1e-3,
 
 # 7. Metrics over uneven shards: global sums / global count, not a mean of means.
 values = np.arange(5.0) if R == 0 else np.arange(5.0, 7.0)
-means = allreduce_sums({"v": values.sum()}, float(len(values)))
+means = means_over_ranks({"v": values.sum()}, len(values), sum_over_ranks, "check.means")
 report("metric_average_weights_by_count", abs(means["v"] - 3.0) < 1e-12, f"got {means['v']}")
 
 # 8. Ranks initialised differently start identical after restore_or_broadcast (optimizer too);
@@ -265,7 +267,7 @@ with tempfile.TemporaryDirectory() as tmp:
     store = checkpoint_store(CheckpointConfig(dir=tmp), ctx)
     straight = restore_or_broadcast(store, model, opt, ctx)
     for _ in range(2):
-        train_epoch(step, batches, ctx, straight)
+        train_epoch(step, batches, straight, is_root=ctx.is_root)
     expected = [np.asarray(v) for v in model.variables + opt.variables]
 
     model, opt, step = job(seed=123)
@@ -277,14 +279,14 @@ with tempfile.TemporaryDirectory() as tmp:
 
     try:
         while stopped.epoch < 2:
-            train_epoch(step, batches, ctx, stopped, every=[Every(7, save_and_stop)])  # step 7: mid epoch 1
+            train_epoch(step, batches, stopped, is_root=ctx.is_root, every=[Every(7, save_and_stop)])  # step 7: mid epoch 1
     except Stop:
         pass
     model, opt, step = job(seed=999 + R)
     resumed = restore_or_broadcast(store, model, opt, ctx)
     at = (resumed.epoch, resumed.step, resumed.samples_in_epoch)
     while resumed.epoch < 2:
-        train_epoch(step, batches, ctx, resumed)
+        train_epoch(step, batches, resumed, is_root=ctx.is_root)
     written = len(store.paths())
 diff = max_rel_diff(model.variables + opt.variables, expected)
 report("mid_epoch_resume_matches_uninterrupted",

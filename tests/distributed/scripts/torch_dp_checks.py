@@ -14,7 +14,9 @@ from torch import nn
 import horovod.torch as hvd
 from hvd_runtime.checkpoint import CheckpointStore
 from hvd_runtime.config import HorovodConfig, OptimConfig
-from hvd_runtime.torch import (SyncBatchNorm, allreduce_sums, init_horovod, make_optimizer, restore_or_broadcast,
+from hvd_runtime.loop import means_over_ranks  # noqa: E402
+from hvd_runtime.torch.step import sum_over_ranks  # noqa: E402
+from hvd_runtime.torch import (SyncBatchNorm, init_horovod, make_optimizer, restore_or_broadcast,
                                use_sync_batchnorm)
 
 warnings.filterwarnings("ignore")
@@ -100,7 +102,7 @@ report("sync_batchnorm_running_stats_match", stats < 1e-5, f"max abs diff {stats
 
 # 5. Metrics over uneven shards: global sums / global count, not a mean of means.
 values = torch.arange(5.0) if R == 0 else torch.arange(5.0, 7.0)
-means = allreduce_sums({"v": values.sum()}, torch.tensor(float(len(values))))
+means = means_over_ranks({"v": values.sum()}, len(values), sum_over_ranks, "check.means")
 report("metric_average_weights_by_count", abs(means["v"] - 3.0) < 1e-12, f"got {means['v']}")
 
 # 6. Ranks initialised differently start identical after restore_or_broadcast; LR warmup scales.

@@ -1,0 +1,134 @@
+"""The one epoch loop: every strategy, both frameworks.
+
+A strategy hands the loop a *step*, which knows how to train on one batch; the loop owns
+everything around it, the same for a data-parallel model, a split one, a tensor-parallel group or
+a pipeline stage: the position in the epoch (exact resume), trimming to whole optimizer steps,
+progress, throughput, `log_every` points, `Every` hooks (checkpoints, elastic commits) and the
+metrics averaged over the job. A step offers:
+
+    batches_per_update: int        batches whose gradients make one optimizer step (k)
+    train_batch(x, y, apply, step) -> (mean loss, {metric: sum over the batch})
+                                   `apply`: the k-th batch, update the weights; `step`: the
+                                   job's batch count so far (a learning-rate schedule reads it)
+    evaluate(batches) -> (mean loss, {metric: mean}), over every rank's shard
+    sum_over_ranks(values, name) -> values summed over every rank (a float64 vector)
+
+hvd_runtime.torch.TrainStep, hvd_runtime.tf.TrainStep and both PipelineEngines are steps.
+Values a step returns may be the framework's tensors: they are added up where they are (no host
+sync per batch) and read only at a log point and at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from hvd_runtime.progress import progress
+from hvd_runtime.throughput import Throughput
+
+
+class Step(Protocol):
+    batches_per_update: int
+
+    def train_batch(self, x, y, apply: bool, step: int) -> tuple[object, Mapping[str, object]]: ...
+
+    def evaluate(self, batches) -> tuple[float, dict[str, float]]: ...
+
+    def sum_over_ranks(self, values: np.ndarray, name: str) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Every:
+    """Run `action()` after every `steps` training steps (0 = never), on every rank at once."""
+
+    steps: int
+    action: Callable[[], object]
+
+
+def means_over_ranks(sums: Mapping[str, object], count, sum_over_ranks: Callable, name: str) -> dict[str, float]:
+    """Global means: every rank's totals and counts summed in one collective, then divided.
+
+    Averaging per-rank means would weight a rank's last, shorter shard like a full one.
+    """
+    values = np.array([*(float(v) for v in sums.values()), float(count)], dtype=np.float64)
+    totals = sum_over_ranks(values, name)
+    if totals[-1] == 0:  # an epoch resumed at its very end trained nothing
+        return {key: float("nan") for key in sums}
+    return {key: float(totals[i] / totals[-1]) for i, key in enumerate(sums)}
+
+
+def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0,
+                on_log: Callable[[dict[str, float], int], None] | None = None,
+                every: Sequence[Every] = ()) -> dict[str, float]:
+    """Train the rest of epoch `state.epoch`; return train_loss and train_<metric> over the job, and speed.
+
+    `state` (a TrainState or Horovod's elastic state) advances as it goes: `step`, and
+    `samples_in_epoch`, from which a resumed or resized job continues; at the end of the epoch
+    `epoch` moves on and `samples_in_epoch` returns to 0. With k batches per optimizer step the
+    epoch is trimmed to a multiple of k, the same on every rank, so no half-accumulated step is
+    left over, and `every` hooks run only between optimizer steps. Every `log_every` steps, the
+    batch loss over the job and the throughput since the last point go to `on_log(metrics, step)`.
+    """
+    k = step.batches_per_update
+    steps = batches.steps(state.samples_in_epoch)
+    usable = steps - steps % k
+    sums: dict[str, object] = {"loss": 0.0}
+    seen = 0
+    batch_iter = progress(batches.batches(state.epoch, state.samples_in_epoch), enabled=is_root,
+                          desc=f"epoch {state.epoch}", total=usable)
+    speed = Throughput(batches.samples_per_step)
+    for i, (x, y) in enumerate(batch_iter):
+        if i >= usable:
+            break
+        apply = (i + 1) % k == 0
+        loss, metric_sums = step.train_batch(x, y, apply, state.step)
+        n = int(y.shape[0])
+        sums["loss"] = sums["loss"] + loss * n
+        for key, value in metric_sums.items():
+            sums[key] = sums.get(key, 0.0) + value
+        seen += n
+        state.step += 1
+        state.samples_in_epoch += batches.samples_per_step
+        speed.tokens_per_sample = int(np.prod(y.shape[1:]))  # a language model's targets: one per token
+        speed.step()
+        if log_every and on_log is not None and state.step % log_every == 0:
+            # Horovod: the batch loss averaged over the job (every rank calls, at the same step)
+            point = means_over_ranks({"step_train_loss": loss}, 1, step.sum_over_ranks, "metrics.step") | speed.since_last()
+            if hasattr(batch_iter, "set_postfix_str"):
+                batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
+            on_log(point, state.step)
+        for hook in every:
+            if apply and hook.steps and state.step % hook.steps == 0:
+                hook.action()
+    state.epoch += 1
+    state.samples_in_epoch = 0
+    # Horovod: sample-weighted over every rank's shard, not just this one.
+    return means_over_ranks({f"train_{key}": value for key, value in sums.items()}, seen, step.sum_over_ranks,
+                            "metrics.train") | {f"train_{key}": value for key, value in speed.epoch().items()}
+
+
+def evaluate(step: Step, batches) -> dict[str, float]:
+    """val_loss and val_<metric> over the whole validation set, each sample counted once on one rank."""
+    loss, metrics = step.evaluate(batches)
+    return {"val_loss": loss, **{f"val_{key}": value for key, value in metrics.items()}}
+
+
+def evaluate_batches(totals: Callable, batches: Iterable, sum_over_ranks: Callable,
+                     metric_names: Sequence[str]) -> tuple[float, dict[str, float]]:
+    """(mean loss, metric means) of `totals(x, y) -> (loss sum, {metric: sum})` over every rank's batches.
+
+    Shards are uneven: totals and counts are summed over the job before dividing. A rank may have
+    no batch at all, so the metrics are named up front: every rank sends the same vector.
+    """
+    sums: dict[str, object] = {"loss": 0.0, **{key: 0.0 for key in metric_names}}
+    seen = 0
+    for x, y in batches:
+        loss_sum, metric_sums = totals(x, y)
+        sums["loss"] = sums["loss"] + loss_sum
+        for key, value in metric_sums.items():
+            sums[key] = sums[key] + value
+        seen += int(y.shape[0])
+    means = means_over_ranks(sums, seen, sum_over_ranks, "metrics.eval")
+    return means.pop("loss"), means
