@@ -90,7 +90,7 @@ def list_cmd() -> None:
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
 @click.option("--micro-batches", type=int, default=None, help="model-split / pipeline: micro-batches per batch [4].")
 @click.option("--schedule", default=None, help="pipeline: gpipe or 1f1b [1f1b].")
-@click.option("--tp", type=int, default=None, help="tensor: ranks per tensor-parallel group [2].")
+@click.option("--tp", type=int, default=None, help="tensor: ranks per tensor-parallel group [2]; pipeline: each stage split over tp ranks [1].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
@@ -106,8 +106,9 @@ def new_cmd(name: str, framework: str, strategy: str, model: str | None, stages:
     if given and strategy in ("data", "tensor"):
         flag = "--" + next(iter(given)).replace("_", "-")
         raise HvdgenError(f"{flag} applies to --strategy model-split or pipeline, not {strategy}: drop it or pick one")
-    if tp is not None and strategy != "tensor":
-        raise HvdgenError(f"--tp applies to --strategy tensor, not {strategy}: drop it, or use --strategy tensor")
+    if tp is not None and strategy not in ("tensor", "pipeline"):
+        raise HvdgenError(f"--tp applies to --strategy tensor or pipeline, not {strategy}: drop it, or use "
+                          "--strategy tensor")
     if tp is not None:
         given["tp"] = tp
     if schedule is not None and strategy == "model-split":

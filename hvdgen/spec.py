@@ -64,12 +64,14 @@ class ProjectSpec:
     stages: int = 2        # model-split: devices per worker; pipeline: ranks per pipeline
     micro_batches: int = 4
     schedule: str = "1f1b"
-    tp: int = 2            # tensor: ranks per tensor-parallel group
+    tp: int | None = None  # tensor (default 2) and pipeline (default 1: stages unsplit): ranks per tensor-parallel group
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
 
     def __post_init__(self) -> None:
         validate_name(self.name)
+        if self.tp is None:  # frozen: the default depends on the strategy
+            object.__setattr__(self, "tp", 2 if self.strategy == "tensor" else 1)
         for key in ("framework", "strategy", "model", "schedule", "hvdgen_version"):
             if not isinstance(getattr(self, key), str):
                 raise HvdgenError(f"{key} must be text, got {getattr(self, key)!r}: e.g. {key}: "
@@ -110,16 +112,24 @@ class ProjectSpec:
             lost = "a stage" if self.strategy == "pipeline" else "a slice of every layer"
             raise HvdgenError(f"--elastic works with the data and model-split strategies: a {self.strategy} job cannot "
                               f"lose {lost}; drop --elastic or use --strategy data")
-        if self.strategy == "tensor":
+        if self.strategy == "tensor" or (self.strategy == "pipeline" and self.tp != 1):
             self._check_tensor()
+        elif self.tp != 1:
+            raise HvdgenError(f"tp {self.tp!r} applies to the tensor and pipeline strategies, not {self.strategy}: "
+                              "drop it (tp: 1), or use --strategy tensor")
 
     def _check_tensor(self) -> None:
         heads = catalog.MODELS[self.model].heads
-        if not catalog.splits(self.strategy, self.model):
-            raise HvdgenError(f"--strategy tensor splits attention heads and MLPs, and the {self.model} model has "
-                              "none: use --model gpt, or --strategy data for this one")
-        if not _whole(self.tp) or self.tp < 2:
-            raise HvdgenError(f"--tp must be an integer of at least 2, got {self.tp!r}: e.g. --tp 2")
+        least = 2 if self.strategy == "tensor" else 1
+        if not _whole(self.tp) or self.tp < least:
+            raise HvdgenError(f"--tp must be an integer of at least {least}, got {self.tp!r}: e.g. --tp 2")
+        if not heads:
+            raise HvdgenError(f"--strategy {self.strategy}{' --tp' if self.strategy == 'pipeline' else ''} splits "
+                              f"attention heads and MLPs, and the {self.model} model has none: use --model gpt, "
+                              f"or {'drop --tp' if self.strategy == 'pipeline' else '--strategy data'} for this one")
+        if self.strategy == "pipeline" and self.framework != "torch":
+            raise HvdgenError("a pipeline of tensor-parallel stages (--strategy pipeline --tp) is built for torch, "
+                              f"not yet for {self.framework}: use --framework torch, or drop --tp")
         if heads % self.tp:
             fits = " or ".join(str(n) for n in range(2, heads + 1) if heads % n == 0)
             raise HvdgenError(f"--tp {self.tp} does not divide the generated {self.model}'s {heads} attention heads: "
@@ -130,10 +140,21 @@ class ProjectSpec:
         return package_name(self.name)
 
     @property
+    def model_ranks(self) -> int:
+        """Ranks that together hold one copy of the model: a pipeline's stages x tp, a tensor-parallel
+        group's tp, else 1. The world (-np) is a multiple of it: model_ranks x replicas."""
+        return {"pipeline": self.stages * self.tp, "tensor": self.tp}.get(self.strategy, 1)
+
+    @property
+    def tp_stages(self) -> bool:
+        """A pipeline whose stages are split by tensor parallelism (parallel.tp, 1 by default): a torch
+        pipeline of a model with attention heads. Its train.py splits and gathers them."""
+        return self.strategy == "pipeline" and self.framework == "torch" and catalog.MODELS[self.model].heads > 0
+
+    @property
     def cpu_np(self) -> int:
-        """Ranks of the smallest run on one CPU: one pipeline of `stages` ranks, one tensor-parallel
-        group of `tp`, else 2 workers."""
-        return {"pipeline": self.stages, "tensor": self.tp}.get(self.strategy, 2)
+        """Ranks of the smallest run on one CPU: one copy of a split model (model_ranks), else 2 workers."""
+        return self.model_ranks if self.strategy in ("pipeline", "tensor") else 2
 
     @property
     def ranks_per_gpu_node(self) -> int:
@@ -142,7 +163,7 @@ class ProjectSpec:
         if self.strategy == "model-split":
             return max(1, 4 // self.stages)
         if self.strategy == "pipeline":
-            return self.stages * max(1, 4 // self.stages)
+            return self.model_ranks * max(1, 4 // self.model_ranks)
         return 4
 
     def to_yaml(self) -> str:

@@ -28,10 +28,33 @@ from hvd_runtime.pipeline_grid import micro_batch_sizes
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.stage import build_stage, plan_stages
+from hvd_runtime.torch.tensor_parallel import apply_tp, transformer_blocks
 from hvd_runtime.torch.tensor_state import SplitParameters
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
-           "micro_batch_sizes", "plan_stages"]
+           "micro_batch_sizes", "plan_stages", "split_stage"]
+
+
+def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
+    """The stage with its transformer blocks split over its tensor-parallel group (init_pipeline's tp).
+
+    Every rank of the group first takes its first rank's weights: each rank built the model under
+    its own seed, and the slices must come from one model, the parameters kept whole (LayerNorm,
+    embeddings) be the same on all. Unchanged at tp 1; a stage without blocks (an embedding or a
+    head alone) stays whole, its tp ranks computing it alike (the clipping norm counts it once).
+    """
+    import horovod.torch as hvd
+
+    group = dims.tensor_group
+    if group is None:
+        return stage
+    root = dims.dims.tp_ranks(dims.rank)[0]
+    # Horovod: one model for the whole group, from its first rank
+    handles = [hvd.broadcast_async_(t.data, root, name=f"tp.init.{name}", process_set=group.process_set)
+               for name, t in stage.state_dict().items()]
+    for handle in handles:
+        hvd.synchronize(handle)
+    return apply_tp(stage, group) if transformer_blocks(stage) else stage
 
 
 class PipelineEngine(PipelineEngineBase):

@@ -3,7 +3,9 @@
 Rank 0 writes, as in every strategy: the stages' states are gathered to it (replica 0 of each
 stage; the replicas are identical). A stage keeps its blocks' original names, so the union of
 the stages' state dicts is the unsplit model's state dict: rank 0 can load it into the original
-model, to log or export one ordinary model. Gathering costs memory on rank 0 for a model too
+model, to log or export one ordinary model. Stages split by tensor parallelism (`split`, their
+SplitParameters) are gathered whole first, so the file is the same at every tp and a run resumes
+at another one. Gathering costs memory on rank 0 for a model too
 big for one device; such models want per-stage checkpoints, which this module does not write.
 """
 
@@ -15,38 +17,45 @@ from torch import nn
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.pipeline_checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
 from hvd_runtime.torch.buffers import average_buffers
-from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, set_rng_state
+from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, saved_shapes, set_rng_state
 
 
-def _gather_stages(stage: nn.Module, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:
+def _gather_stages(stage: nn.Module, optimizer, dims, split=None) -> tuple[dict[int, dict], list[dict]]:
     """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state).
 
-    A stage's replicas first agree on its BatchNorm statistics (hvd_runtime.torch.buffers).
+    A stage's replicas first agree on its BatchNorm statistics (hvd_runtime.torch.buffers); a
+    tensor-parallel stage's slices are gathered whole (`split`), the same on each rank of its group.
     """
     import horovod.torch as hvd
 
     if dims.dp_set is not None:
         average_buffers(stage, process_set=dims.dp_set, name="pp.checkpoint.buffers")
-    return gather_stages(hvd, dims, _to_cpu(stage.state_dict()),
-                         _to_cpu(optimizer.state_dict()) if optimizer is not None else None, rng_state())
+    weights = stage.state_dict() if split is None else split.full_model_state()
+    moments = None
+    if optimizer is not None:
+        moments = optimizer.state_dict() if split is None else split.full_optimizer_state(optimizer)
+    return gather_stages(hvd, dims, _to_cpu(weights), _to_cpu(moments), rng_state())
 
 
-def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer, state, dims):
+def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer, state, dims, split=None):
     """Called by every rank; rank 0 writes one file with every stage."""
-    stages, rngs = _gather_stages(stage, optimizer, dims)
+    stages, rngs = _gather_stages(stage, optimizer, dims, split)
     if not store.is_writer:
         return None
     payload = checkpoint_payload(stages, rngs, state)
     return store.save(state.step, lambda path: torch.save(payload, path))
 
 
-def _fitting_stage(hvd, payload: dict, stage: nn.Module, dims, where: str) -> dict:
+def _fitting_stage(hvd, payload: dict, stage: nn.Module, dims, where: str, split=None) -> dict:
     """This rank's part of the checkpoint; every rank stops alike if any part does not fit."""
-    return fitting_own_stage(hvd, payload, dims, where, lambda part: model_misfit(part["model"], stage.state_dict()))
+    return fitting_own_stage(hvd, payload, dims, where,
+                             lambda part: model_misfit(part["model"], saved_shapes(stage, split)))
 
 
-def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, resume: bool = True) -> TrainState:
-    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage.
+def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, resume: bool = True,
+                     split=None) -> TrainState:
+    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage (with
+    `split`, a tensor-parallel stage, its slices of the whole stage the file holds).
 
     A checkpoint that does not fit this pipeline stops every rank with the same ConfigError.
     """
@@ -56,21 +65,22 @@ def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, 
     payload = hvd.broadcast_object(payload, root_rank=0, name="pp.restore")
     if payload is None:
         return TrainState()
-    mine = _fitting_stage(hvd, payload, stage, dims, f"the checkpoint in {store.directory}")
-    stage.load_state_dict(mine["model"])
+    mine = _fitting_stage(hvd, payload, stage, dims, f"the checkpoint in {store.directory}", split)
+    stage.load_state_dict(mine["model"] if split is None else split.local_model_state(mine["model"]))
     if optimizer is not None and mine["optimizer"] is not None:
-        optimizer.load_state_dict(mine["optimizer"])
+        moments = mine["optimizer"]
+        optimizer.load_state_dict(moments if split is None else split.local_optimizer_state(optimizer, moments))
     rng = own_rng(payload, hvd.rank(), hvd.size())
     if rng is not None:
         set_rng_state(rng)
     return restored_state(payload)
 
 
-def gather_full_model(model: nn.Module, stage: nn.Module, dims) -> nn.Module:
+def gather_full_model(model: nn.Module, stage: nn.Module, dims, split=None) -> nn.Module:
     """Every rank calls; on rank 0, `model` (the unsplit original) ends up with the trained weights."""
     import horovod.torch as hvd
 
-    stages, _ = _gather_stages(stage, None, dims)
+    stages, _ = _gather_stages(stage, None, dims, split)
     if hvd.rank() == 0:
         merged = {k: v for part in stages.values() for k, v in part["model"].items()}
         model.load_state_dict(merged)

@@ -151,10 +151,15 @@ def _is_transformer_block(module: nn.Module) -> bool:
             and len(mlp) >= 3 and isinstance(mlp[0], nn.Linear) and isinstance(mlp[2], nn.Linear))
 
 
+def transformer_blocks(model: nn.Module) -> list[str]:
+    """The names of the blocks apply_tp splits (attention with qkv and proj, an MLP of two linears)."""
+    return [name for name, module in model.named_modules() if name and _is_transformer_block(module)]
+
+
 def apply_tp(model: nn.Module, group: TensorGroup) -> nn.Module:
     """Split every transformer block of `model` over the group, in place; returns the model
     (unchanged for a group of one: tp 1 is the unsplit model)."""
-    names = [name for name, module in model.named_modules() if name and _is_transformer_block(module)]
+    names = transformer_blocks(model)
     if not names:
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
                                   "qkv and proj, an MLP of two linears): tensor parallelism splits the gpt model; "

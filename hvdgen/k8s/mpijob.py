@@ -58,7 +58,7 @@ def labels(spec: ProjectSpec, opts: K8sOptions, component: str | None = None) ->
            "hvdgen/strategy": spec.strategy}
     if spec.strategy in ("model-split", "pipeline"):
         out[STAGES_LABEL] = str(spec.stages)
-    if spec.strategy == "tensor":
+    if spec.tp > 1:  # tensor, or a pipeline of tensor-parallel stages
         out[TP_LABEL] = str(spec.tp)
     if component:
         out["app.kubernetes.io/component"] = component

@@ -4,8 +4,9 @@
 - model-split: each rank spreads its model's stages over GPUs of its own, one GPU per stage, so a
   worker with G GPUs runs G / stages ranks, and G must be a multiple of the stages (with fewer,
   the stages would fall back to the CPU);
-- pipeline: one rank per GPU and one stage per rank; the world (workers x slots) must be whole
-  pipelines, a multiple of the stages, and cannot be elastic (a lost worker is a lost stage);
+- pipeline: one rank per GPU and one stage (or, with tp, one slice of a stage) per rank; the world
+  (workers x slots) must be whole pipelines, a multiple of stages x tp, a GPU worker holds whole
+  tp groups, and it cannot be elastic (a lost worker is a lost stage);
 - tensor: one rank per GPU; the world must be whole tensor-parallel groups (a multiple of tp), a
   GPU worker holds whole groups (its GPUs a multiple of tp: a group's activations cross it in
   every layer), and it cannot be elastic (a lost worker is a lost slice of every layer).
@@ -28,10 +29,11 @@ def slots_per_worker(spec: ProjectSpec, gpus: int) -> int:
 
 
 def default_answers(spec: ProjectSpec) -> dict:
-    """The k8s answers that depend on the strategy: one CPU worker per pipeline stage, one GPU per
-    model-split stage, one CPU worker and one GPU per rank of a tensor-parallel group."""
-    if spec.strategy == "pipeline":
-        return {"workers": spec.stages}
+    """The k8s answers that depend on the strategy: one CPU worker per rank of a pipeline (stages x
+    tp; with tp, tp GPUs a worker), one GPU per model-split stage, one CPU worker and one GPU per
+    rank of a tensor-parallel group."""
+    if spec.strategy == "pipeline":  # with tp, a GPU worker holds whole tp groups
+        return {"workers": spec.model_ranks} | ({"gpus_per_worker": spec.tp} if spec.tp > 1 else {})
     if spec.strategy == "tensor":
         return {"workers": spec.tp, "gpus_per_worker": spec.tp}
     if spec.strategy == "model-split":
@@ -66,13 +68,18 @@ def _check_model_split(spec: ProjectSpec, opts: K8sOptions) -> None:
 
 
 def _check_whole_groups(spec: ProjectSpec, opts: K8sOptions) -> None:
-    """A pipeline's world is whole pipelines, a tensor-parallel one whole tp groups; neither can be elastic."""
+    """A pipeline's world is whole pipelines (stages x tp ranks), a tensor-parallel one whole tp
+    groups, each tp group on one worker; neither can be elastic."""
     pipeline = spec.strategy == "pipeline"
-    size, groups = (spec.stages, f"the pipeline's {spec.stages} stages") if pipeline else (spec.tp, f"tp {spec.tp}")
+    size = spec.model_ranks
+    if pipeline:
+        groups = f"the pipeline's {spec.stages} stages" + (f" x tp {spec.tp}" if spec.tp > 1 else "")
+    else:
+        groups = f"tp {spec.tp}"
     if opts.elastic:
         lost = "a stage" if pipeline else "a slice of every layer"
         raise HvdgenError(f"a {spec.strategy} job cannot be elastic (losing a worker loses {lost}): drop --elastic")
-    if not pipeline and opts.gpus_per_worker % spec.tp:
+    if spec.tp > 1 and opts.gpus_per_worker % spec.tp:
         whole = max(opts.gpus_per_worker // spec.tp, 1) * spec.tp
         raise HvdgenError(f"tensor parallelism keeps each group of tp {spec.tp} ranks on one worker (they exchange "
                           f"activations in every layer), so --gpus-per-worker must be a multiple of {spec.tp}, got "

@@ -45,7 +45,8 @@ def _ranks(spec: ProjectSpec, opts: K8sOptions, gpus: int) -> str:
         shape = f"{_count(opts.workers, 'worker')} x {_count(gpus, 'GPU')}, one rank per GPU"
     shape += f" (`slotsPerWorker: {slots}`): {_count(world, 'rank')}"
     if spec.strategy == "pipeline":
-        shape += f", {_count(world // spec.stages, 'pipeline')} of {spec.stages} stages"
+        shape += f", {_count(world // spec.model_ranks, 'pipeline')} of {spec.stages} stages"
+        shape += f" x tp {spec.tp}" if spec.tp > 1 else ""
     if spec.strategy == "tensor":
         shape += f", {_count(world // spec.tp, 'tensor-parallel group')} of {spec.tp}"
     return shape

@@ -201,11 +201,14 @@ def _launch_problems(job: dict, specs: dict) -> list[Problem]:
                                 f"({slots}) = {expected}: set -np {expected}"))
     stages = str(_get(job, "metadata", "labels", STAGES_LABEL))
     pipeline = _get(job, "metadata", "labels", MODEL_SPLIT_LABEL[0]) == "pipeline"
-    if pipeline and stages.isdigit() and int(stages) > 0 and expected % int(stages):
-        problems.append(Problem(f"{REPLICAS}.Worker.replicas", f"Worker replicas ({workers}) x slotsPerWorker "
-                                f"({slots}) = {expected} ranks, not whole pipelines of {stages} stages: make it a "
-                                f"multiple of {stages}"))
     tp = str(_get(job, "metadata", "labels", TP_LABEL))
+    if pipeline and stages.isdigit() and int(stages) > 0:
+        split = int(tp) if tp.isdigit() and int(tp) > 0 else 1
+        size, shape = int(stages) * split, f"{stages} stages" + (f" x tp {split}" if split > 1 else "")
+        if expected % size:
+            problems.append(Problem(f"{REPLICAS}.Worker.replicas", f"Worker replicas ({workers}) x slotsPerWorker "
+                                    f"({slots}) = {expected} ranks, not whole pipelines of {shape}: make it a "
+                                    f"multiple of {size}"))
     if tp.isdigit() and int(tp) > 0 and expected % int(tp):
         problems.append(Problem(f"{REPLICAS}.Worker.replicas", f"Worker replicas ({workers}) x slotsPerWorker "
                                 f"({slots}) = {expected} ranks, not whole tensor-parallel groups of tp {tp}: make it "

@@ -188,6 +188,10 @@ def what_new_writes():
                 yield pytest.param(ProjectSpec(name="demo", framework=framework, strategy=strategy, elastic=elastic,
                                                model=catalog.default_model(strategy), **extra),
                                    id=f"{framework}-{strategy}-{split}-{'elastic' if elastic else 'static'}")
+    # a pipeline of tensor-parallel stages (torch): stages x tp ranks a pipeline, tp groups on one worker
+    for stages, tp in ((2, 2), (3, 2), (2, 4)):
+        yield pytest.param(ProjectSpec(name="demo", strategy="pipeline", model="gpt", stages=stages, tp=tp),
+                           id=f"torch-pipeline-{stages}-tp{tp}-static")
 
 
 @pytest.mark.parametrize("spec", list(what_new_writes()))
@@ -204,8 +208,11 @@ def test_what_new_writes_validates_and_runs_whole_ranks(tmp_path, spec):
         assert world == workers * slots
         gpus = worker(job)["resources"]["limits"].get(GPU_RESOURCE, 0)
         if spec.strategy == "pipeline":
-            assert world % spec.stages == 0, f"{overlay}: -np {world} is not whole pipelines of {spec.stages}"
-            assert f"{world // spec.stages} pipeline" in readme
+            assert world % (spec.stages * spec.tp) == 0, f"{overlay}: -np {world} is not whole pipelines of " \
+                                                         f"{spec.stages} stages x tp {spec.tp}"
+            assert f"{world // (spec.stages * spec.tp)} pipeline" in readme
+        if spec.tp > 1 and overlay == "gpu":
+            assert slots % spec.tp == 0, "a tensor-parallel group split across workers"
         if spec.strategy == "model-split" and overlay == "gpu":
             assert gpus == spec.stages * slots, "each model-split rank needs one GPU per stage"
         assert f"runs `horovodrun -np {world} " in readme

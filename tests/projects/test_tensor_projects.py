@@ -7,6 +7,10 @@ and the two slices differ; only rank 0 writes, and the checkpoint holds the unsp
 and shapes. Then a checkpoint written at tp 2 resumes at tp 1 (one unsplit process), and one
 written at tp 1 resumes at tp 2: epoch 2 of the resumed run equals the straight run's within
 1e-5, so the slices are gathered to, and taken from, their own places.
+
+A torch pipeline of tensor-parallel stages (`--strategy pipeline --tp 2`, 2 stages x tp 2 = 4
+ranks) trains the same way, writes the unsplit model, and its epoch-1 checkpoint resumes as a
+plain 2-stage pipeline (tp 1) on the straight run's epoch-2 losses.
 """
 
 import json
@@ -31,10 +35,10 @@ TINY = ["--model.width", "16", "--model.heads", "2", "--model.layers", "2", "--m
 FRAMEWORKS = ["torch", "tensorflow"]
 
 
-def generate(tmp_path: Path, framework: str) -> tuple[Path, list[str]]:
+def generate(tmp_path: Path, framework: str, *shape: str) -> tuple[Path, list[str]]:
     """The project, and overrides pointing it at a small token file (about 10 steps an epoch at 2 replicas)."""
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--strategy", "tensor", "--model", "gpt",
-                    "--framework", framework, "--output", str(tmp_path)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", *(shape or ("--strategy", "tensor")), "--model",
+                    "gpt", "--framework", framework, "--output", str(tmp_path)], check=True, capture_output=True)
     project = tmp_path / "proj"
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((project / "README.md").read_text()[:3200])
@@ -43,13 +47,15 @@ def generate(tmp_path: Path, framework: str) -> tuple[Path, list[str]]:
     return project, ["--data.path", str(tmp_path / "tokens"), *TINY]
 
 
-def train(np_: int, project: Path, ranks: Path, epochs: int, *overrides: str) -> tuple[list[dict], str, list[str]]:
-    """Metrics of each epoch, rank 0's output, and every rank's parameter digest."""
+def train(np_: int, project: Path, ranks: Path, epochs: int, *overrides: str,
+          digest: bool = True) -> tuple[list[dict], str, list[str]]:
+    """Metrics of each epoch, rank 0's output, and every rank's parameter digest (none for a pipeline)."""
+    env = {"DIGEST": "parameters", "TF_CPP_MIN_LOG_LEVEL": "2"} | ({} if digest else {"SKIP_DIGEST": "1"})
     proc = run_horovod(np_, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
-                             "--train.epochs", str(epochs), *overrides],
-                       cwd=project, env={"DIGEST": "parameters", "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=400)
+                             "--train.epochs", str(epochs), *overrides], cwd=project, env=env, timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines], proc.stdout, json.loads((ranks / "digests.json").read_text())
+    digests = json.loads((ranks / "digests.json").read_text()) if digest else []
+    return [json.loads(line) for line in lines], proc.stdout, digests
 
 
 def saved_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
@@ -88,6 +94,30 @@ def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, framewo
     (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
     shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)
     resumed, out, _ = train(resumed_at, project, tmp_path / "resumed", 2, *args, "--parallel.tp", str(resumed_at))
+    assert f"resuming from checkpoints/{saved.name}: epoch 1, step {steps}" in out
+    assert [(e["epoch"], e["step"]) for e in resumed] == [(2, straight[1]["step"])]
+    for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
+        assert resumed[0][key] == pytest.approx(straight[1][key], rel=1e-5), key
+
+
+def test_a_pipeline_of_tensor_parallel_stages_trains_and_resumes_unsplit(tmp_path):
+    """2 stages x tp 2 on 4 ranks: the loss falls, rank 0 alone writes the whole model; its epoch-1
+    checkpoint resumed by 2 ranks at tp 1 gives the straight run's epoch 2 (1e-5)."""
+    project, args = generate(tmp_path, "torch", "--strategy", "pipeline", "--stages", "2", "--tp", "2")
+    straight, out, _ = train(4, project, tmp_path / "straight", 2, *args, digest=False)
+    assert "pipeline of 2 stages (tp 2) x 1 replica(s)" in out
+    assert straight[1]["train_loss"] < straight[0]["train_loss"]
+    assert not list((tmp_path / "straight").glob("rank[123]/checkpoints/*")), "only rank 0 writes checkpoints"
+    steps = straight[0]["step"]
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}.*")
+    stages = torch.load(saved, map_location="cpu", weights_only=False)["stages"]
+    shapes = {tuple(t.shape) for part in stages.values() for t in part["model"].values()}
+    assert {(48, 16), (16, 64)} <= shapes and not {(24, 16), (16, 32)} & shapes, "slices saved, not the whole model"
+
+    (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
+    shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)
+    resumed, out, _ = train(2, project, tmp_path / "resumed", 2, *args, "--parallel.tp", "1", digest=False)
+    assert "pipeline of 2 stages (tp 1) x 1 replica(s)" in out
     assert f"resuming from checkpoints/{saved.name}: epoch 1, step {steps}" in out
     assert [(e["epoch"], e["step"]) for e in resumed] == [(2, straight[1]["step"])]
     for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
