@@ -3,7 +3,7 @@
     import horovod.torch as hvd
     from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
-    dims = init_pipeline(stages=2)                       # Horovod: init with the pipeline's process sets
+    ctx, dims = init_pipeline(stages=2)                  # Horovod: init with the pipeline's process sets
     stage = build_stage(model, dims, partition="params")  # this rank's blocks of the unchanged model
     engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(stage.parameters(), 0.1),
                             schedule="1f1b", micro_batches=4)
