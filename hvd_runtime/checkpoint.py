@@ -114,3 +114,18 @@ def misfit_message(detail: str) -> str:
     classes or the model's sizes changed since it was written)."""
     return (f"the newest checkpoint holds a different model ({detail}): train into another folder with "
             "--checkpoint.dir DIR, or start over with --checkpoint.resume false")
+
+
+def root_payload(hvd, store: "CheckpointStore", snapshot: Callable, rng_state: Callable, model, optimizer, state,
+                 split=None) -> dict | None:
+    """Every rank calls: the payload rank 0 writes (None on the other ranks), either framework.
+
+    Every rank's RNG state is gathered, and a tensor-parallel model's slices (`split`) are gathered
+    whole, which needs every rank; otherwise only the writer takes the snapshot. `hvd` is
+    horovod.torch or horovod.tensorflow; `snapshot` and `rng_state` are the framework's.
+    """
+    rngs = hvd.allgather_object(rng_state(), name="rng_states")
+    whole = snapshot(model, optimizer, state, rngs, split=split) if split is not None else None
+    if not store.is_writer:
+        return None
+    return whole or snapshot(model, optimizer, state, rngs)

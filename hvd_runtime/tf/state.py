@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.checkpoint import (CheckpointStore, ElasticStart, TrainState, announce_resume, misfit_message,
-                                   state_fields)
+                                   root_payload, state_fields)
 from hvd_runtime.config import ConfigError
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.context import Context
@@ -180,11 +180,9 @@ def save_checkpoint(store: CheckpointStore, model, optimizer, state: TrainState,
     import horovod.tensorflow as hvd
 
     average_statistics(model, name="checkpoint.statistics")
-    rngs = hvd.allgather_object(rng_state(), name="rng_states")
-    whole = snapshot(model, optimizer, state, rngs, split=split) if split is not None else None
-    if not store.is_writer:
+    payload = root_payload(hvd, store, snapshot, rng_state, model, optimizer, state, split)
+    if payload is None:
         return None
-    payload = whole or snapshot(model, optimizer, state, rngs)
 
     def write(path: Path) -> None:
         with open(path, "wb") as f:

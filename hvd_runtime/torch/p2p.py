@@ -21,7 +21,6 @@ each side posts its sends without waiting, and the step ends with `wait_sends()`
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch

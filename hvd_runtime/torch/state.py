@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.checkpoint import (CheckpointStore, ElasticStart, TrainState, announce_resume, misfit_message,
-                                   state_fields)
+                                   root_payload, state_fields)
 from hvd_runtime.config import ConfigError
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
@@ -132,11 +132,9 @@ def save_checkpoint(store: CheckpointStore, model: nn.Module, optimizer, state, 
     import horovod.torch as hvd
 
     average_buffers(model, name="checkpoint.buffers")
-    rngs = hvd.allgather_object(rng_state(), name="rng_states")
-    whole = snapshot(model, optimizer, state, rngs, split=split) if split is not None else None
-    if not store.is_writer:
+    payload = root_payload(hvd, store, snapshot, rng_state, model, optimizer, state, split)
+    if payload is None:
         return None
-    payload = whole or snapshot(model, optimizer, state, rngs)
     return store.save(state.step, lambda path: torch.save(payload, path))
 
 
