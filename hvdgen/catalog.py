@@ -37,9 +37,9 @@ AVAILABLE = {
     ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",
     ("tensorflow", "data"): "Keras 3 custom loop, one grouped allreduce of gradients per step",
     ("torch", "model-split"): "stages on one worker's devices, micro-batched; Horovod data parallel across workers",
-    ("torch", "pipeline"): "stages on ranks, GPipe or 1F1B; stages x replicas, --tp N splits stages too (gpt)",
+    ("torch", "pipeline"): "stages on ranks, GPipe or 1F1B; stages x replicas; --tp N splits stages (gpt)",
     ("tensorflow", "model-split"): "stages on one worker's devices (GPUs or logical CPUs); Horovod DP across workers",
-    ("tensorflow", "pipeline"): "stages on ranks, a GradientTape per micro-batch, GPipe or 1F1B; stages x replicas",
+    ("tensorflow", "pipeline"): "stages on ranks, a tape per micro-batch, GPipe or 1F1B; --tp N splits stages (gpt)",
     ("torch", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",
     ("tensorflow", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",
 }

@@ -127,9 +127,6 @@ class ProjectSpec:
             raise HvdgenError(f"--strategy {self.strategy}{' --tp' if self.strategy == 'pipeline' else ''} splits "
                               f"attention heads and MLPs, and the {self.model} model has none: use --model gpt, "
                               f"or {'drop --tp' if self.strategy == 'pipeline' else '--strategy data'} for this one")
-        if self.strategy == "pipeline" and self.framework != "torch":
-            raise HvdgenError("a pipeline of tensor-parallel stages (--strategy pipeline --tp) is built for torch, "
-                              f"not yet for {self.framework}: use --framework torch, or drop --tp")
         if heads % self.tp:
             fits = " or ".join(str(n) for n in range(2, heads + 1) if heads % n == 0)
             raise HvdgenError(f"--tp {self.tp} does not divide the generated {self.model}'s {heads} attention heads: "
@@ -147,9 +144,9 @@ class ProjectSpec:
 
     @property
     def tp_stages(self) -> bool:
-        """A pipeline whose stages are split by tensor parallelism (parallel.tp, 1 by default): a torch
+        """A pipeline whose stages may be split by tensor parallelism (parallel.tp, 1 by default): a
         pipeline of a model with attention heads. Its train.py splits and gathers them."""
-        return self.strategy == "pipeline" and self.framework == "torch" and catalog.MODELS[self.model].heads > 0
+        return self.strategy == "pipeline" and catalog.MODELS[self.model].heads > 0
 
     @property
     def cpu_np(self) -> int:

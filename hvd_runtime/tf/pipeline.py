@@ -25,24 +25,29 @@ from hvd_runtime.partition import Partition, PartitionError
 from hvd_runtime.pipeline_engine import PipelineEngineBase
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
+from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages
+from hvd_runtime.tf.tensor_parallel import TensorParallelBlock, is_transformer_block
+from hvd_runtime.tf.tensor_state import SplitVariables
 from hvd_runtime.tf.stage import build_stage as _stage_of_plan
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "ReplicaContext", "build_stage",
-           "init_pipeline", "replica_context"]
+           "init_pipeline", "replica_context", "split_stage"]
 
 
 P2P_LINKS = ("socket", "alltoall")
 
 
 def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                  p2p: str = "socket") -> tuple[Context, PipelineRank]:
+                  p2p: str = "socket", tp: int = 1) -> tuple[Context, PipelineRank]:
     """Initialise Horovod with the grid's process sets (dp per stage; neighbour pairs for alltoall) and link neighbours.
 
     p2p: "socket" (a TCP connection per neighbour pair, the default: fastest, see docs/pipeline.md)
     or "alltoall" (Horovod's alltoall in the pair's process set: nothing beside Horovod).
+    tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`, split_stage):
+    the grid is replicas x stages x tp, and each slice talks to the same slice of the neighbours.
     """
     import horovod.tensorflow as hvd
 
@@ -52,7 +57,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     if p2p not in P2P_LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(P2P_LINKS)} (e.g. 'socket')")
     world = launched_world_size() or 1
-    dims = grid_of(hvd, world, pp=stages)
+    dims = grid_of(hvd, world, tp=tp, pp=stages)
     wanted = dims.process_set_ranks(pairs=p2p == "alltoall")
     sets = [hvd.ProcessSet(r) for r in wanted]
     ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets)
@@ -62,6 +67,8 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
     if dims.dp > 1:
         me.dp_set = me.process_set(dims.dp_ranks(me.rank))
+    if dims.tp > 1:
+        me.tensor_group = TensorGroup.of(dims, me.rank, me._sets)
     prev, next_ = me.prev_rank, me.next_rank
     if p2p == "socket":
         links = connect_neighbours(hvd, prev, next_)
@@ -99,8 +106,9 @@ class ReplicaContext:
 
 def replica_context(ctx: Context, dims: PipelineRank) -> ReplicaContext:
     """The data-parallel view of this rank: its replica among `replicas` (stages do not multiply the batch)."""
-    return ReplicaContext(dims.replica, dims.replicas, ctx.local_rank // dims.stages,
-                          max(1, ctx.local_size // dims.stages), ctx.device)
+    ranks = dims.stages * dims.dims.tp  # the ranks of one replica: its stages, each split over tp
+    return ReplicaContext(dims.replica, dims.replicas, ctx.local_rank // ranks, max(1, ctx.local_size // ranks),
+                          ctx.device)
 
 
 def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "params", sample=None) -> Stage:
@@ -113,6 +121,29 @@ def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "
     if plan.stages != dims.stages:
         raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {dims.stages}")
     return _stage_of_plan(model, dims.stage, plan)
+
+
+def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
+    """The stage with its transformer blocks split over its tensor-parallel group (init_pipeline's tp).
+
+    Every rank of the group first takes its first rank's variables: each rank built the model under
+    its own seed, and the slices must come from one model, the variables kept whole (LayerNorm,
+    embeddings) be the same on all. Unchanged at tp 1; a stage without blocks (an embedding or a
+    head alone) stays whole, its tp ranks computing it alike (the clipping norm counts it once).
+    The split stage keeps the stage's layers in order, the blocks replaced by split ones whose
+    variables line up with the block's (hvd_runtime.tf.tensor_state).
+    """
+    import horovod.tensorflow as hvd
+
+    group = dims.tensor_group
+    if group is None:
+        return stage
+    root = dims.dims.tp_ranks(dims.rank)[0]
+    # Horovod: one model for the whole group, from its first rank
+    hvd.broadcast_variables([v.value for v in stage.variables if "float" in str(v.dtype)], root_rank=root,
+                            process_set=group.process_set)
+    layers = [TensorParallelBlock(layer, group) if is_transformer_block(layer) else layer for layer in stage.layers]
+    return Stage(layers, stage.index, stage.plan)
 
 
 def stage_state_variables(stage: Stage, optimizer) -> list:
@@ -131,6 +162,9 @@ class PipelineEngine(PipelineEngineBase):
         super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
         self.stage, self.loss_fn, self.optimizer, self.clip_norm = stage, loss_fn, optimizer, clip_norm
         self.variables = list(stage.trainable_variables)
+        # Tensor-parallel stages: the variables held as slices (the clip norm counts them apart)
+        split = set(SplitVariables(stage).by_id) if dims.dims.tp > 1 else set()
+        self._whole_share = [1.0 if id(v) in split else 1.0 / dims.dims.tp for v in self.variables]
         if not optimizer.built:
             optimizer.build(self.variables)
         self._saved: dict[int, tuple] = {}    # micro-batch -> (tape, input, output to backpropagate)
@@ -213,7 +247,10 @@ class PipelineEngine(PipelineEngineBase):
         replica holds the same averaged gradients, so the sum is divided by the replicas), exactly
         what Keras' global_clipnorm computes on the unsplit model.
         """
-        squares = tf.add_n([tf.zeros((), tf.float64), *(tf.reduce_sum(tf.square(tf.cast(g, tf.float64))) for g in grads)])
+        # With tensor parallelism a whole (unsplit) variable is held by each of the tp ranks of its
+        # stage: its square counts 1/tp from each, a split one's slice counts once.
+        squares = tf.add_n([tf.zeros((), tf.float64), *(share * tf.reduce_sum(tf.square(tf.cast(g, tf.float64)))
+                                                        for g, share in zip(grads, self._whole_share))])
         # Horovod: every rank's share of the squared norm, summed over the whole job
         norm = (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.dims.replicas) ** 0.5
         return [g * (self.clip_norm / norm) for g in grads] if norm > self.clip_norm else grads

@@ -4,7 +4,9 @@ The protocol is hvd_runtime.pipeline_checkpoint's, as for PyTorch: every rank ha
 0 (replica 0 of each stage; the replicas are identical), which writes one file; on start, rank 0
 reads the newest checkpoint and every rank takes its own stage's part. Stages are runs of the
 model's layers, so rank 0, which built the whole model, can put every stage's variables back
-into it and log or export one ordinary Keras model.
+into it and log or export one ordinary Keras model. Stages split by tensor parallelism (`split`,
+their SplitVariables) are gathered whole first, so the file is the same at every tp and a run
+resumes at another one.
 """
 
 from __future__ import annotations
@@ -21,23 +23,26 @@ from hvd_runtime.tf.stage import Stage, build_stage
 from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state
 
 
-def _gather_stages(stage: Stage, optimizer, dims) -> tuple[dict[int, dict], list[dict]]:
+def _gather_stages(stage: Stage, optimizer, dims, split=None) -> tuple[dict[int, dict], list[dict]]:
     """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state).
 
-    A stage's replicas first agree on its BatchNorm statistics (hvd_runtime.tf.buffers).
+    A stage's replicas first agree on its BatchNorm statistics (hvd_runtime.tf.buffers); a
+    tensor-parallel stage's slices are gathered whole (`split`), the same on each rank of its group.
     """
     import horovod.tensorflow as hvd
 
     if dims.dp_set is not None:
         average_statistics(stage, process_set=dims.dp_set, name="pp.checkpoint.statistics")
-    return gather_stages(hvd, dims, [np.asarray(v) for v in stage.variables],
-                         [np.asarray(v) for v in optimizer.variables] if optimizer is not None else None,
-                         rng_state())
+    weights = [np.asarray(v) for v in stage.variables] if split is None else split.full_model_arrays()
+    moments = None
+    if optimizer is not None:
+        moments = [np.asarray(v) for v in optimizer.variables] if split is None else split.full_optimizer_arrays(optimizer)
+    return gather_stages(hvd, dims, weights, moments, rng_state())
 
 
-def save_pipeline_checkpoint(store: CheckpointStore, stage: Stage, optimizer, state: TrainState, dims):
+def save_pipeline_checkpoint(store: CheckpointStore, stage: Stage, optimizer, state: TrainState, dims, split=None):
     """Called by every rank; rank 0 writes one file with every stage."""
-    stages, rngs = _gather_stages(stage, optimizer, dims)
+    stages, rngs = _gather_stages(stage, optimizer, dims, split)
     if not store.is_writer:
         return None
     payload = checkpoint_payload(stages, rngs, state)
@@ -49,20 +54,24 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: Stage, optimizer, st
     return store.save(state.step, write)
 
 
-def _fitting_stage(hvd, payload: dict, stage: Stage, optimizer, dims, where: str) -> dict:
+def _fitting_stage(hvd, payload: dict, stage: Stage, optimizer, dims, where: str, split=None) -> dict:
     """This rank's part of the checkpoint; every rank stops alike if any part does not fit."""
 
     def misfit_of(part: dict) -> str | None:
-        problem = misfit(stage.variables, part["model"], "stage")
+        shapes = None if split is None else split.saved_model_shapes()
+        problem = misfit(stage.variables, part["model"], "stage", shapes)
         if problem is None and optimizer is not None and part["optimizer"] is not None:
-            problem = misfit(optimizer.variables, part["optimizer"], "optimizer")
+            shapes = None if split is None else split.saved_optimizer_shapes(optimizer)
+            problem = misfit(optimizer.variables, part["optimizer"], "optimizer", shapes)
         return problem
 
     return fitting_own_stage(hvd, payload, dims, where, misfit_of)
 
 
-def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resume: bool = True) -> TrainState:
-    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage.
+def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resume: bool = True,
+                     split=None) -> TrainState:
+    """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage (with
+    `split`, a tensor-parallel stage, its slices of the whole stage the file holds).
 
     A checkpoint that does not fit this pipeline stops every rank with the same ConfigError.
     """
@@ -73,21 +82,23 @@ def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resu
     if found is None:
         return TrainState()
     path, payload = found
-    mine = _fitting_stage(hvd, payload, stage, optimizer, dims, f"the checkpoint {path}")
-    _assign(stage.variables, mine["model"], "stage", Path(path))
+    mine = _fitting_stage(hvd, payload, stage, optimizer, dims, f"the checkpoint {path}", split)
+    weights = mine["model"] if split is None else split.local_model_arrays(mine["model"])
+    _assign(stage.variables, weights, "stage", Path(path))
     if optimizer is not None and mine["optimizer"] is not None:
-        _assign(optimizer.variables, mine["optimizer"], "optimizer", Path(path))
+        moments = mine["optimizer"] if split is None else split.local_optimizer_arrays(optimizer, mine["optimizer"])
+        _assign(optimizer.variables, moments, "optimizer", Path(path))
     rng = own_rng(payload, hvd.rank(), hvd.size())
     if rng is not None:
         set_rng_state(rng)
     return restored_state(payload)
 
 
-def gather_full_model(model, stage: Stage, dims):
+def gather_full_model(model, stage: Stage, dims, split=None):
     """Every rank calls; on rank 0, `model` (the unsplit original) ends up with the trained variables."""
     import horovod.tensorflow as hvd
 
-    stages, _ = _gather_stages(stage, None, dims)
+    stages, _ = _gather_stages(stage, None, dims, split)
     if hvd.rank() == 0:
         for k, part in stages.items():
             _assign(build_stage(model, k, stage.plan).variables, part["model"], f"stage {k}", Path("<gathered>"))

@@ -21,7 +21,7 @@ from keras import ops
 from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, check_block_splits, split_range
 
 __all__ = ["ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
-           "apply_tp"]
+           "apply_tp", "is_transformer_block"]
 
 
 def _sum_over(tensor, group: TensorGroup):
@@ -135,6 +135,11 @@ class TensorParallelBlock(keras.layers.Layer):
 def _is_transformer_block(layer) -> bool:
     return (all(isinstance(getattr(layer, name, None), keras.layers.Dense) for name in ("qkv", "proj", "fc", "out"))
             and isinstance(getattr(layer, "heads", None), int))
+
+
+def is_transformer_block(layer) -> bool:
+    """Whether apply_tp splits `layer`: the generated GPT's Block (qkv, proj, fc and out Dense, heads)."""
+    return _is_transformer_block(layer)
 
 
 def apply_tp(model: keras.Model, group: TensorGroup) -> keras.Model:

@@ -135,28 +135,30 @@ def test_tf_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule
 
 
 WORKLOAD_CASES = [
-    # (model, np, stages, schedule, micro-batches, clip norm, steps, batch, what it covers)
+    # (model, np, stages, schedule, micro-batches, clip norm, steps, batch, tp, what it covers)
     # ResNet-18: one step of 16 images. BatchNorm over micro-batches of 4 images, down to 2 x 2
     # positions on the last stage, is ill-conditioned enough that a second SGD step magnifies
     # fp32 rounding in the gamma and beta updates (4e-6 after one step) to about 1e-5.
-    ("resnet18", 2, 2, "1f1b", 4, 0.0, 1, 16, "ResNet-18 pp=2, BatchNorm per micro-batch"),
-    ("gpt", 4, 4, "gpipe", 2, 0.1, 2, 8, "GPT pp=4 (one block a stage), gradients clipped by the whole model's norm"),
+    ("resnet18", 2, 2, "1f1b", 4, 0.0, 1, 16, 1, "ResNet-18 pp=2, BatchNorm per micro-batch"),
+    ("gpt", 4, 4, "gpipe", 2, 0.1, 2, 8, 1, "GPT pp=4 (one block a stage), gradients clipped by the whole model's norm"),
+    ("gpt", 4, 2, "1f1b", 2, 0.1, 2, 8, 2, "GPT pp=2 x tp=2: each stage's blocks split over 2 ranks, clipped"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model,np_,stages,schedule,m,clip,steps,batch,what", WORKLOAD_CASES,
+@pytest.mark.parametrize("model,np_,stages,schedule,m,clip,steps,batch,tp,what", WORKLOAD_CASES,
                          ids=[c[-1] for c in WORKLOAD_CASES])
 def test_generated_keras_models_split_into_a_pipeline_match_single_process(tmp_path, tf_workload_projects, model, np_,
-                                                                           stages, schedule, m, clip, steps, batch, what):
+                                                                           stages, schedule, m, clip, steps, batch, tp,
+                                                                           what):
     out = tmp_path / "result.json"
     run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages), "--schedule",
                       schedule, "--micro-batches", str(m), "--model", model, "--project", str(tf_workload_projects[model]),
-                      "--clip-norm", str(clip), "--steps", str(steps), "--batch", str(batch), "--out", str(out)],
-                cwd=tmp_path, timeout=280)
+                      "--clip-norm", str(clip), "--steps", str(steps), "--batch", str(batch), "--tp", str(tp),
+                      "--out", str(out)], cwd=tmp_path, timeout=280)
     results = json.loads(out.read_text())
-    check_against_reference(results, np_, stages, schedule, m, WORKLOAD_BLOCKS[model])
+    check_against_reference(results, np_, stages, schedule, m, WORKLOAD_BLOCKS[model], tp=tp)
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 

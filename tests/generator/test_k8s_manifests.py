@@ -188,10 +188,10 @@ def what_new_writes():
                 yield pytest.param(ProjectSpec(name="demo", framework=framework, strategy=strategy, elastic=elastic,
                                                model=catalog.default_model(strategy), **extra),
                                    id=f"{framework}-{strategy}-{split}-{'elastic' if elastic else 'static'}")
-    # a pipeline of tensor-parallel stages (torch): stages x tp ranks a pipeline, tp groups on one worker
-    for stages, tp in ((2, 2), (3, 2), (2, 4)):
-        yield pytest.param(ProjectSpec(name="demo", strategy="pipeline", model="gpt", stages=stages, tp=tp),
-                           id=f"torch-pipeline-{stages}-tp{tp}-static")
+    # a pipeline of tensor-parallel stages: stages x tp ranks a pipeline, tp groups on one worker
+    for framework, stages, tp in (("torch", 2, 2), ("torch", 3, 2), ("tensorflow", 2, 4)):
+        yield pytest.param(ProjectSpec(name="demo", framework=framework, strategy="pipeline", model="gpt",
+                                       stages=stages, tp=tp), id=f"{framework}-pipeline-{stages}-tp{tp}-static")
 
 
 @pytest.mark.parametrize("spec", list(what_new_writes()))

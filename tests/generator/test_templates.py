@@ -40,8 +40,8 @@ def keys(node: dict, prefix: str = "") -> set[str]:
 def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
     expected = keys(dataclasses.asdict(RunConfig()))
     # the stage settings only appear where there are stages, parallel.tp only under tensor parallelism
-    # (the tensor strategy, and a torch pipeline whose stages it can split: a model with heads)
-    if not (strategy == "tensor" or (strategy == "pipeline" and framework == "torch" and model == "gpt")):
+    # (the tensor strategy, and a pipeline whose stages it can split: a model with heads)
+    if not (strategy == "tensor" or (strategy == "pipeline" and model == "gpt")):
         expected.discard("parallel.tp")
     if strategy in ("data", "tensor"):
         expected = {k for k in expected if not k.startswith("parallel.") or k == "parallel.tp"}

@@ -8,8 +8,8 @@ and shapes. Then a checkpoint written at tp 2 resumes at tp 1 (one unsplit proce
 written at tp 1 resumes at tp 2: epoch 2 of the resumed run equals the straight run's within
 1e-5, so the slices are gathered to, and taken from, their own places.
 
-A torch pipeline of tensor-parallel stages (`--strategy pipeline --tp 2`, 2 stages x tp 2 = 4
-ranks) trains the same way, writes the unsplit model, and its epoch-1 checkpoint resumes as a
+A pipeline of tensor-parallel stages (`--strategy pipeline --tp 2`, 2 stages x tp 2 = 4 ranks;
+torch and TensorFlow) trains the same way, writes the unsplit model, and its epoch-1 checkpoint resumes as a
 plain 2-stage pipeline (tp 1) on the straight run's epoch-2 losses.
 """
 
@@ -100,19 +100,29 @@ def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, framewo
         assert resumed[0][key] == pytest.approx(straight[1][key], rel=1e-5), key
 
 
-def test_a_pipeline_of_tensor_parallel_stages_trains_and_resumes_unsplit(tmp_path):
+def stage_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
+    """The shapes of every stage's weights in a pipeline checkpoint (torch state_dicts, or Keras variable lists)."""
+    if checkpoint.suffix == ".pkl":
+        with open(checkpoint, "rb") as f:
+            return {tuple(a.shape) for part in pickle.load(f)["stages"].values() for a in part["model"]}
+    stages = torch.load(checkpoint, map_location="cpu", weights_only=False)["stages"]
+    return {tuple(t.shape) for part in stages.values() for t in part["model"].values()}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_pipeline_of_tensor_parallel_stages_trains_and_resumes_unsplit(tmp_path, framework):
     """2 stages x tp 2 on 4 ranks: the loss falls, rank 0 alone writes the whole model; its epoch-1
     checkpoint resumed by 2 ranks at tp 1 gives the straight run's epoch 2 (1e-5)."""
-    project, args = generate(tmp_path, "torch", "--strategy", "pipeline", "--stages", "2", "--tp", "2")
+    project, args = generate(tmp_path, framework, "--strategy", "pipeline", "--stages", "2", "--tp", "2")
     straight, out, _ = train(4, project, tmp_path / "straight", 2, *args, digest=False)
     assert "pipeline of 2 stages (tp 2) x 1 replica(s)" in out
     assert straight[1]["train_loss"] < straight[0]["train_loss"]
     assert not list((tmp_path / "straight").glob("rank[123]/checkpoints/*")), "only rank 0 writes checkpoints"
     steps = straight[0]["step"]
     [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}.*")
-    stages = torch.load(saved, map_location="cpu", weights_only=False)["stages"]
-    shapes = {tuple(t.shape) for part in stages.values() for t in part["model"].values()}
-    assert {(48, 16), (16, 64)} <= shapes and not {(24, 16), (16, 32)} & shapes, "slices saved, not the whole model"
+    whole, slices = ({(48, 16), (16, 64)}, {(24, 16), (16, 32)}) if framework == "torch" else \
+        ({(16, 48), (64, 16)}, {(16, 24), (32, 16)})
+    assert whole <= stage_shapes(saved) and not slices & stage_shapes(saved), "slices saved, not the whole model"
 
     (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
     shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)

@@ -8,7 +8,10 @@ losses and accuracies, with it. Replicas other than 0 build their copy from anot
 the engine's start-up broadcast is what makes them agree. Rank 0 writes all results as JSON
 (the format tests/pipeline_checks.py judges). `--model resnet18|gpt --project DIR` splits a
 generated project's model instead of the MLP here (for BatchNorm, the reference sees the same
-micro-batches one after the other); `--clip-norm` clips by the whole model's norm.
+micro-batches one after the other); `--clip-norm` clips by the whole model's norm. `--tp N` splits
+each stage's transformer blocks over N ranks (split_stage); the ranks of a tp group build from
+different seeds too, so split_stage's start-up broadcast is checked as well, and each slice's
+update is compared with its slice of the reference's.
 """
 
 import sys
@@ -20,7 +23,8 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_runtime.tf.objective import accuracy, accuracy_sum
-from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline
+from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline, split_stage
+from hvd_runtime.tf.tensor_state import SplitVariables
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
@@ -98,7 +102,8 @@ def main():
     work = load_workload(args.model, args.project, lambda seed=1234: make_model(seed, args.flatten_first), mlp_batch,
                          (["flat"] if args.flatten_first else []) + BLOCKS)
 
-    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p)
+    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp)
+    tp_rank = dims.tensor_group.rank if dims.tensor_group else 0
     rng = np.random.default_rng(7)
     global_batch = args.batch * dims.replicas
     batches = [work.batch(rng, global_batch) for _ in range(args.steps)]
@@ -108,20 +113,34 @@ def main():
     ref_losses, ref_accs, ref_val, ref_updates, clipped = reference(xs, ys, x_val, y_val, work=work, pieces=pieces,
                                                                     clip_norm=args.clip_norm, lr=args.lr)
 
-    model = work.build(1234 + 1000 * dims.replica)  # replica 0's must win
+    model = work.build(1234 + 1000 * dims.replica + 100 * tp_rank)  # replica 0's, tp rank 0's must win
     stage = build_stage(model, dims, partition=args.partition, sample=xs[0][:args.batch])
     before = {k: v.numpy().copy() for k, v in named_variables(stage.layers).items()}
+    names = list(before)  # the unsplit stage's float variables, in order: a split stage's line up with them
+    if args.tp > 1:
+        stage = split_stage(stage, dims)
     engine = PipelineEngine(stage, dims, LOSS, keras.optimizers.SGD(args.lr), schedule=args.schedule,
                             micro_batches=args.micro_batches, metrics_fn=accuracy, timeline=args.run_dir is not None,
                             clip_norm=args.clip_norm)
-    if dims.replica:
-        # what replica 0 started from: the engine broadcast it over this stage's replicas
+    if dims.replica or tp_rank:
+        # what replica 0's tp rank 0 started from: broadcast over the tp group, then the stage's replicas
         start = named_variables(work.build(1234).layers)
         before = {k: start[k].numpy().copy() for k in before}
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 
-    update_err = {k: rel(v.numpy() - before[k], ref_updates[k]) for k, v in named_variables(stage.layers).items()}
-    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
+    splits = SplitVariables(stage).by_id  # tensor parallelism: this rank holds a slice of these
+    held = [v for layer in stage.layers for v in layer.variables if "float" in str(v.dtype)]
+    assert len(held) == len(names), (len(held), len(names))
+
+    def part(v, array):
+        """The part of a reference array this rank's stage holds."""
+        split = splits.get(id(v))
+        return array if split is None else np.take(array, split.index, axis=split.axis)
+
+    update_err = {k: rel(v.numpy() - part(v, before[k]), part(v, ref_updates[k])) for k, v in zip(names, held)}
+    split_names = sorted(k for k, v in zip(names, held) if id(v) in splits)
+    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "tp_rank": tp_rank,
+              "split_params": split_names,
               "blocks": list(stage.plan.stage_names(dims.stage)), "ref_losses": ref_losses, "ref_accs": ref_accs,
               "ref_val_loss": ref_val, "update_err": update_err, "clipped": clipped, **run}
     write_results(hvd, result, args.out)
