@@ -51,8 +51,7 @@ def run_ours(dataset, model, args) -> float:
     optimizer, schedule = make_optimizer(model, optim_cfg, HorovodConfig(), ctx, len(batches))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     state = TrainState()
-    step = TrainStep(model, optimizer, schedule, loss_fn, ctx)
-    loss_fn = nn.CrossEntropyLoss()
+    step = TrainStep(model, optimizer, schedule, nn.CrossEntropyLoss(), ctx)
     train_epoch(step, batches, state, is_root=ctx.is_root)  # warm-up
     barrier()
     started = time.perf_counter()

@@ -15,7 +15,7 @@ import argparse
 import horovod.torch as hvd
 import torch
 
-from hvd_runtime.socket_link import connect_neighbours
+from hvd_runtime.pipeline.socket_link import connect_neighbours
 from hvd_runtime.torch.p2p import AlltoallLink, BroadcastLink, SocketTensorLink, TorchDistLink, init_torch_distributed
 from pingpong import SIZES, iterations, pingpong, print_table
 

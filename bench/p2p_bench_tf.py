@@ -13,7 +13,7 @@ import argparse
 import tensorflow as tf
 
 from hvd_runtime.tf.context import init_horovod
-from hvd_runtime.socket_link import connect_neighbours
+from hvd_runtime.pipeline.socket_link import connect_neighbours
 from hvd_runtime.tf.p2p import AlltoallLink, SocketTensorLink
 from pingpong import SIZES, iterations, pingpong, print_table
 

@@ -64,7 +64,7 @@ class Baseline:
 def worker(steps: int, out: Path) -> None:
     import horovod.torch as hvd
 
-    from hvd_runtime.timeline import load_timeline, step_bubble
+    from hvd_runtime.pipeline.timeline import load_timeline, step_bubble
     from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
     _, dims = init_pipeline(stages=2, threads_per_rank=1, p2p="torch")   # the link docs/benchmarks-pipeline.md was measured on
@@ -107,7 +107,7 @@ def worker(steps: int, out: Path) -> None:
 
 
 def write_report(rows: list[dict], load: tuple[float, float], png: str) -> str:
-    from hvd_runtime.schedule import bubble_fraction, theory_peak_in_flight
+    from hvd_runtime.pipeline.schedule import bubble_fraction, theory_peak_in_flight
 
     lines = [
         "# Pipeline benchmark",
@@ -177,7 +177,7 @@ def main() -> None:
         subprocess.run([str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, __file__,
                         "--worker", "--steps", str(args.steps), "--out", str(out)], check=True, env=env)
         rows = json.loads(out.read_text())
-        from hvd_runtime.timeline import load_timeline, plot_timeline
+        from hvd_runtime.pipeline.timeline import load_timeline, plot_timeline
 
         png = "pipeline-timeline.png"
         run = next(r["run"] for r in rows if r["schedule"] == "1f1b" and r["m"] == 4)

@@ -18,7 +18,7 @@ class RankContext:
 
     horovod_module: ClassVar[str]
     tensor: object = None    # hvd_runtime.parallel.tensor_groups.TensorRanks under tensor parallelism
-    pipeline: object = None  # hvd_runtime.pipeline_grid.PipelineRank: this rank's stage and replica
+    pipeline: object = None  # hvd_runtime.pipeline.grid.PipelineRank: this rank's stage and replica
 
     @property
     def _grid(self):

@@ -19,8 +19,8 @@ from hvdgen.errors import HvdgenError
               help="PNG to write (default: RUN_DIR/timeline.png).")
 def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     """Draw a pipeline run's timeline and print its measured bubble against (p-1)/(m+p-1)."""
-    from hvd_runtime.schedule import SCHEDULES, bubble_fraction, theory_peak_in_flight
-    from hvd_runtime.timeline import load_timeline, measured_bubble, peak_in_flight, plot_timeline, step_bubble
+    from hvd_runtime.pipeline.schedule import SCHEDULES, bubble_fraction, theory_peak_in_flight
+    from hvd_runtime.pipeline.timeline import load_timeline, measured_bubble, peak_in_flight, plot_timeline, step_bubble
 
     try:
         tl = load_timeline(run_dir)

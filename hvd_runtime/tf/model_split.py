@@ -22,7 +22,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from hvd_runtime.devices import local_rank_and_size, stage_gpus
-from hvd_runtime.partition import Partition
+from hvd_runtime.pipeline.partition import Partition
 from hvd_runtime.tf.stage import build_stage, plan_stages
 
 

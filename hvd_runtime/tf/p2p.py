@@ -2,7 +2,7 @@
 
 Two links, one interface (`send` non-blocking, `recv` blocking, `wait_sends` once a step):
 
-- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.socket_link);
+- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.pipeline.socket_link);
   a tensor goes as its header words and its host bytes. No Horovod on the way: measured 6-17x
   faster per message than the collective below at activation sizes (bench/p2p_bench_tf.py,
   docs/pipeline.md).
@@ -30,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import tensorflow as tf
 
-from hvd_runtime.p2p_header import HEADER_WORDS, header_words, read_header_words
-from hvd_runtime.socket_link import SocketLink
+from hvd_runtime.pipeline.p2p_header import HEADER_WORDS, header_words, read_header_words
+from hvd_runtime.pipeline.socket_link import SocketLink
 
 _HEADER = HEADER_WORDS
 _DTYPES = [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int64, tf.int32, tf.uint8, tf.int8]

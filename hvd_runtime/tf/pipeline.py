@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import tensorflow as tf
 
-from hvd_runtime.partition import Partition, PartitionError
-from hvd_runtime.pipeline_engine import PipelineEngineBase
+from hvd_runtime.pipeline.partition import Partition, PartitionError
+from hvd_runtime.pipeline.engine import PipelineEngineBase
 from hvd_runtime.parallel.dims import ParallelDims
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
+from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
@@ -51,7 +51,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     """
     import horovod.tensorflow as hvd
 
-    from hvd_runtime.socket_link import connect_neighbours
+    from hvd_runtime.pipeline.socket_link import connect_neighbours
     from hvd_runtime.tf.p2p import AlltoallLink, SocketTensorLink
 
     if p2p not in P2P_LINKS:

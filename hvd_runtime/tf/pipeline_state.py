@@ -1,6 +1,6 @@
 """Checkpoints and the whole model for TensorFlow pipeline jobs, where each rank holds only its stage.
 
-The protocol is hvd_runtime.pipeline_checkpoint's, as for PyTorch: every rank hands its stage's variables to rank
+The protocol is hvd_runtime.pipeline.checkpoint's, as for PyTorch: every rank hands its stage's variables to rank
 0 (replica 0 of each stage; the replicas are identical), which writes one file; on start, rank 0
 reads the newest checkpoint and every rank takes its own stage's part. Stages are runs of the
 model's layers, so rank 0, which built the whole model, can put every stage's variables back
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
-from hvd_runtime.pipeline_checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
+from hvd_runtime.pipeline.checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.stage import Stage, build_stage
 from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state

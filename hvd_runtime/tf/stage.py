@@ -17,7 +17,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from hvd_runtime.partition import Partition, PartitionError, plan_partition, refuse_weights_shared_across_stages
+from hvd_runtime.pipeline.partition import Partition, PartitionError, plan_partition, refuse_weights_shared_across_stages
 
 
 def named_blocks(model) -> list[tuple[str, object]]:

@@ -11,7 +11,7 @@ import torch
 
 from hvd_runtime.devices import stage_gpus
 from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
-from hvd_runtime.pipeline_grid import PipelineRank
+from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.rank_context import RankContext
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
 

@@ -5,7 +5,7 @@
     ctx.device, ctx.data_rank, ctx.data_size   # this rank's device; its replica, of how many
 
 The grid itself (which rank holds which stage, which process sets exist) is framework-free, in
-`hvd_runtime.parallel.dims`; this rank's place in it in `hvd_runtime.pipeline_grid`.
+`hvd_runtime.parallel.dims`; this rank's place in it in `hvd_runtime.pipeline.grid`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.parallel.tensor_groups import TensorGroup
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank
+from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.scaling import set_cycle_time
 from hvd_runtime.torch.context import Context, pin_device
@@ -38,7 +38,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     import horovod.torch as hvd
     import torch
 
-    from hvd_runtime.socket_link import connect_neighbours
+    from hvd_runtime.pipeline.socket_link import connect_neighbours
     from hvd_runtime.torch.p2p import LINKS, SocketTensorLink, TorchDistLink, init_torch_distributed
 
     if p2p not in LINKS:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.devices import local_rank_and_size, stage_gpus
-from hvd_runtime.partition import Partition
+from hvd_runtime.pipeline.partition import Partition
 from hvd_runtime.torch.stage import build_stage, plan_stages
 
 

@@ -12,7 +12,7 @@ a non-blocking `send` and a blocking `recv`. Three ways to build one are kept si
   must allocate the exact shape first, so an unknown shape costs a header broadcast first.
 - `TorchDistLink`: torch.distributed (gloo) `isend`/`recv`, a second communicator beside Horovod's.
   Real p2p, but torch only and one more rendezvous to set up.
-- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.socket_link),
+- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.pipeline.socket_link),
   the link the TensorFlow pipeline uses too: a tensor goes as its header words and its host bytes.
 
 Messages are matched by tag, so a pair may exchange activations and gradients in either order:
@@ -25,8 +25,8 @@ import socket
 
 import torch
 
-from hvd_runtime.p2p_header import HEADER_WORDS, header_words, read_header_words
-from hvd_runtime.socket_link import SocketLink, reachable_address
+from hvd_runtime.pipeline.p2p_header import HEADER_WORDS, header_words, read_header_words
+from hvd_runtime.pipeline.socket_link import SocketLink, reachable_address
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.uint8, torch.int8, torch.bool]

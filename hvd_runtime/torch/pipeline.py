@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from hvd_runtime.config import ConfigError
-from hvd_runtime.pipeline_engine import PipelineEngineBase
-from hvd_runtime.pipeline_grid import micro_batch_sizes
+from hvd_runtime.pipeline.engine import PipelineEngineBase
+from hvd_runtime.pipeline.grid import micro_batch_sizes
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.stage import build_stage, plan_stages

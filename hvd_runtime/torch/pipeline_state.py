@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
-from hvd_runtime.pipeline_checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
+from hvd_runtime.pipeline.checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, saved_shapes, set_rng_state
 

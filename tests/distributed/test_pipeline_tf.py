@@ -15,8 +15,8 @@ import pytest
 import tensorflow as tf
 
 from helpers import run_horovod
-from hvd_runtime.partition import PartitionError
-from hvd_runtime.timeline import load_timeline
+from hvd_runtime.pipeline.partition import PartitionError
+from hvd_runtime.pipeline.timeline import load_timeline
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.p2p import decode, encode
 from hvd_runtime.tf.stage import build_stage, plan_stages

@@ -19,8 +19,8 @@ from torch import nn
 
 from helpers import horovodrun_path, run_horovod, venv_env
 from pipeline_checks import TOL, check_against_reference
-from hvd_runtime.partition import PartitionError
-from hvd_runtime.timeline import load_timeline
+from hvd_runtime.pipeline.partition import PartitionError
+from hvd_runtime.pipeline.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.p2p import _header, _read_header

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from hvd_runtime.partition import PartitionError, partition
+from hvd_runtime.pipeline.partition import PartitionError, partition
 
 
 def brute_force_best(costs, stages):

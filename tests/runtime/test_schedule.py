@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from hvd_runtime.schedule import (Action, Op, build_schedule, bubble_fraction, gpipe_stage, one_f_one_b_stage,
+from hvd_runtime.pipeline.schedule import (Action, Op, build_schedule, bubble_fraction, gpipe_stage, one_f_one_b_stage,
                                   peak_in_flight, simulate, simulated_bubble, theory_peak_in_flight)
 
 CASES = list(itertools.product(["gpipe", "1f1b"], [1, 2, 3, 4], [1, 2, 3, 4, 8]))

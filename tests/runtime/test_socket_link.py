@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from hvd_runtime.socket_link import MessageOrderError, SocketLink
+from hvd_runtime.pipeline.socket_link import MessageOrderError, SocketLink
 
 
 @pytest.fixture

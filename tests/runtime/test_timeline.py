@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from hvd_runtime import timeline
-from hvd_runtime.schedule import Op, build_schedule, bubble_fraction, simulate
-from hvd_runtime.timeline import (TimelineRecorder, load_timeline, measured_bubble, peak_in_flight, plot_timeline,
+from hvd_runtime.pipeline import timeline
+from hvd_runtime.pipeline.schedule import Op, build_schedule, bubble_fraction, simulate
+from hvd_runtime.pipeline.timeline import (TimelineRecorder, load_timeline, measured_bubble, peak_in_flight, plot_timeline,
                                   save_timeline, step_bubble)
 from hvdgen.cli import main
 

@@ -1,6 +1,6 @@
 """What a pipeline stage does each step, whatever the framework: walk the schedule, talk to neighbours.
 
-`PipelineEngineBase` runs this rank's list of schedule actions (hvd_runtime.schedule): receive an
+`PipelineEngineBase` runs this rank's list of schedule actions (hvd_runtime.pipeline.schedule): receive an
 activation, forward a micro-batch, send it on; receive its gradient, backward, send the input's
 gradient back. It records the timeline, counts micro-batches in flight, and reports the loss and
 metrics once, sample-weighted over the last stage's dp replicas, to every rank.
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.pipeline_grid import PipelineConfigError, PipelineRank, micro_batch_sizes
-from hvd_runtime.schedule import Op, build_schedule
-from hvd_runtime.timeline import TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline
+from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
+from hvd_runtime.pipeline.schedule import Op, build_schedule
+from hvd_runtime.pipeline.timeline import TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline
 
 
 class PipelineEngineBase:

@@ -9,7 +9,7 @@ address, a random key comes from rank 0, each stage connects to the next, and
 fixed-size frame (header words, body length, tag length), the tag, and the body's raw bytes
 received straight into their final buffer; nothing is ever unpickled.
 
-Framework-free: a message is a tag, header words (hvd_runtime.p2p_header) and a body of raw
+Framework-free: a message is a tag, header words (hvd_runtime.pipeline.p2p_header) and a body of raw
 bytes; the torch and TensorFlow links turn tensors into those. Sends run on one background
 thread per link, in the order posted, so `send` never blocks the stage; messages of one
 direction arrive in that order, which the schedules rely on, and `recv` checks the tag to prove it.
@@ -27,7 +27,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 import numpy as np
 
-from hvd_runtime.p2p_header import HEADER_WORDS
+from hvd_runtime.pipeline.p2p_header import HEADER_WORDS
 
 _FRAME = struct.Struct(f"<{HEADER_WORDS}qQH")   # header words, body bytes, tag bytes; then the tag, the body
 
