@@ -65,3 +65,20 @@ def fitting_own_stage(hvd, payload: dict, dims, where: str, misfit_of: Callable[
     if verdicts:
         raise ConfigError(min(verdicts)[1])
     return mine
+
+
+def restore_own_stage(hvd, payload: dict | None, dims, where: str, misfit_of: Callable[[dict], str | None],
+                      load: Callable[[dict], None], set_rng_state: Callable) -> TrainState:
+    """Every rank calls, with the payload rank 0 read and broadcast (None: nothing to resume).
+
+    Each rank checks its own stage's part (fitting_own_stage), loads it with `load(part)` (its
+    framework's, a tensor-parallel stage taking its slices), and takes its RNG state back when the
+    job has the size that wrote the checkpoint. Returns where training stands.
+    """
+    if payload is None:
+        return TrainState()
+    load(fitting_own_stage(hvd, payload, dims, where, misfit_of))
+    rng = own_rng(payload, hvd.rank(), hvd.size())
+    if rng is not None:
+        set_rng_state(rng)
+    return restored_state(payload)

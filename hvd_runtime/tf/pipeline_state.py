@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
-from hvd_runtime.pipeline.checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
+from hvd_runtime.pipeline.checkpoint import checkpoint_payload, gather_stages, restore_own_stage
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.stage import Stage, build_stage
 from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state
@@ -54,20 +54,6 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: Stage, optimizer, st
     return store.save(state.step, write)
 
 
-def _fitting_stage(hvd, payload: dict, stage: Stage, optimizer, dims, where: str, split=None) -> dict:
-    """This rank's part of the checkpoint; every rank stops alike if any part does not fit."""
-
-    def misfit_of(part: dict) -> str | None:
-        shapes = None if split is None else split.saved_model_shapes()
-        problem = misfit(stage.variables, part["model"], "stage", shapes)
-        if problem is None and optimizer is not None and part["optimizer"] is not None:
-            shapes = None if split is None else split.saved_optimizer_shapes(optimizer)
-            problem = misfit(optimizer.variables, part["optimizer"], "optimizer", shapes)
-        return problem
-
-    return fitting_own_stage(hvd, payload, dims, where, misfit_of)
-
-
 def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resume: bool = True,
                      split=None) -> TrainState:
     """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage (with
@@ -78,20 +64,25 @@ def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resu
     import horovod.tensorflow as hvd
 
     found = load_latest(store) if hvd.rank() == 0 and resume else None
-    found = hvd.broadcast_object(found, root_rank=0, name="pp.restore")
-    if found is None:
-        return TrainState()
-    path, payload = found
-    mine = _fitting_stage(hvd, payload, stage, optimizer, dims, f"the checkpoint {path}", split)
-    weights = mine["model"] if split is None else split.local_model_arrays(mine["model"])
-    _assign(stage.variables, weights, "stage", Path(path))
-    if optimizer is not None and mine["optimizer"] is not None:
-        moments = mine["optimizer"] if split is None else split.local_optimizer_arrays(optimizer, mine["optimizer"])
-        _assign(optimizer.variables, moments, "optimizer", Path(path))
-    rng = own_rng(payload, hvd.rank(), hvd.size())
-    if rng is not None:
-        set_rng_state(rng)
-    return restored_state(payload)
+    path, payload = hvd.broadcast_object(found, root_rank=0, name="pp.restore") or (None, None)
+
+    def misfit_of(part: dict) -> str | None:
+        shapes = None if split is None else split.saved_model_shapes()
+        problem = misfit(stage.variables, part["model"], "stage", shapes)
+        if problem is None and optimizer is not None and part["optimizer"] is not None:
+            shapes = None if split is None else split.saved_optimizer_shapes(optimizer)
+            problem = misfit(optimizer.variables, part["optimizer"], "optimizer", shapes)
+        return problem
+
+    def load(mine: dict) -> None:
+        weights = mine["model"] if split is None else split.local_model_arrays(mine["model"])
+        _assign(stage.variables, weights, "stage", Path(path))
+        if optimizer is not None and mine["optimizer"] is not None:
+            moments = mine["optimizer"]
+            _assign(optimizer.variables, moments if split is None else split.local_optimizer_arrays(optimizer, moments),
+                    "optimizer", Path(path))
+
+    return restore_own_stage(hvd, payload, dims, f"the checkpoint {path}", misfit_of, load, set_rng_state)
 
 
 def gather_full_model(model, stage: Stage, dims, split=None):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
-from hvd_runtime.pipeline.checkpoint import checkpoint_payload, fitting_own_stage, gather_stages, own_rng, restored_state
+from hvd_runtime.pipeline.checkpoint import checkpoint_payload, gather_stages, restore_own_stage
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, saved_shapes, set_rng_state
 
@@ -46,12 +46,6 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer
     return store.save(state.step, lambda path: torch.save(payload, path))
 
 
-def _fitting_stage(hvd, payload: dict, stage: nn.Module, dims, where: str, split=None) -> dict:
-    """This rank's part of the checkpoint; every rank stops alike if any part does not fit."""
-    return fitting_own_stage(hvd, payload, dims, where,
-                             lambda part: model_misfit(part["model"], saved_shapes(stage, split)))
-
-
 def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, resume: bool = True,
                      split=None) -> TrainState:
     """Rank 0 reads the newest checkpoint and broadcasts it; each rank loads its own stage (with
@@ -63,17 +57,15 @@ def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, 
 
     payload = load_latest(store) if hvd.rank() == 0 and resume else None
     payload = hvd.broadcast_object(payload, root_rank=0, name="pp.restore")
-    if payload is None:
-        return TrainState()
-    mine = _fitting_stage(hvd, payload, stage, dims, f"the checkpoint in {store.directory}", split)
-    stage.load_state_dict(mine["model"] if split is None else split.local_model_state(mine["model"]))
-    if optimizer is not None and mine["optimizer"] is not None:
-        moments = mine["optimizer"]
-        optimizer.load_state_dict(moments if split is None else split.local_optimizer_state(optimizer, moments))
-    rng = own_rng(payload, hvd.rank(), hvd.size())
-    if rng is not None:
-        set_rng_state(rng)
-    return restored_state(payload)
+
+    def load(mine: dict) -> None:
+        stage.load_state_dict(mine["model"] if split is None else split.local_model_state(mine["model"]))
+        if optimizer is not None and mine["optimizer"] is not None:
+            moments = mine["optimizer"]
+            optimizer.load_state_dict(moments if split is None else split.local_optimizer_state(optimizer, moments))
+
+    return restore_own_stage(hvd, payload, dims, f"the checkpoint in {store.directory}",
+                             lambda part: model_misfit(part["model"], saved_shapes(stage, split)), load, set_rng_state)
 
 
 def gather_full_model(model: nn.Module, stage: nn.Module, dims, split=None) -> nn.Module:
