@@ -30,6 +30,8 @@ from hvd_runtime.throughput import Throughput
 
 
 class Step(Protocol):
+    """What the loop drives: see the module's docstring."""
+
     batches_per_update: int
 
     def train_batch(self, x, y, apply: bool, step: int) -> tuple[object, Mapping[str, object]]: ...
@@ -95,7 +97,8 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
         speed.step()
         if log_every and on_log is not None and state.step % log_every == 0:
             # Horovod: the batch loss averaged over the job (every rank calls, at the same step)
-            point = means_over_ranks({"step_train_loss": loss}, 1, step.sum_over_ranks, "metrics.step") | speed.since_last()
+            point = means_over_ranks({"step_train_loss": loss}, 1, step.sum_over_ranks, "metrics.step")
+            point |= speed.since_last()
             if hasattr(batch_iter, "set_postfix_str"):
                 batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
             on_log(point, state.step)

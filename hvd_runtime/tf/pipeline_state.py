@@ -36,7 +36,8 @@ def _gather_stages(stage: Stage, optimizer, dims, split=None) -> tuple[dict[int,
     weights = [np.asarray(v) for v in stage.variables] if split is None else split.full_model_arrays()
     moments = None
     if optimizer is not None:
-        moments = [np.asarray(v) for v in optimizer.variables] if split is None else split.full_optimizer_arrays(optimizer)
+        moments = ([np.asarray(v) for v in optimizer.variables] if split is None
+                   else split.full_optimizer_arrays(optimizer))
     return gather_stages(hvd, dims, weights, moments, rng_state())
 
 

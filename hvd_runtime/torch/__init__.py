@@ -14,5 +14,5 @@ from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import SyncBatchNorm, use_sync_batchnorm
 
 __all__ = ["Context", "Precision", "ShardedBatches", "SyncBatchNorm", "TrainState", "TrainStep", "WarmupSchedule",
-           "accuracy", "checkpoint_store", "cross_entropy", "init_horovod", "start_elastic", "make_optimizer", "restore_or_broadcast",
-           "run_elastic", "save_checkpoint", "use_sync_batchnorm"]
+           "accuracy", "checkpoint_store", "cross_entropy", "init_horovod", "start_elastic", "make_optimizer",
+           "restore_or_broadcast", "run_elastic", "save_checkpoint", "use_sync_batchnorm"]
