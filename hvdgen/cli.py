@@ -90,7 +90,8 @@ def list_cmd() -> None:
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
 @click.option("--micro-batches", type=int, default=None, help="model-split / pipeline: micro-batches per batch [4].")
 @click.option("--schedule", default=None, help="pipeline: gpipe or 1f1b [1f1b].")
-@click.option("--tp", type=int, default=None, help="tensor: ranks per tensor-parallel group [2]; pipeline: each stage split over tp ranks [1].")
+@click.option("--tp", type=int, default=None,
+              help="tensor: ranks per tensor-parallel group [2]; pipeline: each stage split over tp ranks [1].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")

@@ -44,9 +44,10 @@ class TrainStep:
         self.model, self.optimizer, self.loss_fn, self.sync = model, optimizer, loss_fn, sync
         self.clip_norm, self.grad_norm = clip_norm if grad_norm is not None else 0.0, grad_norm
         self.variables = list(model.trainable_variables)
-        self.k = self.batches_per_update = backward_passes_per_step
+        self.batches_per_update = backward_passes_per_step
         self.sum_over_ranks = sum_over_ranks
-        self.accumulator = GradientAccumulator(self.variables, self.k) if self.k > 1 else None
+        k = backward_passes_per_step
+        self.accumulator = GradientAccumulator(self.variables, k) if k > 1 else None
         self._step = tf.function(self._train_on_batch, reduce_retracing=True)
         self._accumulate = tf.function(self._accumulate_batch, reduce_retracing=True)
         self._apply_accumulated = tf.function(self._apply_accumulated_fn)

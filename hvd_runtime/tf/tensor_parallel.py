@@ -132,25 +132,21 @@ class TensorParallelBlock(keras.layers.Layer):
         return x + self.out(self.fc(self.norm2(x)))
 
 
-def _is_transformer_block(layer) -> bool:
-    return (all(isinstance(getattr(layer, name, None), keras.layers.Dense) for name in ("qkv", "proj", "fc", "out"))
-            and isinstance(getattr(layer, "heads", None), int))
-
-
 def is_transformer_block(layer) -> bool:
     """Whether apply_tp splits `layer`: the generated GPT's Block (qkv, proj, fc and out Dense, heads)."""
-    return _is_transformer_block(layer)
+    return (all(isinstance(getattr(layer, name, None), keras.layers.Dense) for name in ("qkv", "proj", "fc", "out"))
+            and isinstance(getattr(layer, "heads", None), int))
 
 
 def apply_tp(model: keras.Model, group: TensorGroup) -> keras.Model:
     """A keras.Sequential of `model`'s layers, each transformer block split over the group
     (`model` itself for a group of one: tp 1 is the unsplit model)."""
-    if not any(_is_transformer_block(layer) for layer in model.layers):
+    if not any(is_transformer_block(layer) for layer in model.layers):
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
                                   "qkv and proj, an MLP of fc and out): tensor parallelism splits the gpt model; "
                                   "use --strategy data, model-split or pipeline for this one")
     if group.size == 1:
         return model
-    layers = [TensorParallelBlock(layer, group) if _is_transformer_block(layer) else layer for layer in model.layers]
+    layers = [TensorParallelBlock(layer, group) if is_transformer_block(layer) else layer for layer in model.layers]
     inputs = model.inputs[0]
     return keras.Sequential([keras.Input(inputs.shape[1:], dtype=inputs.dtype), *layers])

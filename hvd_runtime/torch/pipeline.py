@@ -43,18 +43,25 @@ def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
     embeddings) be the same on all. Unchanged at tp 1; a stage without blocks (an embedding or a
     head alone) stays whole, its tp ranks computing it alike (the clipping norm counts it once).
     """
-    import horovod.torch as hvd
-
     group = dims.tensor_group
     if group is None:
         return stage
-    root = dims.dims.tp_ranks(dims.rank)[0]
     # Horovod: one model for the whole group, from its first rank
-    handles = [hvd.broadcast_async_(t.data, root, name=f"tp.init.{name}", process_set=group.process_set)
-               for name, t in stage.state_dict().items()]
+    _broadcast_state(stage, dims.dims.tp_ranks(dims.rank)[0], group.process_set, "tp.init")
+    return apply_tp(stage, group) if transformer_blocks(stage) else stage
+
+
+def _broadcast_state(module: torch.nn.Module, root: int, process_set, prefix: str) -> None:
+    """Every tensor of the module's state from global rank `root` to the ranks of `process_set`, in place.
+
+    Horovod's broadcast_parameters takes no process set; this is it for one.
+    """
+    import horovod.torch as hvd
+
+    handles = [hvd.broadcast_async_(t.data, root, name=f"{prefix}.{name}", process_set=process_set)
+               for name, t in module.state_dict().items()]
     for handle in handles:
         hvd.synchronize(handle)
-    return apply_tp(stage, group) if transformer_blocks(stage) else stage
 
 
 class PipelineEngine(PipelineEngineBase):
@@ -80,13 +87,8 @@ class PipelineEngine(PipelineEngineBase):
 
     def _sync_replicas(self) -> None:
         """Start every replica of this stage from replica 0's parameters and buffers."""
-        if self.dims.dp_set is None:
-            return
-        root = self.dims.stage_root
-        handles = [self.hvd.broadcast_async_(t.data, root, name=f"pp.init.{name}", process_set=self.dims.dp_set)
-                   for name, t in self.stage.state_dict().items()]
-        for h in handles:
-            self.hvd.synchronize(h)
+        if self.dims.dp_set is not None:
+            _broadcast_state(self.stage, self.dims.stage_root, self.dims.dp_set, "pp.init")
 
     # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
     def _forward(self, i, inp, y, weight, train):
