@@ -7,8 +7,10 @@ Builds the project's model.py (unchanged) at the size given, splits it with appl
 of `tp` ranks (tp 1: unsplit), and times training steps (forward, backward, the group's
 allreduces, AdamW, whole-model clipping) after warm-up steps, between barriers. Rank 0 prints
 one `BENCH {...}` JSON line: the median step time, this rank's parameter bytes in the split
-layers (qkv, proj and the MLP's two linears) and in the whole model, and the rise of the resident
-memory over the steps (activations, gradients, optimizer state) above what the model took.
+layers (qkv, proj, the MLP's two linears, and the token embedding the head is tied to) and in the
+whole model, and the rise of the resident memory over the steps (activations, gradients,
+optimizer state) above what the model took. The loss is the vocabulary-parallel one
+(hvd_runtime.torch.vocab_parallel): the logits stay split.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hvd_runtime.config import ModelConfig  # noqa: E402
 from hvd_runtime.torch.context import init_horovod  # noqa: E402
-from hvd_runtime.torch.objective import cross_entropy  # noqa: E402
-from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, apply_tp  # noqa: E402
+from hvd_runtime.torch.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,  # noqa: E402
+                                               VocabParallelEmbedding, apply_tp)
 from hvd_runtime.torch.tensor_state import SplitParameters  # noqa: E402
+from hvd_runtime.torch.vocab_parallel import VocabObjective  # noqa: E402
 
-SPLIT_NAMES = ("qkv", "proj", "mlp.0", "mlp.2")
+SPLIT_NAMES = ("qkv", "proj", "mlp.0", "mlp.2", "tokens", "out")
+SPLIT_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, torch.nn.Linear, torch.nn.Embedding)
 
 
 def peak_rss_bytes() -> int:
@@ -40,12 +44,9 @@ def peak_rss_bytes() -> int:
 
 def split_layer_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters of the layers tensor parallelism splits, split or not."""
-    total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or (
-                isinstance(module, torch.nn.Linear) and name.endswith(SPLIT_NAMES)):
-            total += sum(p.numel() * p.element_size() for p in module.parameters())
-    return total
+    held = {id(p): p for name, module in model.named_modules()
+            if isinstance(module, SPLIT_TYPES) and name.endswith(SPLIT_NAMES) for p in module.parameters()}
+    return sum(p.numel() * p.element_size() for p in held.values())  # a tied head's weight counted once
 
 
 def main() -> None:
@@ -74,6 +75,7 @@ def main() -> None:
     torch.manual_seed(0)  # one model on every rank and at every tp: the losses of tp 1 and tp 2 must agree
     model = apply_tp(build_model(cfg, (args.context,), vocab), ctx.tensor.group)
     split = SplitParameters(model)
+    objective = VocabObjective.of(ctx.tensor.group, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model_rss = peak_rss_bytes()
     generator = torch.Generator().manual_seed(1)  # every rank of the group reads the same batch
@@ -84,7 +86,7 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         hvd.barrier()
         started = time.perf_counter()
-        loss = cross_entropy(model(x), y)
+        loss = objective.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, split.grad_norm())

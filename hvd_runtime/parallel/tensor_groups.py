@@ -58,9 +58,29 @@ def check_block_splits(heads: int, dropout: float, tp: int) -> None:
     """What a transformer block needs to split over tp ranks, in either framework: one line if not."""
     if heads % tp:
         raise TensorParallelError(f"model.heads {heads} do not split over tp {tp}: choose a tp that divides {heads}")
+    check_no_dropout(dropout)
+
+
+def check_no_dropout(dropout: float) -> None:
+    """Dropout after a sum over the group would drop different parts on ranks that must agree."""
     if dropout:
         raise TensorParallelError(f"model.dropout {dropout} with tensor parallelism: the group's ranks would drop "
                                   "different parts of the activations they share; set model.dropout 0")
+
+
+def vocab_range(vocab: int, parts: int, index: int) -> slice:
+    """The token ids part `index` of `parts` holds of a vocabulary split over a tensor-parallel group.
+
+    Vocabularies rarely divide (50257 for GPT-2's), so the parts may differ by one row: the first
+    `vocab % parts` hold one more. Megatron pads the vocabulary instead, which changes the model's
+    output; unequal slices keep it, at the price of unequal allgathers when a checkpoint is written.
+    """
+    if vocab < parts:
+        raise TensorParallelError(f"a vocabulary of {vocab} tokens does not split over tp {parts}: "
+                                  f"choose a tp of at most {vocab}")
+    size, extra = divmod(vocab, parts)
+    start = index * size + min(index, extra)
+    return slice(start, start + size + (index < extra))
 
 
 def split_range(features: int, parts: int, index: int, what: str) -> slice:

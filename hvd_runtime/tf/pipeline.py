@@ -29,7 +29,7 @@ from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages
-from hvd_runtime.tf.tensor_parallel import TensorParallelBlock, is_transformer_block
+from hvd_runtime.tf.tensor_parallel import split_layers
 from hvd_runtime.tf.tensor_state import SplitVariables
 from hvd_runtime.tf.stage import build_stage as _stage_of_plan
 
@@ -124,14 +124,14 @@ def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "
 
 
 def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
-    """The stage with its transformer blocks split over its tensor-parallel group (init_pipeline's tp).
+    """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
+    group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
     Every rank of the group first takes its first rank's variables: each rank built the model under
     its own seed, and the slices must come from one model, the variables kept whole (LayerNorm,
-    embeddings) be the same on all. Unchanged at tp 1; a stage without blocks (an embedding or a
-    head alone) stays whole, its tp ranks computing it alike (the clipping norm counts it once).
-    The split stage keeps the stage's layers in order, the blocks replaced by split ones whose
-    variables line up with the block's (hvd_runtime.tf.tensor_state).
+    position embeddings) be the same on all. Unchanged at tp 1. The split stage keeps the stage's
+    layers in order, split ones whose variables line up with the originals'
+    (hvd_runtime.tf.tensor_state).
     """
     import horovod.tensorflow as hvd
 
@@ -142,8 +142,7 @@ def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
     # Horovod: one model for the whole group, from its first rank
     hvd.broadcast_variables([v.value for v in stage.variables if "float" in str(v.dtype)], root_rank=root,
                             process_set=group.process_set)
-    layers = [TensorParallelBlock(layer, group) if is_transformer_block(layer) else layer for layer in stage.layers]
-    return Stage(layers, stage.index, stage.plan)
+    return Stage(split_layers(stage.layers, group), stage.index, stage.plan)
 
 
 def stage_state_variables(stage: Stage, optimizer) -> list:

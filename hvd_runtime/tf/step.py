@@ -34,14 +34,16 @@ class TrainStep:
 
     clip_norm with grad_norm(grads, variables): clip by a norm the optimizer cannot see alone (a
     tensor-parallel model's, summed over its group), after the allreduce; the optimizer must then
-    not clip itself (make_optimizer(clip=False)).
+    not clip itself (make_optimizer(clip=False)). `accuracy_fn(logits, y)`: the number right (a
+    vocabulary-split model's comes from hvd_runtime.tf.vocab_parallel, as its loss_fn does).
     """
 
     metric_names = ("accuracy",)
 
     def __init__(self, model, optimizer, loss_fn, sync: GradientSync, backward_passes_per_step: int = 1,
-                 clip_norm: float = 0.0, grad_norm=None):
+                 clip_norm: float = 0.0, grad_norm=None, accuracy_fn=accuracy_sum):
         self.model, self.optimizer, self.loss_fn, self.sync = model, optimizer, loss_fn, sync
+        self.accuracy_fn = accuracy_fn
         self.clip_norm, self.grad_norm = clip_norm if grad_norm is not None else 0.0, grad_norm
         self.variables = list(model.trainable_variables)
         self.batches_per_update = backward_passes_per_step
@@ -62,7 +64,7 @@ class TrainStep:
             # fp16: differentiate the scaled loss; apply_gradients unscales (a no-op otherwise)
             scaled = self.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, self.variables)
-        return loss, accuracy_sum(logits, y), grads
+        return loss, self.accuracy_fn(logits, y), grads
 
     def _apply(self, grads):
         # Horovod: average gradients across ranks (one grouped allreduce), then update. The
@@ -109,7 +111,7 @@ class TrainStep:
 
     def _eval_totals_fn(self, x, y):
         logits = self.model(x, training=False)
-        return self.loss_fn(y, logits) * tf.cast(tf.shape(y)[0], tf.float32), {"accuracy": accuracy_sum(logits, y)}
+        return self.loss_fn(y, logits) * tf.cast(tf.shape(y)[0], tf.float32), {"accuracy": self.accuracy_fn(logits, y)}
 
     def evaluate(self, batches) -> tuple[float, dict[str, float]]:
         """Loss and accuracy over the whole validation set, each sample counted once on one rank.

@@ -7,8 +7,11 @@ features (the kernel's rows), summed over the group. Megatron's f and g are `tf.
 functions over Horovod's allreduce in the group's process set.
 
 `apply_tp(model, group)` returns a new keras.Sequential of the generated GPT's layers with each
-transformer block split (attention by heads, the MLP's `fc` column- and `out` row-parallel); the
-embedding, LayerNorms and head are the model's own layer objects, whole on every rank.
+transformer block split (attention by heads, the MLP's `fc` column- and `out` row-parallel), and
+the token embedding and the head split by vocabulary rows, as in PyTorch: the logits stay split
+over the vocabulary, for the loss and accuracy of `hvd_runtime.tf.vocab_parallel`, and a head
+tied to the embedding multiplies by the embedding's own rows. Position embeddings and LayerNorms
+are the model's own layer objects, whole on every rank.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, check_block_splits, split_range
+from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
+                                                split_range, vocab_range)
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
-           "apply_tp", "is_transformer_block"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock", "TensorParallelEmbedding",
+           "TensorParallelError", "TensorParallelHead", "VocabParallelEmbedding", "apply_tp", "is_transformer_block",
+           "split_layers", "sum_over_group"]
 
 
 def _sum_over(tensor, group: TensorGroup):
@@ -38,7 +43,7 @@ def _copy_to_group(x, group: TensorGroup):
     return f(x)
 
 
-def _sum_over_group(x, group: TensorGroup):
+def sum_over_group(x, group: TensorGroup):
     """g: partial results summed over the group forward, identity backward."""
     @tf.custom_gradient
     def g(x):
@@ -69,15 +74,17 @@ class ColumnParallelDense(_SplitDense):
     """A Dense whose output features are split: this rank computes its slice of them (then its activation).
 
     chunks: the output features are that many equal parts, each split over the group (a fused
-    q, k, v projection). `source_index` lists the original output features held, in order.
+    q, k, v projection). `part`: the features this rank holds when they are not an equal share (a
+    head's vocabulary). `source_index` lists the original output features held, in order.
     """
 
-    def __init__(self, dense: keras.layers.Dense, group: TensorGroup, chunks: int = 1):
+    def __init__(self, dense: keras.layers.Dense, group: TensorGroup, chunks: int = 1, part: slice | None = None):
         if dense.units % chunks:
             raise TensorParallelError(f"Dense {dense.name!r} ({dense.units} units) does not divide into {chunks} "
                                       "equal chunks of output features")
         chunk = dense.units // chunks
-        part = split_range(chunk, group.size, group.rank, f"column-parallel Dense {dense.name!r} ({dense.units} units)")
+        part = part or split_range(chunk, group.size, group.rank,
+                                   f"column-parallel Dense {dense.name!r} ({dense.units} units)")
         index = np.concatenate([np.arange(c * chunk + part.start, c * chunk + part.stop) for c in range(chunks)])
         bias = dense.bias.numpy()[index] if dense.use_bias else None
         super().__init__(dense, group, dense.kernel.numpy()[:, index], bias, index)
@@ -103,7 +110,7 @@ class RowParallelDense(_SplitDense):
                          index)
 
     def call(self, x):
-        y = _sum_over_group(ops.matmul(x, ops.cast(self.kernel, x.dtype)), self.group)
+        y = sum_over_group(ops.matmul(x, ops.cast(self.kernel, x.dtype)), self.group)
         return y if self.bias is None else y + ops.cast(self.bias, y.dtype)
 
 
@@ -132,21 +139,101 @@ class TensorParallelBlock(keras.layers.Layer):
         return x + self.out(self.fc(self.norm2(x)))
 
 
+class VocabParallelEmbedding(keras.layers.Layer):
+    """A keras Embedding whose rows (token ids) are split: this rank looks up its own, the group sums
+    (a token outside its rows reads zeros here and its embedding from the rank holding it)."""
+
+    def __init__(self, embedding: keras.layers.Embedding, group: TensorGroup):
+        super().__init__(dtype=embedding.dtype_policy, name=f"{embedding.name}_tp")  # alike on every rank
+        part = vocab_range(embedding.input_dim, group.size, group.rank)
+        self.group, self.start, self.stop = group, part.start, part.stop
+        self.source_index = np.arange(part.start, part.stop)  # the original rows (token ids) held
+        rows = embedding.embeddings.numpy()[part]
+        self.embeddings = self.add_weight(shape=rows.shape, initializer="zeros", name="embeddings")
+        self.embeddings.assign(rows)
+
+    def call(self, idx):
+        outside = ops.logical_or(idx < self.start, idx >= self.stop)
+        rows = ops.take(self.embeddings, ops.where(outside, 0, idx - self.start), axis=0)
+        rows = ops.where(ops.expand_dims(outside, -1), ops.zeros_like(rows), rows)
+        return sum_over_group(ops.cast(rows, self.compute_dtype), self.group)
+
+
+class TensorParallelEmbedding(keras.layers.Layer):
+    """The generated GPT's `Embedding` with its token rows split over the group; positions stay whole."""
+
+    def __init__(self, block: keras.layers.Layer, group: TensorGroup):
+        super().__init__(dtype=block.dtype_policy, name=f"{block.name}_tp")
+        check_no_dropout(block.rate)
+        self.tokens = VocabParallelEmbedding(block.tokens, group)  # in the block's order: tokens, positions
+        self.positions = block.positions
+
+    def call(self, idx):
+        return self.tokens(idx) + self.positions(ops.arange(ops.shape(idx)[1]))
+
+
+class TensorParallelHead(keras.layers.Layer):
+    """The generated GPT's `Head` answering this rank's vocabulary rows of the logits: its `out` Dense
+    column-parallel over the vocabulary, or (tied) the split token embedding's rows."""
+
+    def __init__(self, head: keras.layers.Layer, group: TensorGroup, tokens: VocabParallelEmbedding | None):
+        super().__init__(dtype=head.dtype_policy, name=f"{head.name}_tp")
+        self.group, self.norm, self.out = group, head.norm, None
+        if not head.tied:
+            self.out = ColumnParallelDense(head.out, group, part=vocab_range(head.vocab, group.size, group.rank))
+        elif tokens is None:
+            raise TensorParallelError("a head tied to the token embedding splits with it: keep both on one stage "
+                                      "(model.tie_embeddings false in a pipeline)")
+        object.__setattr__(self, "tokens", tokens)  # not tracked: the embedding's variable is the embedding's
+
+    def call(self, x):
+        x = self.norm(x)
+        if self.out is not None:
+            return self.out(x)
+        rows = ops.cast(self.tokens.embeddings, x.dtype)
+        return ops.matmul(_copy_to_group(x, self.group), ops.transpose(rows))
+
+
 def is_transformer_block(layer) -> bool:
     """Whether apply_tp splits `layer`: the generated GPT's Block (qkv, proj, fc and out Dense, heads)."""
     return (all(isinstance(getattr(layer, name, None), keras.layers.Dense) for name in ("qkv", "proj", "fc", "out"))
             and isinstance(getattr(layer, "heads", None), int))
 
 
+def _is_embedding(layer) -> bool:
+    return isinstance(getattr(layer, "tokens", None), keras.layers.Embedding)
+
+
+def _is_head(layer) -> bool:
+    return (isinstance(getattr(layer, "norm", None), keras.layers.LayerNormalization) and hasattr(layer, "tied")
+            and isinstance(getattr(layer, "vocab", None), int))
+
+
+def split_layers(layers: list, group: TensorGroup) -> list:
+    """`layers` (a model's or a pipeline stage's, in order) with the transformer blocks, the token
+    embedding and the head split over the group; the others as they are."""
+    split, tokens = [], None
+    for layer in layers:
+        if is_transformer_block(layer):
+            layer = TensorParallelBlock(layer, group)
+        elif _is_embedding(layer):
+            layer = TensorParallelEmbedding(layer, group)
+            tokens = layer.tokens
+        elif _is_head(layer):
+            layer = TensorParallelHead(layer, group, tokens)
+        split.append(layer)
+    return split
+
+
 def apply_tp(model: keras.Model, group: TensorGroup) -> keras.Model:
-    """A keras.Sequential of `model`'s layers, each transformer block split over the group
-    (`model` itself for a group of one: tp 1 is the unsplit model)."""
+    """A keras.Sequential of `model`'s layers split over the group (split_layers); `model` itself for a
+    group of one (tp 1 is the unsplit model). Its logits are then split over the vocabulary: train
+    with hvd_runtime.tf.vocab_parallel's loss and accuracy."""
     if not any(is_transformer_block(layer) for layer in model.layers):
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
                                   "qkv and proj, an MLP of fc and out): tensor parallelism splits the gpt model; "
                                   "use --strategy data, model-split or pipeline for this one")
     if group.size == 1:
         return model
-    layers = [TensorParallelBlock(layer, group) if is_transformer_block(layer) else layer for layer in model.layers]
     inputs = model.inputs[0]
-    return keras.Sequential([keras.Input(inputs.shape[1:], dtype=inputs.dtype), *layers])
+    return keras.Sequential([keras.Input(inputs.shape[1:], dtype=inputs.dtype), *split_layers(model.layers, group)])

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_runtime.parallel.tensor_groups import TensorGroup
-from hvd_runtime.tf.tensor_parallel import ColumnParallelDense, RowParallelDense
+from hvd_runtime.tf.tensor_parallel import ColumnParallelDense, RowParallelDense, VocabParallelEmbedding
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,14 @@ class Split:
 
 
 def _splits(model) -> dict[int, Split]:
-    """id(variable) -> Split, for the variables of every split Dense (Keras kernels are (in, out))."""
+    """id(variable) -> Split, for the variables of every split layer (Keras kernels are (in, out))."""
     splits = {}
-    dense = [d for layer in model.layers for d in [layer, *vars(layer).values()]
-             if isinstance(d, (ColumnParallelDense, RowParallelDense))]
-    for layer in dense:
-        if isinstance(layer, ColumnParallelDense):
+    split = [d for layer in model.layers for d in [layer, *vars(layer).values()]
+             if isinstance(d, (ColumnParallelDense, RowParallelDense, VocabParallelEmbedding))]
+    for layer in split:
+        if isinstance(layer, VocabParallelEmbedding):
+            splits[id(layer.embeddings)] = Split(0, layer.source_index, layer.group)
+        elif isinstance(layer, ColumnParallelDense):
             splits[id(layer.kernel)] = Split(1, layer.source_index, layer.group)
             if layer.bias is not None:
                 splits[id(layer.bias)] = Split(0, layer.source_index, layer.group)

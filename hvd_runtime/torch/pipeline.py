@@ -28,7 +28,7 @@ from hvd_runtime.pipeline.grid import micro_batch_sizes
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.stage import build_stage, plan_stages
-from hvd_runtime.torch.tensor_parallel import apply_tp, transformer_blocks
+from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
@@ -36,19 +36,19 @@ __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRan
 
 
 def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
-    """The stage with its transformer blocks split over its tensor-parallel group (init_pipeline's tp).
+    """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
+    group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
     Every rank of the group first takes its first rank's weights: each rank built the model under
     its own seed, and the slices must come from one model, the parameters kept whole (LayerNorm,
-    embeddings) be the same on all. Unchanged at tp 1; a stage without blocks (an embedding or a
-    head alone) stays whole, its tp ranks computing it alike (the clipping norm counts it once).
+    position embeddings) be the same on all. Unchanged at tp 1.
     """
     group = dims.tensor_group
     if group is None:
         return stage
     # Horovod: one model for the whole group, from its first rank
     _broadcast_state(stage, dims.dims.tp_ranks(dims.rank)[0], group.process_set, "tp.init")
-    return apply_tp(stage, group) if transformer_blocks(stage) else stage
+    return split_model(stage, group)
 
 
 def _broadcast_state(module: torch.nn.Module, root: int, process_set, prefix: str) -> None:

@@ -33,14 +33,16 @@ class TrainStep:
     With backward_passes_per_step = k > 1 gradients of k batches accumulate locally (Horovod's
     DistributedOptimizer counts them) before the k-th batch's one allreduce and update.
     `precision` (default fp32) runs the forward pass under autocast and, with fp16 or clipping,
-    steps as hvd_runtime.torch.precision explains.
+    steps as hvd_runtime.torch.precision explains. `accuracy_fn(output, target)`: the number right
+    (a vocabulary-split model's comes from hvd_runtime.torch.vocab_parallel, as its loss_fn does).
     """
 
     metric_names = ("accuracy",)
 
     def __init__(self, model: nn.Module, optimizer, schedule: WarmupSchedule, loss_fn, ctx: Context,
-                 backward_passes_per_step: int = 1, precision: Precision | None = None):
+                 backward_passes_per_step: int = 1, precision: Precision | None = None, accuracy_fn=accuracy_sum):
         self.model, self.optimizer, self.schedule, self.loss_fn, self.ctx = model, optimizer, schedule, loss_fn, ctx
+        self.accuracy_fn = accuracy_fn
         self.batches_per_update = backward_passes_per_step
         self.precision = precision or Precision("fp32", ctx.device)
         self.sum_over_ranks = sum_over_ranks
@@ -61,7 +63,7 @@ class TrainStep:
             self.precision.step(self.optimizer, self.model.parameters())
             self.optimizer.zero_grad()
         # Totals stay tensors on the output's device: no host sync per step.
-        return loss.detach().float(), {"accuracy": accuracy_sum(out.detach(), y)}
+        return loss.detach().float(), {"accuracy": self.accuracy_fn(out.detach(), y)}
 
     @torch.no_grad()
     def evaluate(self, batches) -> tuple[float, dict[str, float]]:
@@ -76,6 +78,6 @@ class TrainStep:
             with self.precision.autocast():
                 out = self.model(x)
             y = y.to(out.device, non_blocking=True)
-            return self.loss_fn(out, y).float() * len(y), {"accuracy": accuracy_sum(out, y)}
+            return self.loss_fn(out, y).float() * len(y), {"accuracy": self.accuracy_fn(out, y)}
 
         return evaluate_batches(totals, batches, self.sum_over_ranks, self.metric_names)

@@ -18,22 +18,31 @@ The row-parallel bias is added after the sum, whole on every rank, and so gets t
 every rank, as does anything else left unsplit. The layers are built from the model's own
 nn.Linear, so the model file never knows it was split.
 
-`apply_tp(model, group)` splits the generated GPT's transformer blocks this way, as Megatron-LM
-does: attention by heads (q, k and v column-parallel, the output projection row-parallel) and the
-MLP column then row; embeddings, LayerNorms and the head stay whole. It reads the blocks' own
-modules (`qkv`, `proj`, `mlp`, `norm1`, `norm2`, `heads`), so model.py is not edited.
+`apply_tp(model, group)` splits the generated GPT this way, as Megatron-LM does: each transformer
+block's attention by heads (q, k and v column-parallel, the output projection row-parallel) and
+its MLP column then row; the token embedding and the head by vocabulary rows. Each rank looks up
+only the tokens in its rows (the others read zeros) and the group sums the lookups; the head is
+column-parallel over the vocabulary and its logits stay split, which the loss and accuracy of
+`hvd_runtime.torch.vocab_parallel` read without ever gathering them (the largest activation of a
+language model: batch x tokens x vocabulary). A head tied to the embedding stays tied: both hold
+the same rows. Position embeddings and LayerNorms stay whole. It reads the model's own modules
+(`qkv`, `proj`, `mlp`, `norm1`, `norm2`, `heads` of a block; `tokens` of the embedding; `norm` and
+`out` of the head), so model.py is not edited.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvd_runtime.parallel.tensor_groups import TensorGroup, TensorParallelError, check_block_splits, split_range
+from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
+                                                split_range, vocab_range)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
-           "apply_tp"]
+           "VocabParallelEmbedding", "apply_tp", "split_model"]
 
 
 def _sum_over(tensor: torch.Tensor, group: TensorGroup, name: str) -> torch.Tensor:
@@ -68,21 +77,28 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None, None
 
 
+def sum_over_group(x: torch.Tensor, group: TensorGroup, name: str) -> torch.Tensor:
+    """Megatron's g as a function: `x` summed over the group forward, the gradient passed on as it is."""
+    return _SumOverGroup.apply(x, group, name)
+
+
 class ColumnParallelLinear(nn.Module):
     """An nn.Linear whose output features are split: this rank computes its slice of them.
 
     chunks: the output features are that many equal parts, each split over the group (a fused
-    q, k, v projection: every rank takes its heads' rows of each). `source_index` lists the
-    original rows this rank holds, in order.
+    q, k, v projection: every rank takes its heads' rows of each). `part`: the rows this rank holds
+    when they are not an equal share (a head's vocabulary). `source_index` lists the original rows
+    this rank holds, in order.
     """
 
-    def __init__(self, linear: nn.Linear, group: TensorGroup, chunks: int = 1, name: str = "tp.column"):
+    def __init__(self, linear: nn.Linear, group: TensorGroup, chunks: int = 1, name: str = "tp.column",
+                 part: slice | None = None):
         super().__init__()
         self.name = name  # names this layer's allreduces: unique per layer
         if linear.out_features % chunks:
             raise TensorParallelError(f"{linear} does not divide into {chunks} equal chunks of output features")
         chunk = linear.out_features // chunks
-        part = split_range(chunk, group.size, group.rank, f"column-parallel {linear}")
+        part = part or split_range(chunk, group.size, group.rank, f"column-parallel {linear}")
         self.source_index = torch.cat([torch.arange(c * chunk + part.start, c * chunk + part.stop)
                                        for c in range(chunks)])
         self.group = group
@@ -94,7 +110,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(_CopyToGroup.apply(x, self.group, self.name), self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features} (of {self.out_features * self.group.size})"
+        return f"in_features={self.in_features}, out_features={self.out_features} (split over tp {self.group.size})"
 
 
 class RowParallelLinear(nn.Module):
@@ -111,11 +127,35 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _SumOverGroup.apply(F.linear(x, self.weight), self.group, self.name)
+        out = sum_over_group(F.linear(x, self.weight), self.group, self.name)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (of {self.in_features * self.group.size}), out_features={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An nn.Embedding whose rows (token ids) are split: this rank looks up its own, the group sums.
+
+    A token outside this rank's rows reads zeros here and its embedding from the rank holding it,
+    so the sum is the whole lookup; backward, each rank's rows get only their tokens' gradients.
+    """
+
+    def __init__(self, embedding: nn.Embedding, group: TensorGroup, name: str = "tp.embedding"):
+        super().__init__()
+        self.name, self.group = name, group
+        part = vocab_range(embedding.num_embeddings, group.size, group.rank)
+        self.start, self.stop = part.start, part.stop
+        self.source_index = torch.arange(part.start, part.stop)  # the original rows (token ids) held
+        self.weight = nn.Parameter(embedding.weight.detach()[part].clone())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.stop)
+        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        return sum_over_group(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group, self.name)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.stop - 1}, width {self.weight.shape[1]} (split over tp {self.group.size})"
 
 
 class TensorParallelBlock(nn.Module):
@@ -156,18 +196,60 @@ def transformer_blocks(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if name and _is_transformer_block(module)]
 
 
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _holding(model: nn.Module, owner_name: str, attribute: str, module: nn.Module) -> None:
+    """Put `module` as the `attribute` of the submodule `owner_name` of `model`, in a copy of that
+    submodule: a pipeline stage shares its modules with the whole model, which stays unsplit."""
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if owner_name:
+        owner = copy.copy(owner)
+        owner._modules = dict(owner._modules)  # its own table of children: the original keeps its own
+        _replace(model, owner_name, owner)
+    setattr(owner, attribute, module)
+
+
+def _holder(model: nn.Module, attribute: str, kind: type, beside: str | None = None):
+    """The first (name, module) whose `attribute` is a `kind` (and that also has `beside`), or None."""
+    return next(((name, module) for name, module in model.named_modules()
+                 if isinstance(getattr(module, attribute, None), kind) and (beside is None or hasattr(module, beside))),
+                None)
+
+
+def split_model(model: nn.Module, group: TensorGroup) -> nn.Module:
+    """Split whatever `model` holds of the GPT over the group, in place, and return it: transformer
+    blocks by heads and features; the token embedding (the `tokens` nn.Embedding of a module) and
+    the head (the `out` nn.Linear of a module with a `norm`) by vocabulary rows. A pipeline stage
+    may hold any of them, or none."""
+    for name in transformer_blocks(model):
+        _replace(model, name, TensorParallelBlock(model.get_submodule(name), group, name=f"tp.{name}"))
+    split_tokens, tokens = None, _holder(model, "tokens", nn.Embedding)
+    if tokens is not None:
+        owner_name, embedding = tokens[0], tokens[1].tokens
+        dropout = getattr(tokens[1], "dropout", None)
+        check_no_dropout(dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
+        split_tokens = VocabParallelEmbedding(embedding, group, name=f"tp.{owner_name}.tokens")
+        _holding(model, owner_name, "tokens", split_tokens)
+    head = _holder(model, "out", nn.Linear, beside="norm")
+    if head is not None:
+        owner_name, out = head[0], head[1].out
+        rows = vocab_range(out.out_features, group.size, group.rank)
+        split_out = ColumnParallelLinear(out, group, name=f"tp.{owner_name}.out", part=rows)
+        if tokens is not None and out.weight is embedding.weight:  # tied: one parameter, the same rows
+            split_out.weight = split_tokens.weight
+        _holding(model, owner_name, "out", split_out)
+    return model
+
+
 def apply_tp(model: nn.Module, group: TensorGroup) -> nn.Module:
-    """Split every transformer block of `model` over the group, in place; returns the model
-    (unchanged for a group of one: tp 1 is the unsplit model)."""
-    names = transformer_blocks(model)
-    if not names:
+    """Split `model` over the group, in place (split_model); returns the model (unchanged for a group
+    of one: tp 1 is the unsplit model). Its logits are then split over the vocabulary:
+    train with hvd_runtime.torch.vocab_parallel's loss and accuracy."""
+    if not transformer_blocks(model):
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
                                   "qkv and proj, an MLP of two linears): tensor parallelism splits the gpt model; "
                                   "use --strategy data, model-split or pipeline for this one")
-    if group.size == 1:
-        return model
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, TensorParallelBlock(owner.get_submodule(child), group, name=f"tp.{name}"))
-    return model
+    return model if group.size == 1 else split_model(model, group)

@@ -10,7 +10,7 @@ parallelism), and the model logged to MLflow loads into the plain `build_model`.
 tensors shaped like their parameter (momentum, Adam's moments) are gathered and sliced with it.
 
 The gradient norm that clipping needs is the whole model's: the split parameters' squares are
-summed over the group, the whole ones (LayerNorms, embeddings, the head, row-parallel biases)
+summed over the group, the whole ones (LayerNorms, position embeddings, row-parallel biases)
 counted once, so every rank of a group clips by the same factor and the whole ones stay identical.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.parallel.tensor_groups import TensorGroup
-from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,9 @@ def _splits(model: nn.Module) -> dict[str, Split]:
     splits = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, ColumnParallelLinear):
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
             splits[prefix + "weight"] = Split(0, module.source_index, module.group)
-            if module.bias is not None:
+            if getattr(module, "bias", None) is not None:
                 splits[prefix + "bias"] = Split(0, module.source_index, module.group)
         elif isinstance(module, RowParallelLinear):
             splits[prefix + "weight"] = Split(1, module.source_index, module.group)

@@ -19,14 +19,18 @@ from tp_checks import check_apply_tp_refusals, check_tp_reports, load_generated_
 SCRIPT = Path(__file__).parent / "scripts" / "tf_tp_step.py"
 
 
-@pytest.mark.parametrize("np_", [2, 4], ids=["gpt-tp2", "gpt-tp2xdp2"])
-def test_split_gpt_gradient_matches_the_unsplit_model(tmp_path, tf_workload_projects, np_):
-    """Logits and every variable's gradient equal the unsplit model's (their slice of it) within
-    1e-5 relative; each rank holds half of the split layers' kernels."""
+@pytest.mark.parametrize("np_, gpt_args", [(2, []), (4, ["--vocab", "17", "--tied"])],
+                         ids=["gpt-tp2", "gpt-tp2xdp2-tied-odd-vocab"])
+def test_split_gpt_gradient_matches_the_unsplit_model(tmp_path, tf_workload_projects, np_, gpt_args):
+    """Logits (this rank's vocabulary rows), loss, accuracy and every variable's gradient equal the
+    unsplit model's (their slice of it) within 1e-5 relative; each rank holds half of the split
+    layers' weights (about half, for a vocabulary of 17 split 9 + 8). A tied head stays tied."""
     out = tmp_path / "r.json"
     run_horovod(np_, [sys.executable, str(SCRIPT), "--tp", "2", "--project", str(tf_workload_projects["gpt"]),
-                      "--out", str(out)], timeout=300)
-    check_tp_reports(json.loads(out.read_text()), np_, tp=2)
+                      *gpt_args, "--out", str(out)], timeout=300)
+    reports = json.loads(out.read_text())
+    check_tp_reports(reports, np_, tp=2, even=not gpt_args)
+    assert all({"loss", "accuracy", "embedding_1_tp.embeddings"} <= set(r["errors"]) for r in reports)
 
 
 def test_apply_tp_refuses_what_it_cannot_split(tf_workload_projects):

@@ -16,14 +16,15 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from hvd_runtime.torch.objective import accuracy, accuracy_sum, cross_entropy
+from hvd_runtime.torch.objective import accuracy_sum, cross_entropy
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
-from hvd_runtime.torch.tensor_parallel import apply_tp
+from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
+from hvd_runtime.torch.vocab_parallel import VocabObjective
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
-from workloads import load_workload  # noqa: E402
+from workloads import VOCAB, load_workload  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 
@@ -98,11 +99,13 @@ def main():
 
     # the pipeline: this rank's stage of a fresh copy of the same model
     stage = build_stage(work.build(), dims, partition=args.partition, sample=xs[0][: args.batch])
-    if args.tp > 1:  # each stage's transformer blocks split over its tensor-parallel group
-        stage = apply_tp(stage, dims.tensor_group)
+    if args.tp > 1:  # each stage's blocks, embedding and head split over its tensor-parallel group
+        stage = split_model(stage, dims.tensor_group)
+    # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
+    objective = VocabObjective.of(dims.tensor_group, VOCAB)
     weights = list(stage.parameters()) or [{"params": []}]  # a weight-free stage, as plain_optimizer does
-    engine = PipelineEngine(stage, dims, loss_fn=cross_entropy, optimizer=torch.optim.SGD(weights, lr=args.lr),
-                            schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=accuracy,
+    engine = PipelineEngine(stage, dims, loss_fn=objective.cross_entropy, optimizer=torch.optim.SGD(weights, lr=args.lr),
+                            schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=objective.accuracy,
                             timeline=args.run_dir is not None, clip_norm=args.clip_norm)
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
 

@@ -22,13 +22,14 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from hvd_runtime.tf.objective import accuracy, accuracy_sum
+from hvd_runtime.tf.objective import accuracy_sum
 from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline, split_stage
+from hvd_runtime.tf.vocab_parallel import VocabObjective
 from hvd_runtime.tf.tensor_state import SplitVariables
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
-from tf_workloads import load_workload  # noqa: E402
+from tf_workloads import VOCAB, load_workload  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 BLOCKS = [f"b{i}" for i in range(7)]
@@ -119,8 +120,11 @@ def main():
     names = list(before)  # the unsplit stage's float variables, in order: a split stage's line up with them
     if args.tp > 1:
         stage = split_stage(stage, dims)
-    engine = PipelineEngine(stage, dims, LOSS, keras.optimizers.SGD(args.lr), schedule=args.schedule,
-                            micro_batches=args.micro_batches, metrics_fn=accuracy, timeline=args.run_dir is not None,
+    # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
+    objective = VocabObjective.of(dims.tensor_group, VOCAB)
+    engine = PipelineEngine(stage, dims, objective.cross_entropy, keras.optimizers.SGD(args.lr), schedule=args.schedule,
+                            micro_batches=args.micro_batches, metrics_fn=objective.accuracy,
+                            timeline=args.run_dir is not None,
                             clip_norm=args.clip_norm)
     if dims.replica or tp_rank:
         # what replica 0's tp rank 0 started from: broadcast over the tp group, then the stage's replicas

@@ -34,7 +34,9 @@ class Workload:
     batch_norm: bool                                              # its reference must see the same micro-batches
 
 
-def load_workload(name: str, project: str | None, mlp_build, mlp_batch, mlp_blocks) -> Workload:
+def load_workload(name: str, project: str | None, mlp_build, mlp_batch, mlp_blocks, vocab: int = VOCAB,
+                  tied: bool = False) -> Workload:
+    """vocab, tied: the gpt's vocabulary (one that does not divide by tp splits unevenly) and its head's tie."""
     if name == "mlp":
         return Workload(mlp_build, mlp_batch, mlp_blocks, batch_norm=False)
     sys.path.insert(0, str(Path(project).resolve()))
@@ -46,11 +48,11 @@ def load_workload(name: str, project: str | None, mlp_build, mlp_batch, mlp_bloc
         def batch(rng, n):
             return rng.standard_normal((n, *IMAGE)).astype("float32"), rng.integers(0, CLASSES, n)
     elif name == "gpt":
-        cfg = ModelConfig(width=16, heads=2, layers=2, context=CONTEXT, tie_embeddings=False)
-        shape, classes = (CONTEXT,), VOCAB
+        cfg = ModelConfig(width=16, heads=2, layers=2, context=CONTEXT, tie_embeddings=tied)
+        shape, classes = (CONTEXT,), vocab
 
         def batch(rng, n):
-            tokens = rng.integers(0, VOCAB, (n, CONTEXT + 1))
+            tokens = rng.integers(0, vocab, (n, CONTEXT + 1))
             return tokens[:, :-1], tokens[:, 1:]
     else:
         raise SystemExit(f"unknown --model {name}")

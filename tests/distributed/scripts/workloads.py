@@ -28,7 +28,9 @@ class Workload:
     batch_norm: bool                                   # its reference must see the same micro-batches
 
 
-def load_workload(name: str, project: str | None, mlp_builder=None, mlp_batch=None) -> Workload:
+def load_workload(name: str, project: str | None, mlp_builder=None, mlp_batch=None, vocab: int = VOCAB,
+                  tied: bool = False) -> Workload:
+    """vocab, tied: the gpt's vocabulary (one that does not divide by tp splits unevenly) and its head's tie."""
     if name == "mlp":
         return Workload(mlp_builder, mlp_batch, [str(i) for i in range(7)], batch_norm=False)
     sys.path.insert(0, str(Path(project).resolve()))
@@ -45,14 +47,14 @@ def load_workload(name: str, project: str | None, mlp_builder=None, mlp_batch=No
             return torch.randn(n, *IMAGE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
         return Workload(build, batch, [str(i) for i in range(10)], batch_norm=True)
     if name == "gpt":
-        cfg = ModelConfig(width=16, heads=2, layers=2, context=CONTEXT, tie_embeddings=False)
+        cfg = ModelConfig(width=16, heads=2, layers=2, context=CONTEXT, tie_embeddings=tied)
 
         def build():
             torch.manual_seed(1234)
-            return build_model(cfg, (CONTEXT,), VOCAB)
+            return build_model(cfg, (CONTEXT,), vocab)
 
         def batch(g, n):
-            tokens = torch.randint(0, VOCAB, (n, CONTEXT + 1), generator=g)
+            tokens = torch.randint(0, vocab, (n, CONTEXT + 1), generator=g)
             return tokens[:, :-1], tokens[:, 1:]
         return Workload(build, batch, [str(i) for i in range(4)], batch_norm=False)
     raise SystemExit(f"unknown --model {name}")
