@@ -78,7 +78,8 @@ def main() -> None:
             for tp in (1, 2) for i in range(len(results[tp][0]))]
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# Tensor-parallel benchmark, {library}: tp 2 against the unsplit model", "",
-             f"`python bench/tensor_parallel_bench.py --framework {args.framework}` on {when}, {os.cpu_count()} cores, CPU (Gloo), "
+             f"`python bench/tensor_parallel_bench.py --framework {args.framework}` on {when}, "
+             f"{os.cpu_count()} cores, CPU (Gloo), "
              f"{args.rounds} rounds alternating tp 1 and tp 2 (medians; the step-time ratio within a round); "
              f"1-minute load average {load_before:.1f} before. The generated GPT (model.py unchanged): 4 layers, "
              f"width {args.width}, 8 heads, context 128, vocabulary 256 (head tied to the token embedding), batch 16, "
@@ -87,7 +88,8 @@ def main() -> None:
              "| --- | ---: | ---: | ---: |",
              f"| time per step | {statistics.median(r[0]['step_ms'] for r in results[1]):.0f} ms | "
              f"{statistics.median(r[0]['step_ms'] for r in results[2]):.0f} ms | {ratio:.2f} |",
-             f"| split layers' parameters per rank (qkv, proj, MLP, token embedding = head) | {mib(one[0]['split_layer_bytes'])} | "
+             "| split layers' parameters per rank (qkv, proj, MLP, token embedding = head) | "
+             f"{mib(one[0]['split_layer_bytes'])} | "
              f"{mib(max(r['split_layer_bytes'] for r in two))} | {split_ratio:.2f} |",
              f"| all parameters per rank | {mib(one[0]['param_bytes'])} | {mib(max(r['param_bytes'] for r in two))} | "
              f"{max(r['param_bytes'] for r in two) / one[0]['param_bytes']:.2f} |",

@@ -15,19 +15,15 @@ optimizer state) above what the model took. The loss is the vocabulary-parallel 
 
 from __future__ import annotations
 
-import argparse
-import json
-import resource
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hvd_runtime.config import ModelConfig  # noqa: E402
+from bench.tp_worker_common import (VOCAB, model_config, parse_args, peak_rss_bytes, print_report,  # noqa: E402
+                                    timed_steps)
 from hvd_runtime.torch.context import init_horovod  # noqa: E402
 from hvd_runtime.torch.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,  # noqa: E402
                                                VocabParallelEmbedding, apply_tp)
@@ -38,10 +34,6 @@ SPLIT_NAMES = ("qkv", "proj", "mlp.0", "mlp.2", "tokens", "out")
 SPLIT_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, torch.nn.Linear, torch.nn.Embedding)
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def split_layer_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters of the layers tensor parallelism splits, split or not."""
     held = {id(p): p for name, module in model.named_modules()
@@ -50,58 +42,34 @@ def split_layer_bytes(model: torch.nn.Module) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--project", type=Path, required=True)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args()
-
+    args = parse_args()
     import horovod.torch as hvd
 
     sys.path.insert(0, str(args.project))
     from model import build_model
 
     ctx = init_horovod(seed=0, threads_per_rank=args.threads, tp=args.tp)
-    vocab = 256
-    cfg = ModelConfig(width=args.width, layers=args.layers, heads=args.heads, context=args.context, dropout=0.0,
-                      tie_embeddings=True)
     torch.manual_seed(0)  # one model on every rank and at every tp: the losses of tp 1 and tp 2 must agree
-    model = apply_tp(build_model(cfg, (args.context,), vocab), ctx.tensor.group)
+    model = apply_tp(build_model(model_config(args), (args.context,), VOCAB), ctx.tensor.group)
     split = SplitParameters(model)
-    objective = VocabObjective.of(ctx.tensor.group, vocab)
+    objective = VocabObjective.of(ctx.tensor.group, VOCAB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model_rss = peak_rss_bytes()
     generator = torch.Generator().manual_seed(1)  # every rank of the group reads the same batch
-    x = torch.randint(0, vocab, (args.batch, args.context), generator=generator)
-    y = torch.randint(0, vocab, (args.batch, args.context), generator=generator)
+    x = torch.randint(0, VOCAB, (args.batch, args.context), generator=generator)
+    y = torch.randint(0, VOCAB, (args.batch, args.context), generator=generator)
 
-    times = []
-    for step in range(args.warmup + args.steps):
-        hvd.barrier()
-        started = time.perf_counter()
+    def train_step() -> float:
         loss = objective.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, split.grad_norm())
         optimizer.step()
-        hvd.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - started)
-    report = {"tp": args.tp, "ranks": hvd.size(), "threads": args.threads,
-              "step_ms": 1000 * statistics.median(times), "loss": float(loss),
-              "split_layer_bytes": split_layer_bytes(model),
-              "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-              "training_rss_rise_bytes": peak_rss_bytes() - model_rss}
-    reports = hvd.allgather_object(report)
-    if hvd.rank() == 0:
-        print("BENCH " + json.dumps(reports), flush=True)
+        return float(loss)
+
+    times, loss = timed_steps(args, train_step, hvd.barrier)
+    print_report(hvd, args, times, loss, split_layer_bytes(model),
+                 sum(p.numel() * p.element_size() for p in model.parameters()), peak_rss_bytes() - model_rss)
 
 
 if __name__ == "__main__":

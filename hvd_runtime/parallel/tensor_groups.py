@@ -54,6 +54,24 @@ def init_tensor_parallel(hvd, tp: int) -> TensorRanks:
     return TensorRanks(dims, TensorGroup.of(dims, hvd.rank(), by_ranks), dp_set)
 
 
+@dataclass(frozen=True)
+class VocabularyShare:
+    """The vocabulary rows of the logits this rank holds: all of them (no group, or tp 1), or its
+    `vocab_range` of a head split by tensor parallelism. Each framework's loss and accuracy
+    (hvd_runtime.{torch,tf}.vocab_parallel.VocabObjective) build on it."""
+
+    group: TensorGroup | None
+    vocab: int
+
+    @classmethod
+    def of(cls, group: TensorGroup | None, vocab: int):
+        return cls(group if group is not None and group.size > 1 else None, vocab)
+
+    @property
+    def rows(self) -> slice:
+        return vocab_range(self.vocab, self.group.size, self.group.rank) if self.group else slice(0, self.vocab)
+
+
 def check_block_splits(heads: int, dropout: float, tp: int) -> None:
     """What a transformer block needs to split over tp ranks, in either framework: one line if not."""
     if heads % tp:

@@ -12,11 +12,12 @@ g (`sum_over_group`, identity backward), so the tape gives each rank softmax - o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import keras
 import tensorflow as tf
 
-from hvd_runtime.parallel.tensor_groups import TensorGroup, vocab_range
+from hvd_runtime.parallel.tensor_groups import TensorGroup, VocabularyShare
 from hvd_runtime.tf import objective
 from hvd_runtime.tf.tensor_parallel import sum_over_group
 
@@ -30,25 +31,16 @@ def _reduce(tensor, op_name: str, group: TensorGroup, name: str):
 
 
 @dataclass(frozen=True)
-class VocabObjective:
+class VocabObjective(VocabularyShare):
     """The training loss and accuracy of one rank's logits: whole, or its rows of a split vocabulary."""
 
-    group: TensorGroup | None
-    vocab: int
-
-    @classmethod
-    def of(cls, group: TensorGroup | None, vocab: int) -> "VocabObjective":
-        return cls(group if group is not None and group.size > 1 else None, vocab)
-
-    @property
-    def _rows(self) -> slice:
-        return vocab_range(self.vocab, self.group.size, self.group.rank)
+    whole: keras.losses.Loss = field(default_factory=objective.cross_entropy, compare=False, repr=False)
 
     def cross_entropy(self, y, logits):
         """Mean cross-entropy over every position, as hvd_runtime.tf.objective.cross_entropy() (fp32)."""
         if self.group is None:
-            return objective.cross_entropy()(y, logits)
-        rows = self._rows
+            return self.whole(y, logits)
+        rows = self.rows
         logits = tf.cast(tf.reshape(logits, (-1, tf.shape(logits)[-1])), tf.float32)
         y = tf.reshape(tf.cast(y, tf.int64), (-1,))
         top = tf.stop_gradient(_reduce(tf.reduce_max(logits, axis=-1), "Max", self.group, "tp.ce.max"))
@@ -67,7 +59,7 @@ class VocabObjective:
         local_top, local_first = tf.reduce_max(logits, axis=-1), tf.argmax(logits, axis=-1)
         top = _reduce(local_top, "Max", self.group, "tp.accuracy.max")
         # The first id holding the largest logit: this rank's first, where its largest is the largest.
-        mine = tf.where(local_top == top, local_first + self._rows.start, tf.cast(self.vocab, tf.int64))
+        mine = tf.where(local_top == top, local_first + self.rows.start, tf.cast(self.vocab, tf.int64))
         first = _reduce(mine, "Min", self.group, "tp.accuracy.first")
         hits = tf.cast(tf.equal(first, tf.cast(y, tf.int64)), tf.float64)
         return tf.reduce_sum(tf.reduce_mean(tf.reshape(hits, (tf.shape(hits)[0], -1)), axis=1))

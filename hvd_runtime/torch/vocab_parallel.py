@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_runtime.parallel.tensor_groups import TensorGroup, vocab_range
+from hvd_runtime.parallel.tensor_groups import TensorGroup, VocabularyShare
 from hvd_runtime.torch import objective
 from hvd_runtime.torch.tensor_parallel import sum_over_group
 
@@ -37,25 +37,14 @@ def _reduce(tensor: torch.Tensor, op_name: str, group: TensorGroup, name: str) -
 
 
 @dataclass(frozen=True)
-class VocabObjective:
+class VocabObjective(VocabularyShare):
     """The training loss and accuracy of one rank's logits: whole, or its rows of a split vocabulary."""
-
-    group: TensorGroup | None
-    vocab: int
-
-    @classmethod
-    def of(cls, group: TensorGroup | None, vocab: int) -> "VocabObjective":
-        return cls(group if group is not None and group.size > 1 else None, vocab)
-
-    @property
-    def _rows(self) -> slice:
-        return vocab_range(self.vocab, self.group.size, self.group.rank)
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over every position, as hvd_runtime.torch.objective.cross_entropy (fp32)."""
         if self.group is None:
             return objective.cross_entropy(logits, target)
-        rows = self._rows
+        rows = self.rows
         logits, target = logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1)
         with torch.no_grad():
             top = _reduce(logits.max(dim=-1).values, "Max", self.group, "tp.ce.max")
@@ -73,7 +62,7 @@ class VocabObjective:
         local_top, local_first = logits.float().max(dim=-1).values, logits.argmax(dim=-1)
         top = _reduce(local_top, "Max", self.group, "tp.accuracy.max")
         # The first id holding the largest logit: this rank's first, where its largest is the largest.
-        mine = torch.where(local_top == top, local_first + self._rows.start, torch.full_like(local_first, self.vocab))
+        mine = torch.where(local_top == top, local_first + self.rows.start, torch.full_like(local_first, self.vocab))
         first = _reduce(mine, "Min", self.group, "tp.accuracy.first")
         hits = (first == target.to(first.device)).float()
         return hits.reshape(len(target), -1).mean(dim=1).sum()

@@ -62,3 +62,20 @@ def test_a_world_that_does_not_fit_is_refused_in_one_line_naming_np_and_the_fact
     with pytest.raises(ParallelConfigError) as err:
         ParallelDims(world=world, tp=tp, pp=pp)
     assert str(err.value) == line
+
+
+@pytest.mark.parametrize("vocab, tp, rows", [(16, 2, [(0, 8), (8, 16)]), (17, 2, [(0, 9), (9, 17)]),
+                                             (50257, 4, [(0, 12565), (12565, 25129), (25129, 37693), (37693, 50257)])])
+def test_a_vocabulary_splits_into_consecutive_rows_unequal_by_at_most_one(vocab, tp, rows):
+    from hvd_runtime.parallel.tensor_groups import VocabularyShare, vocab_range
+
+    assert [(r.start, r.stop) for r in (vocab_range(vocab, tp, i) for i in range(tp))] == rows
+    assert VocabularyShare.of(None, vocab).rows == slice(0, vocab)
+
+
+def test_a_vocabulary_smaller_than_tp_is_refused_in_one_line():
+    from hvd_runtime.parallel.tensor_groups import TensorParallelError, vocab_range
+
+    with pytest.raises(TensorParallelError, match=r"^a vocabulary of 3 tokens does not split over tp 4: "
+                                                  r"choose a tp of at most 3$"):
+        vocab_range(3, 4, 0)

@@ -1,0 +1,118 @@
+"""parallelize: the one place a strategy is applied to the user's model, from outside, for Keras 3.
+
+The TensorFlow side of `hvd_runtime.torch.parallelize`, with the same signature, the same
+`Parallel` and the same order of small steps (see there):
+
+    apply_tp             tensor: a Sequential of the model's layers, blocks, embedding and head split
+    apply_pipeline       pipeline: this rank's stage of the model, then its slices of it (tp)
+    apply_model_split    model-split: the model's layers over this rank's devices
+    apply_data_parallel  the optimizer (LR scaled by the replicas, with warmup; fp16 loss scaling),
+                         the gradient allreduce over the replicas (the dp set), and the TrainStep;
+                         a pipeline's step is its engine
+
+Precision is set before the model is built (`use_precision`), so it stays in train.py.
+`Parallel.module` is what the checkpoints hold: the model (a model-split's split shares its
+variables), the split model, or the stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+
+from hvd_runtime.config import partition_spec
+from hvd_runtime.pipeline.grid import PipelineRank
+from hvd_runtime.tf.context import Context
+from hvd_runtime.tf.gradients import GradientSync
+from hvd_runtime.tf.model_split import ModelSplit
+from hvd_runtime.tf.optim import make_optimizer
+from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
+from hvd_runtime.tf.precision import loss_scaled
+from hvd_runtime.tf.step import TrainStep
+from hvd_runtime.tf.sync_batchnorm import use_sync_batchnorm
+from hvd_runtime.tf.tensor_parallel import apply_tp
+from hvd_runtime.tf.tensor_state import SplitVariables
+from hvd_runtime.tf.vocab_parallel import VocabObjective
+
+__all__ = ["STRATEGIES", "Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
+           "parallelize"]
+
+STRATEGIES = ("data", "model-split", "tensor", "pipeline")
+
+
+@dataclass
+class Parallel:
+    """What parallelize made of the model on this rank."""
+
+    module: keras.Model | Stage              # what this rank checkpoints: the model, the split model or the stage
+    optimizer: keras.optimizers.Optimizer
+    step: TrainStep | PipelineEngine         # what hvd_runtime.loop drives
+    split: SplitVariables | None = None      # tensor parallelism: the checkpoints' view of the slices
+
+
+def apply_pipeline(model: keras.Model, dims: PipelineRank, parallel_cfg, sample) -> Stage:
+    """This rank's stage of the unchanged model, split over its tensor-parallel group (if any)."""
+    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample)
+    return split_stage(stage, dims)
+
+
+def apply_model_split(model: keras.Model, parallel_cfg) -> ModelSplit:
+    """The model's layers over this rank's devices (its GPUs, or logical CPU devices), micro-batched;
+    the split shares the model's variables."""
+    return ModelSplit(model, stages=parallel_cfg.stages, partition=partition_spec(parallel_cfg.partition),
+                      micro_batches=parallel_cfg.micro_batches)
+
+
+def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
+                        split: SplitVariables | None = None) -> tuple[keras.optimizers.Optimizer, TrainStep]:
+    """The optimizer (LR scaled by the replicas, with warmup), the gradient allreduce between backward
+    and update (over the replicas holding the same slices, under tensor parallelism) and the
+    TrainStep. A split model is clipped by the step, by the whole model's norm (`split`'s);
+    otherwise the optimizer clips the averaged gradients itself."""
+    optimizer = loss_scaled(make_optimizer(cfg.optim, cfg.horovod, ctx, steps_per_epoch, clip=split is None),
+                            cfg.train.precision)
+    sync = (GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum) if split is None else
+            GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum, process_set=ctx.dp_set))
+    step = TrainStep(trained, optimizer, objective.cross_entropy, sync, cfg.horovod.backward_passes_per_step,
+                     clip_norm=cfg.optim.clip_norm, grad_norm=split.grad_norm if split else None,
+                     accuracy_fn=objective.accuracy_sum)
+    return optimizer, step
+
+
+def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
+    """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
+    engine, which walks the schedule, averages the stage's gradients over its replicas and clips
+    by the whole model's norm, summed over the stages."""
+    dims = ctx.pipeline
+    stage = apply_pipeline(model, dims, cfg.parallel, dataset.train.first(cfg.train.batch_size))
+    objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
+    optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, dims), steps_per_epoch, clip=False)
+    engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
+                            micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
+                            clip_norm=cfg.optim.clip_norm)
+    return Parallel(stage, optimizer, engine, SplitVariables(stage) if dims.tensor_group else None)
+
+
+def parallelize(model: keras.Model, strategy: str, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
+    """Apply `strategy` (one of STRATEGIES) to `model` as cfg.parallel and cfg.horovod say.
+
+    `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's sample batch,
+    whose shapes decide where the stages cut. model.py is never edited.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if strategy == "pipeline":
+        return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
+    if cfg.horovod.sync_batchnorm:
+        model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
+    group, split, trained = None, None, model
+    if strategy == "tensor":
+        group = ctx.tensor.group
+        model = trained = apply_tp(model, group)
+        split = SplitVariables(model)
+    elif strategy == "model-split":
+        trained = apply_model_split(model, cfg.parallel)
+    objective = VocabObjective.of(group, dataset.num_classes)
+    optimizer, step = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)
+    return Parallel(model, optimizer, step, split)

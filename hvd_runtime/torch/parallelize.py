@@ -1,0 +1,121 @@
+"""parallelize: the one place a strategy is applied to the user's model, from outside, for PyTorch.
+
+    model = build_model(cfg.model, dataset.input_shape, dataset.num_classes)   # model.py: no Horovod
+    parallel = parallelize(model, "tensor", ctx, cfg, dataset, steps_per_epoch=len(train_batches))
+    train_epoch(parallel.step, ...)                                            # hvd_runtime.loop
+    save_checkpoint(checkpoints, parallel.module, parallel.optimizer, state, split=parallel.split)
+
+As torchtitan's `parallelize_llama` does, it applies the parallelisms in order, each a small
+function with explicit arguments, so that a strategy is a path through them, not a copy of train.py:
+
+    apply_tp             tensor: the blocks, token embedding and head split over the tp group
+    apply_pipeline       pipeline: this rank's stage of the model, then its slices of it (tp)
+    apply_model_split    model-split: the model's blocks over this rank's devices
+    apply_data_parallel  the Horovod optimizer averaging gradients over the replicas (the dp set),
+                         the LR scaled by their number, and the step the loop drives; a pipeline's
+                         step is its engine, which averages each stage over its replicas
+
+The rank grid comes from the Context (`ctx.tensor`, `ctx.pipeline`: hvd_runtime.parallel.dims),
+made at start-up; the loss and accuracy are the model's plain ones, or the vocabulary-parallel
+ones where tensor parallelism leaves the logits split (hvd_runtime.torch.vocab_parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hvd_runtime.config import partition_spec
+from hvd_runtime.pipeline.grid import PipelineRank
+from hvd_runtime.torch.context import Context
+from hvd_runtime.torch.model_split import ModelSplit
+from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
+from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
+from hvd_runtime.torch.precision import Precision
+from hvd_runtime.torch.step import TrainStep
+from hvd_runtime.torch.sync_batchnorm import use_sync_batchnorm
+from hvd_runtime.torch.tensor_parallel import apply_tp
+from hvd_runtime.torch.tensor_state import SplitParameters
+from hvd_runtime.torch.vocab_parallel import VocabObjective
+
+__all__ = ["STRATEGIES", "Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
+           "parallelize"]
+
+STRATEGIES = ("data", "model-split", "tensor", "pipeline")
+
+
+@dataclass
+class Parallel:
+    """What parallelize made of the model on this rank."""
+
+    module: nn.Module                        # what this rank trains and checkpoints: the model, its split or its stage
+    optimizer: torch.optim.Optimizer
+    step: TrainStep | PipelineEngine         # what hvd_runtime.loop drives
+    split: SplitParameters | None = None     # tensor parallelism: the checkpoints' view of the slices
+
+
+def apply_pipeline(model: nn.Module, dims: PipelineRank, parallel_cfg, sample: torch.Tensor) -> nn.Module:
+    """This rank's stage of the unchanged model, split over its tensor-parallel group (if any)."""
+    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample)
+    return split_stage(stage, dims)
+
+
+def apply_model_split(model: nn.Module, parallel_cfg) -> ModelSplit:
+    """The model's blocks over this rank's devices (its GPUs, or the CPU), micro-batched."""
+    return ModelSplit(model, stages=parallel_cfg.stages, partition=partition_spec(parallel_cfg.partition),
+                      micro_batches=parallel_cfg.micro_batches)
+
+
+def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
+                        split: SplitParameters | None = None) -> tuple[torch.optim.Optimizer, TrainStep]:
+    """Horovod's DistributedOptimizer over the replicas (ctx.dp_set), LR scaled by their number with
+    warmup, and the TrainStep: fp16 loss scaling and clipping (by the whole model's norm, `split`'s
+    under tensor parallelism) wait for the allreduced gradients."""
+    precision = Precision(cfg.train.precision, ctx.device, cfg.optim.clip_norm, split.grad_norm if split else None)
+    optimizer, schedule = make_optimizer(module, cfg.optim, cfg.horovod, ctx, steps_per_epoch)
+    step = TrainStep(module, optimizer, schedule, objective.cross_entropy, ctx, cfg.horovod.backward_passes_per_step,
+                     precision, accuracy_fn=objective.accuracy_sum)
+    return optimizer, step
+
+
+def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
+    """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
+    engine, which walks the schedule, averages the stage's gradients over its replicas and clips
+    by the whole model's norm, summed over the stages."""
+    dims = ctx.pipeline
+    sample = torch.from_numpy(dataset.train.first(cfg.train.batch_size))
+    stage = apply_pipeline(model, dims, cfg.parallel, sample).to(ctx.device)
+    objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
+    schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
+    optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))
+    engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
+                            micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
+                            precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule)
+    return Parallel(stage, optimizer, engine, SplitParameters(stage) if dims.tensor_group else None)
+
+
+def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
+    """Apply `strategy` (one of STRATEGIES) to `model` as cfg.parallel and cfg.horovod say.
+
+    `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's sample batch,
+    whose shapes decide where the stages cut. model.py is never edited: every piece is applied
+    from outside, and the model of a pipeline stays whole for the checkpoints' unsplit format.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if strategy == "pipeline":
+        return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
+    if cfg.horovod.sync_batchnorm:
+        model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
+    group = ctx.tensor.group if strategy == "tensor" else None
+    if strategy == "tensor":
+        model = apply_tp(model, group)
+    elif strategy == "model-split":
+        model = apply_model_split(model, cfg.parallel)
+    model = model.to(ctx.device) if strategy != "model-split" else model  # a split placed its own blocks
+    split = SplitParameters(model) if strategy == "tensor" else None
+    objective = VocabObjective.of(group, dataset.num_classes)
+    optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
+    return Parallel(model, optimizer, step, split)
