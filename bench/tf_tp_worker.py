@@ -23,11 +23,18 @@ SPLIT = {"qkv", "proj", "fc", "out", "tokens"}  # the sublayers tensor paralleli
 # the embedding and the head (a tied head has no `out`: it multiplies by `tokens`)
 
 
+def variable_bytes(variables) -> int:
+    """Bytes of Keras variables, each counted once (a tied head's is the embedding's)."""
+    import numpy as np
+
+    held = {id(v): v for v in variables}
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in held.values())
+
+
 def split_layer_bytes(model) -> int:
-    """Bytes of the variables of the layers tensor parallelism splits, split or not (each counted once)."""
-    held = {id(v): v for block in model.layers for name in SPLIT if getattr(block, name, None) is not None
-            for v in getattr(block, name).variables}
-    return sum(v.shape.num_elements() * v.dtype.size for v in held.values())
+    """Bytes of the variables of the layers tensor parallelism splits, split or not."""
+    return variable_bytes(v for block in model.layers for name in SPLIT if getattr(block, name, None) is not None
+                          for v in getattr(block, name).variables)
 
 
 def main() -> None:
@@ -72,7 +79,7 @@ def main() -> None:
 
     times, loss = timed_steps(args, lambda: float(compiled_step()), barrier)
     print_report(hvd, args, times, loss, split_layer_bytes(model),
-                 sum(v.shape.num_elements() * v.dtype.size for v in model.variables), peak_rss_bytes() - model_rss)
+                 variable_bytes(model.variables), peak_rss_bytes() - model_rss)
 
 
 if __name__ == "__main__":
