@@ -44,8 +44,8 @@ if RANK is not None:
         (out / f"{part}-rank{rank}").write_text(digest)
 
     def after(save, part_of, weights_of):
-        def recording_save(*args):
-            saved = save(*args)     # after: buffers are averaged as part of the save
+        def recording_save(*args, **kwargs):
+            saved = save(*args, **kwargs)     # after: buffers are averaged as part of the save
             record(part_of(*args), weights_of(*args))
             return saved
         return recording_save
