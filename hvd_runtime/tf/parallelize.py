@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import keras
 
 from hvd_runtime.config import partition_spec
+from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.gradients import GradientSync
@@ -37,8 +38,6 @@ from hvd_runtime.tf.vocab_parallel import VocabObjective
 
 __all__ = ["STRATEGIES", "Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
-
-STRATEGIES = ("data", "model-split", "tensor", "pipeline")
 
 
 @dataclass
@@ -100,8 +99,7 @@ def parallelize(model: keras.Model, strategy: str, ctx: Context, cfg, dataset, s
     `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's sample batch,
     whose shapes decide where the stages cut. model.py is never edited.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    check_strategy(strategy)
     if strategy == "pipeline":
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     if cfg.horovod.sync_batchnorm:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.config import partition_spec
+from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.model_split import ModelSplit
@@ -42,8 +43,6 @@ from hvd_runtime.torch.vocab_parallel import VocabObjective
 
 __all__ = ["STRATEGIES", "Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
-
-STRATEGIES = ("data", "model-split", "tensor", "pipeline")
 
 
 @dataclass
@@ -103,19 +102,16 @@ def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, ste
     whose shapes decide where the stages cut. model.py is never edited: every piece is applied
     from outside, and the model of a pipeline stays whole for the checkpoints' unsplit format.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    check_strategy(strategy)
     if strategy == "pipeline":
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
-    group = ctx.tensor.group if strategy == "tensor" else None
-    if strategy == "tensor":
-        model = apply_tp(model, group)
-    elif strategy == "model-split":
-        model = apply_model_split(model, cfg.parallel)
-    model = model.to(ctx.device) if strategy != "model-split" else model  # a split placed its own blocks
+    if strategy == "model-split":
+        model = apply_model_split(model, cfg.parallel)  # it places each block on its own device
+    else:
+        model = (apply_tp(model, ctx.tensor.group) if strategy == "tensor" else model).to(ctx.device)
     split = SplitParameters(model) if strategy == "tensor" else None
-    objective = VocabObjective.of(group, dataset.num_classes)
+    objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
     optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
     return Parallel(model, optimizer, step, split)
