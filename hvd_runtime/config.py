@@ -83,7 +83,7 @@ class ParallelConfig:
 
     stages: int = 2                 # model-split: devices per worker; pipeline: ranks per replica (-np = stages x replicas)
     micro_batches: int = 4          # each batch is cut into this many (a smaller batch: one per sample)
-    schedule: str = "1f1b"          # pipeline: gpipe | 1f1b (same bubble; 1f1b holds <= stages micro-batches)
+    schedule: str = "1f1b"          # pipeline: gpipe | 1f1b | zb-h1 (torch: a third of 1f1b's bubble, same memory)
     partition: str = "params"       # params | time | block names or indices where stages 2.. start, e.g. "3" or "2,4"
     tp: int = 1                     # tensor: ranks per tensor-parallel group (-np = tp x replicas)
 
@@ -192,7 +192,7 @@ CHOICES = {
     "data.source": ("digits", "npz", "image_folder", "tokens", "synthetic"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "optim.name": ("sgd", "adam", "adamw"),
-    "parallel.schedule": ("gpipe", "1f1b"),
+    "parallel.schedule": ("gpipe", "1f1b", "zb-h1"),
 }
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches",

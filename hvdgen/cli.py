@@ -89,7 +89,7 @@ def list_cmd() -> None:
               show_default=True, help="Directory in which the project folder NAME is created.")
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
 @click.option("--micro-batches", type=int, default=None, help="model-split / pipeline: micro-batches per batch [4].")
-@click.option("--schedule", default=None, help="pipeline: gpipe or 1f1b [1f1b].")
+@click.option("--schedule", default=None, help="pipeline: gpipe, 1f1b or zb-h1 (zero bubble, torch) [1f1b].")
 @click.option("--tp", type=int, default=None,
               help="tensor: ranks per tensor-parallel group [2]; pipeline: each stage split over tp ranks [1].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")

@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass, field
 
 import yaml
 
+from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD_TORCH_ONLY
 from hvdgen import __version__, catalog
 from hvdgen.errors import HvdgenError
 
 SPEC_FILE = ".hvdgen.yaml"
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # A letter first, a letter or digit last, single '-' or '_' between: a valid distribution name
 # (PEP 508) whose image tag and Kubernetes names come out the same (no '--' to collapse).
 _NAME = re.compile(r"[A-Za-z](?:[A-Za-z0-9]|[-_](?=[A-Za-z0-9]))*")
@@ -108,6 +109,8 @@ class ProjectSpec:
                               "and parallel.micro_batches there")
         if self.schedule not in SCHEDULES:
             raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.schedule == "zb-h1" and self.framework == "tensorflow":
+            raise HvdgenError(f"--schedule zb-h1 {SPLIT_BACKWARD_TORCH_ONLY}: use --schedule 1f1b, or --framework torch")
         if self.elastic and self.strategy in ("pipeline", "tensor"):
             lost = "a stage" if self.strategy == "pipeline" else "a slice of every layer"
             raise HvdgenError(f"--elastic works with the data and model-split strategies: a {self.strategy} job cannot "

@@ -18,8 +18,8 @@ from hvdgen.errors import HvdgenError
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG to write (default: RUN_DIR/timeline.png).")
 def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
-    """Draw a pipeline run's timeline and print its measured bubble against (p-1)/(m+p-1)."""
-    from hvd_runtime.pipeline.schedule import SCHEDULES, bubble_fraction, theory_peak_in_flight
+    """Draw a pipeline run's timeline and print its measured bubble against the schedule's theory."""
+    from hvd_runtime.pipeline.schedule import SCHEDULES, SPLIT_BACKWARD, schedule_bubble, theory_peak_in_flight
     from hvd_runtime.pipeline.timeline import load_timeline, measured_bubble, peak_in_flight, plot_timeline, step_bubble
 
     try:
@@ -35,7 +35,12 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     shown = step_bubble(tl, step) if step is not None else measured_bubble(tl)
     which = f"step {step}" if step is not None else "mean over steps after the first"
     click.echo(f"measured bubble {shown:.3f} ({which})")
-    click.echo(f"theory   bubble {bubble_fraction(p, m):.3f} = (p-1)/(m+p-1)")
+    name = meta.get("schedule") if meta.get("schedule") in SCHEDULES else "1f1b"
+    if name not in SPLIT_BACKWARD:
+        formula = "(p-1)/(m+p-1)"
+    else:
+        formula = "(p-1)/(3m+p-1)" if m >= p else "the schedule on ideal hardware"
+    click.echo(f"theory   bubble {schedule_bubble(name, p, m):.3f} = {formula}")
     shown_step = step if step is not None else tl.steps[-1]
     peaks = peak_in_flight(tl, shown_step)
     stages = {r["rank"]: r["stage"] for r in tl.ranks}

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
-from hvd_runtime.pipeline.schedule import Op, build_schedule
+from hvd_runtime.pipeline.schedule import Op, build_schedule, schedule_bubble
 from hvd_runtime.pipeline.timeline import TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline
 
 
@@ -68,6 +68,15 @@ class PipelineEngineBase:
 
     def _backward(self, i: int, grad):
         """Backpropagate micro-batch i (grad None on the last stage); return its input's gradient."""
+        raise NotImplementedError
+
+    def _backward_input(self, i: int, grad):
+        """Zero-bubble schedules: only micro-batch i's input gradient (returned); keep what
+        `_backward_weight(i)` needs to add its weights' gradients later."""
+        raise NotImplementedError
+
+    def _backward_weight(self, i: int) -> None:
+        """Zero-bubble schedules: add micro-batch i's weight gradients, then free what it kept."""
         raise NotImplementedError
 
     def _split_batch(self, t, sizes: list[int]) -> list:
@@ -149,6 +158,13 @@ class PipelineEngineBase:
             elif op is Op.BACKWARD:
                 with rec.span("backward", i):
                     grads[i] = self._backward(i, grads.pop(i, None))
+                    in_flight.discard(i)
+            elif op is Op.BACKWARD_INPUT:
+                with rec.span("backward_input", i):
+                    grads[i] = self._backward_input(i, grads.pop(i, None))
+            elif op is Op.BACKWARD_WEIGHT:
+                with rec.span("backward_weight", i):
+                    self._backward_weight(i)
                     in_flight.discard(i)
             elif op is Op.SEND_GRAD:
                 with rec.span("send", i):
@@ -254,4 +270,4 @@ class PipelineEngineBase:
             return None
         stages, m = self.dims.stages, self.micro_batches
         return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),
-                "bubble_measured": measured_bubble(timeline), "bubble_theory": (stages - 1) / (m + stages - 1)}
+                "bubble_measured": measured_bubble(timeline), "bubble_theory": schedule_bubble(self.schedule, stages, m)}

@@ -1,23 +1,32 @@
 """Pipeline schedules as pure Python: which stage does what, in which order.
 
-A schedule is computed once, framework-free, and executed by the torch (and later TF) executor.
-For p stages and m micro-batches, `gpipe(p, m)` and `one_f_one_b(p, m)` return one list of
-`Action`s per stage. An executor walks its own stage's list top to bottom:
+A schedule is computed once, framework-free, and executed by the pipeline engines.
+For p stages and m micro-batches, `build_schedule(name, p, m)` returns one list of `Action`s per
+stage. An executor walks its own stage's list top to bottom:
 
-    RECV_ACT i   receive the input activation of micro-batch i from the previous stage
-    FORWARD i    run this stage on micro-batch i (the last stage also computes the loss)
-    SEND_ACT i   send the output activation of micro-batch i to the next stage
-    RECV_GRAD i  receive the gradient of this stage's output for micro-batch i
-    BACKWARD i   back-propagate micro-batch i through this stage
-    SEND_GRAD i  send the gradient of this stage's input to the previous stage
+    RECV_ACT i          receive the input activation of micro-batch i from the previous stage
+    FORWARD i           run this stage on micro-batch i (the last stage also computes the loss)
+    SEND_ACT i          send the output activation of micro-batch i to the next stage
+    RECV_GRAD i         receive the gradient of this stage's output for micro-batch i
+    BACKWARD i          back-propagate micro-batch i through this stage: input and weight gradients
+    BACKWARD_INPUT i    (zero-bubble) only the gradient of this stage's input, what the previous stage waits for
+    BACKWARD_WEIGHT i   (zero-bubble) the weights' gradients of micro-batch i, whenever the stage would idle
+    SEND_GRAD i         send the gradient of this stage's input to the previous stage
 
 Sends are meant to be non-blocking (posted, waited for at the end of the step) and receives
-blocking; under that rule both schedules are deadlock-free, which `simulate` checks.
+blocking; under that rule every schedule here is deadlock-free, which `simulate` checks.
 
-Theory: both schedules leave the same idle fraction, the bubble (p-1)/(m+p-1) when forward and
-backward cost the same on every stage. They differ in memory: GPipe keeps all m micro-batches'
+Theory, when forward and backward cost the same on every stage: GPipe and 1F1B leave the same
+idle fraction, the bubble (p-1)/(m+p-1). They differ in memory: GPipe keeps all m micro-batches'
 activations alive until the drain starts; 1F1B starts back-propagating as soon as the pipeline is
 full, so stage s never holds more than p - s micro-batches.
+
+ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) splits each backward in two. The
+chain from the loss back to the first stage then carries only input gradients, and each stage
+puts off its weight gradients to fill what would be idle time at the end of the step: stage s
+runs 1F1B's forwards and input backwards, with its weight backwards s micro-batches behind.
+With forward, input backward and weight backward each costing one unit, the idle time falls
+from 1F1B's 3(p-1) units to p-1, for the memory of 1F1B's first stage: p micro-batches on every stage.
 """
 
 from __future__ import annotations
@@ -33,10 +42,13 @@ class Op(str, enum.Enum):
     SEND_ACT = "send_act"
     RECV_GRAD = "recv_grad"
     BACKWARD = "backward"
+    BACKWARD_INPUT = "backward_input"
+    BACKWARD_WEIGHT = "backward_weight"
     SEND_GRAD = "send_grad"
 
 
-COMPUTE = (Op.FORWARD, Op.BACKWARD)
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+RELEASES = (Op.BACKWARD, Op.BACKWARD_WEIGHT)   # the action after which a micro-batch's activations are free
 
 
 @dataclass(frozen=True)
@@ -63,9 +75,9 @@ def _forward(stage: int, stages: int, i: int) -> list[Action]:
     return acts
 
 
-def _backward(stage: int, stages: int, i: int) -> list[Action]:
+def _backward(stage: int, stages: int, i: int, op: Op = Op.BACKWARD) -> list[Action]:
     acts = [Action(Op.RECV_GRAD, i)] if stage < stages - 1 else []
-    acts.append(Action(Op.BACKWARD, i))
+    acts.append(Action(op, i))
     if stage > 0:
         acts.append(Action(Op.SEND_GRAD, i))
     return acts
@@ -97,23 +109,75 @@ def one_f_one_b_stage(stage: int, stages: int, micro_batches: int) -> list[Actio
     return acts
 
 
+def zero_bubble_h1_stage(stage: int, stages: int, micro_batches: int) -> list[Action]:
+    """1F1B's order of forwards and input backwards; each weight backward `stage` micro-batches late.
+
+    The last stage, which 1F1B leaves idle longest at the end of a step, puts off the most weight
+    work to fill that time; the first stage, on the critical path, puts off none. A stage holds a
+    micro-batch's activations until its weight backward: warm-up (p-1-s) + 1 + s = p at most.
+    """
+    _check(stages, micro_batches)
+    warmup = min(stages - 1 - stage, micro_batches)
+    acts: list[Action] = []
+    late: list[int] = []    # micro-batches whose weight backward is still to run, oldest first
+
+    def backward(i: int) -> None:
+        acts.extend(_backward(stage, stages, i, Op.BACKWARD_INPUT))
+        late.append(i)
+        if len(late) > stage:
+            acts.append(Action(Op.BACKWARD_WEIGHT, late.pop(0)))
+
+    for i in range(warmup):
+        acts += _forward(stage, stages, i)
+    for j in range(micro_batches - warmup):
+        acts += _forward(stage, stages, warmup + j)
+        backward(j)
+    for i in range(micro_batches - warmup, micro_batches):
+        backward(i)
+    acts += [Action(Op.BACKWARD_WEIGHT, i) for i in late]
+    return acts
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe_stage,
     "1f1b": one_f_one_b_stage,
+    "zb-h1": zero_bubble_h1_stage,
 }
+SPLIT_BACKWARD = ("zb-h1",)   # schedules whose engine runs input and weight gradients apart
+# Why those run on PyTorch only: said by the generator and by the TensorFlow engine at start-up.
+SPLIT_BACKWARD_TORCH_ONLY = ("runs on PyTorch only: a TensorFlow stage is one compiled function, whose gradient "
+                             "cannot be split into input and weight halves without computing it twice")
 
 
 def build_schedule(name: str, stages: int, micro_batches: int) -> list[list[Action]]:
-    """Every stage's action list for the schedule called `name` ("gpipe" or "1f1b")."""
+    """Every stage's action list for the schedule called `name` ("gpipe", "1f1b" or "zb-h1")."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} (e.g. '1f1b')")
     return [SCHEDULES[name](s, stages, micro_batches) for s in range(stages)]
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """Idle share of a step with equal stages and free communication: (p-1)/(m+p-1)."""
+    """Idle share of a GPipe or 1F1B step with equal stages and free communication: (p-1)/(m+p-1)."""
     _check(stages, micro_batches)
     return (stages - 1) / (micro_batches + stages - 1)
+
+
+def schedule_bubble(name: str, stages: int, micro_batches: int) -> float:
+    """Idle share of a step of schedule `name` with equal stages and free communication.
+
+    GPipe and 1F1B: (p-1)/(m+p-1). ZB-H1, with forward, input backward and weight backward one
+    unit each: from m = p on, p-1 idle units against 3m busy ones on each stage, (p-1)/(3m+p-1);
+    with fewer micro-batches than stages there is not enough weight work to put off, and the
+    answer is the schedule played on ideal hardware.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} (e.g. '1f1b')")
+    _check(stages, micro_batches)
+    if name not in SPLIT_BACKWARD:
+        return bubble_fraction(stages, micro_batches)
+    if micro_batches >= stages:
+        return (stages - 1) / (3 * micro_batches + stages - 1)
+    return simulated_bubble(simulate(build_schedule(name, stages, micro_batches), 1.0, 1.0, 1.0))
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
@@ -123,15 +187,20 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
         if a.op is Op.FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.op is Op.BACKWARD:
+        elif a.op in RELEASES:
             live -= 1
     return peak
 
 
-def theory_peak_in_flight(name: str, stages: int, micro_batches: int) -> int:
-    """GPipe holds all m; 1F1B holds at most p (on the first stage)."""
+def theory_peak_in_flight(name: str, stages: int, micro_batches: int, stage: int = 0) -> int:
+    """Micro-batches stage `stage` holds at most: GPipe all m; 1F1B p - stage; ZB-H1 p on every stage.
+
+    The first stage (the default) holds the most in each schedule: that is the job's peak.
+    """
     _check(stages, micro_batches)
-    return micro_batches if name == "gpipe" else min(stages, micro_batches)
+    if name == "gpipe":
+        return micro_batches
+    return min(stages - (stage if name == "1f1b" else 0), micro_batches)
 
 
 @dataclass(frozen=True)
@@ -144,8 +213,11 @@ class Slot:
 
 
 def simulate(schedule: Sequence[Sequence[Action]], forward_time: float = 1.0,
-             backward_time: float = 1.0) -> list[list[Slot]]:
+             backward_time: float = 1.0, weight_time: float = 0.0) -> list[list[Slot]]:
     """Play a schedule on ideal hardware: compute takes fixed time, messages are free.
+
+    An input backward takes `backward_time`, a weight backward `weight_time`, and a whole
+    backward both.
 
     Sends are non-blocking; a receive waits for its matching send. Raises RuntimeError naming the
     stuck stages if the schedule deadlocks or a receive has no matching send, so a schedule that
@@ -168,8 +240,9 @@ def simulate(schedule: Sequence[Sequence[Action]], forward_time: float = 1.0,
                         break
                     start = max(start, sent.pop(key))
                     end = start
-                elif a.op is Op.FORWARD or a.op is Op.BACKWARD:
-                    end = start + (forward_time if a.op is Op.FORWARD else backward_time)
+                elif a.op in COMPUTE:
+                    end = start + {Op.FORWARD: forward_time, Op.BACKWARD: backward_time + weight_time,
+                                   Op.BACKWARD_INPUT: backward_time, Op.BACKWARD_WEIGHT: weight_time}[a.op]
                 else:
                     dest = s + 1 if a.op is Op.SEND_ACT else s - 1
                     if not 0 <= dest < p:

@@ -1,11 +1,11 @@
 """Pipeline timelines: what each stage did per micro-batch, and when, turned into a picture.
 
-Each rank records forward, backward, send and recv spans with a `TimelineRecorder`; the executor
+Each rank records forward, backward (or its input and weight halves), send and recv spans with a `TimelineRecorder`; the executor
 gathers every rank's records to rank 0, which writes one `timeline.json` into the run dir (rank 0
 is the only writer, as everywhere else). Idle gaps are derived when saving. Then:
 
     tl = load_timeline(run_dir)
-    measured_bubble(tl)            # idle share of the schedule, to set beside bubble_fraction(p, m)
+    measured_bubble(tl)            # idle share of the schedule, to set beside schedule_bubble(name, p, m)
     plot_timeline(tl, "timeline.png")
 
 Times are wall-clock seconds (`time.time()`), comparable across the ranks of one host and, with
@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FILE = "timeline.json"
-KINDS = ("forward", "backward", "send", "recv", "idle")
-COMPUTE = ("forward", "backward")
-COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "send": "#8C8C8C", "recv": "#C7C7C7", "idle": "#FFFFFF"}
+KINDS = ("forward", "backward", "backward_input", "backward_weight", "send", "recv", "idle")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
+RELEASES = ("backward", "backward_weight")   # after these a micro-batch's activations are free
+COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "backward_input": "#DD8452", "backward_weight": "#55A868",
+           "send": "#8C8C8C", "recv": "#C7C7C7", "idle": "#FFFFFF"}
 
 
 @dataclass
@@ -139,7 +141,7 @@ def measured_bubble(tl: Timeline, skip_first: bool = True) -> float:
 
 
 def peak_in_flight(tl: Timeline, step: int) -> dict[int, int]:
-    """Per rank: most micro-batches whose forward had run and backward had not (activations held)."""
+    """Per rank: most micro-batches whose forward had run and (weight) backward had not: activations held."""
     peaks = {}
     for rank, events in tl.step_events(step):
         live = peak = 0
@@ -147,7 +149,7 @@ def peak_in_flight(tl: Timeline, step: int) -> dict[int, int]:
             if e["kind"] == "forward":
                 live += 1
                 peak = max(peak, live)
-            elif e["kind"] == "backward":
+            elif e["kind"] in RELEASES:
                 live -= 1
         peaks[rank["rank"]] = peak
     return peaks
@@ -184,8 +186,10 @@ def plot_timeline(tl: Timeline, path: str | Path, step: int | None = None) -> Pa
     m = tl.meta
     ax.set_title(f"{m.get('schedule', '?')}: {m.get('stages', '?')} stages, {m.get('micro_batches', '?')} "
                  f"micro-batches, step {step}, bubble {step_bubble(tl, step):.2f}")
-    ax.legend(handles=[Patch(facecolor=COLOURS[k], edgecolor="black", label=k) for k in KINDS[:4]],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, frameon=False)
+    drawn = {e["kind"] for _, evs in rows for e in evs}
+    shown = [k for k in KINDS if k in drawn and k != "idle"]
+    ax.legend(handles=[Patch(facecolor=COLOURS[k], edgecolor="black", label=k.replace("_", " ")) for k in shown],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(shown), frameon=False)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=120)

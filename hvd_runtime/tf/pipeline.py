@@ -23,8 +23,10 @@ import tensorflow as tf
 
 from hvd_runtime.pipeline.partition import Partition, PartitionError
 from hvd_runtime.pipeline.engine import PipelineEngineBase
+from hvd_runtime.config import ConfigError
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank
+from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD, SPLIT_BACKWARD_TORCH_ONLY
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
@@ -158,6 +160,8 @@ class PipelineEngine(PipelineEngineBase):
                  clip_norm: float = 0.0):
         import horovod.tensorflow as hvd
 
+        if schedule in SPLIT_BACKWARD:
+            raise ConfigError(f"parallel.schedule {schedule} {SPLIT_BACKWARD_TORCH_ONLY}: use 1f1b")
         super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
         self.stage, self.loss_fn, self.optimizer, self.clip_norm = stage, loss_fn, optimizer, clip_norm
         self.variables = list(stage.trainable_variables)

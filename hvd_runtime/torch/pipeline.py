@@ -20,13 +20,17 @@ of the whole batch, averaged over the dp replicas by Horovod in the stage's proc
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline.engine import PipelineEngineBase
 from hvd_runtime.pipeline.grid import micro_batch_sizes
+from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
+from hvd_runtime.torch.split_backward import SplitBackward
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
@@ -82,7 +86,9 @@ class PipelineEngine(PipelineEngineBase):
         self.clip_norm, self.lr_schedule = clip_norm, lr_schedule
         # Tensor-parallel stages: the parameters held as slices, found once (the clip norm counts them apart)
         self._split_ids = set(SplitParameters(stage).by_param) if dims.dims.tp > 1 else set()
-        self._saved: dict[int, tuple] = {}     # micro-batch -> (input, output to backpropagate)
+        self._saved: dict[int, tuple] = {}     # micro-batch -> (input, output to backpropagate[, module calls])
+        self.split_backward = SplitBackward(stage) if schedule in SPLIT_BACKWARD else None
+        self._weight_work: dict[int, object] = {}   # zero-bubble: micro-batch -> its weight gradients, still to do
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
@@ -95,20 +101,36 @@ class PipelineEngine(PipelineEngineBase):
         inp = inp.to(self.device)
         if train and not self.dims.is_first:
             inp.requires_grad_(True)
-        with torch.set_grad_enabled(train), self._autocast():
+        catching = self.split_backward.catching() if train and self.split_backward else contextlib.nullcontext()
+        with torch.set_grad_enabled(train), self._autocast(), catching as calls:
             out = self.stage(inp)
             loss = self.loss_fn(out, y.to(self.device)) if self.dims.is_last else None
         if train:
-            self._saved[i] = (inp, loss * weight if loss is not None else out)
+            self._saved[i] = (inp, loss * weight if loss is not None else out, calls)
         return out, (loss.item() if loss is not None else None)
 
     def _backward(self, i, grad):
-        inp, out = self._saved.pop(i)
+        inp, out, _ = self._saved.pop(i)
         if out.requires_grad:  # a first stage without weights (a flatten) has nothing to differentiate
             out.backward(None if grad is None else grad.to(self.device))
         if self.dims.is_first:
             return None
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
+
+    def _backward_input(self, i, grad):
+        inp, out, calls = self._saved.pop(i)
+        input_grad = None
+        if out.requires_grad:
+            input_grad, self._weight_work[i] = self.split_backward.input_half(
+                out, None if grad is None else grad.to(self.device), None if self.dims.is_first else inp, calls)
+        if self.dims.is_first:
+            return None
+        return input_grad if input_grad is not None else torch.zeros_like(inp)
+
+    def _backward_weight(self, i):
+        work = self._weight_work.pop(i, None)
+        if work is not None:
+            work.run()
 
     def _metrics(self, out, y):
         return self.metrics_fn(out.detach(), y.to(out.device))

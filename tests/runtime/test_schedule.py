@@ -5,19 +5,28 @@ import itertools
 import pytest
 
 from hvd_runtime.pipeline.schedule import (Action, Op, build_schedule, bubble_fraction, gpipe_stage, one_f_one_b_stage,
-                                  peak_in_flight, simulate, simulated_bubble, theory_peak_in_flight)
+                                           peak_in_flight, schedule_bubble, simulate, simulated_bubble,
+                                           theory_peak_in_flight, zero_bubble_h1_stage)
 
 CASES = list(itertools.product(["gpipe", "1f1b"], [1, 2, 3, 4], [1, 2, 3, 4, 8]))
+ZB_CASES = list(itertools.product(["zb-h1"], [1, 2, 3, 4, 8], [1, 2, 3, 4, 8, 16]))
+# what each schedule computes per micro-batch, in the order it must
+COMPUTE_ORDER = {"gpipe": [Op.FORWARD, Op.BACKWARD], "1f1b": [Op.FORWARD, Op.BACKWARD],
+                 "zb-h1": [Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT]}
 
 
-@pytest.mark.parametrize("name,p,m", CASES)
+@pytest.mark.parametrize("name,p,m", CASES + ZB_CASES)
 def test_every_micro_batch_runs_forward_then_backward_once_per_stage(name, p, m):
     for s, acts in enumerate(build_schedule(name, p, m)):
-        fwd = [a.micro_batch for a in acts if a.op is Op.FORWARD]
-        bwd = [a.micro_batch for a in acts if a.op is Op.BACKWARD]
-        assert sorted(fwd) == list(range(m)) and sorted(bwd) == list(range(m))
+        for op in Op:
+            runs = sorted(a.micro_batch for a in acts if a.op is op)
+            if op in COMPUTE_ORDER[name]:
+                assert runs == list(range(m)), (s, op)
+            elif op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+                assert not runs, (s, op)
         for i in range(m):
-            assert acts.index(Action(Op.FORWARD, i)) < acts.index(Action(Op.BACKWARD, i))
+            positions = [acts.index(Action(op, i)) for op in COMPUTE_ORDER[name]]
+            assert positions == sorted(positions), (s, i)
         # the first stage reads the data, the last computes the loss: neither talks past the ends
         if s == 0:
             assert not any(a.op in (Op.RECV_ACT, Op.SEND_GRAD) for a in acts)
@@ -34,12 +43,36 @@ def test_schedules_run_without_deadlock_and_hit_the_theoretical_bubble(name, p, 
         assert simulated_bubble(slots) == pytest.approx(bubble_fraction(p, m))
 
 
-@pytest.mark.parametrize("name,p,m", CASES)
+@pytest.mark.parametrize("name,p,m", ZB_CASES)
+def test_zero_bubble_runs_without_deadlock_and_idles_a_third_of_one_f_one_b(name, p, m):
+    """Same work as 1F1B (a backward is its input half plus its weight half), a third of its idle time.
+
+    From m = p on the idle time is exactly p-1 units, against 1F1B's 3(p-1); with fewer
+    micro-batches than stages there is less weight work to put off, but still less idle time.
+    """
+    zero = simulate(build_schedule(name, p, m), 1.0, 1.0, 1.0)
+    one = simulate(build_schedule("1f1b", p, m), 1.0, 1.0, 1.0)    # its backward: both halves, 2 units
+    zero_span, one_span = (max(sl.end for row in slots for sl in row) for slots in (zero, one))
+    assert one_span == pytest.approx(3 * m + 3 * (p - 1))
+    if m >= p:
+        assert zero_span == pytest.approx(3 * m + (p - 1))
+        assert simulated_bubble(zero) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert simulated_bubble(zero) == pytest.approx(schedule_bubble(name, p, m))
+    assert simulated_bubble(zero) < simulated_bubble(one) or p == 1
+    # weight halves that take longer than input halves: still complete, still ahead of 1F1B
+    slow_weights = simulate(build_schedule(name, p, m), 1.0, 0.5, 1.5)
+    assert simulated_bubble(slow_weights) <= simulated_bubble(simulate(build_schedule("1f1b", p, m), 1.0, 0.5, 1.5))
+
+
+@pytest.mark.parametrize("name,p,m", CASES + ZB_CASES)
 def test_peak_activations_in_flight(name, p, m):
     peaks = [peak_in_flight(acts) for acts in build_schedule(name, p, m)]
     assert max(peaks) == theory_peak_in_flight(name, p, m)
+    assert peaks == [theory_peak_in_flight(name, p, m, s) for s in range(p)]
     if name == "1f1b":
         assert peaks == [min(p - s, m) for s in range(p)]
+    elif name == "zb-h1":   # 1F1B's first stage, on every stage
+        assert peaks == [min(p, m)] * p
     else:
         assert peaks == [m] * p
 
@@ -50,6 +83,15 @@ def test_one_f_one_b_two_stages_four_micro_batches_reads_like_the_diagram():
     last = [(a.op, a.micro_batch) for a in one_f_one_b_stage(1, 2, 4) if a.op in (f, b)]
     assert first == [(f, 0), (f, 1), (b, 0), (f, 2), (b, 1), (f, 3), (b, 2), (b, 3)]
     assert last == [(f, 0), (b, 0), (f, 1), (b, 1), (f, 2), (b, 2), (f, 3), (b, 3)]
+
+
+def test_zero_bubble_two_stages_four_micro_batches_reads_like_the_paper():
+    """Stage 0 runs each weight half right after its input half; the last stage one micro-batch late."""
+    f, b, w = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    first = [(a.op, a.micro_batch) for a in zero_bubble_h1_stage(0, 2, 4) if a.op in (f, b, w)]
+    last = [(a.op, a.micro_batch) for a in zero_bubble_h1_stage(1, 2, 4) if a.op in (f, b, w)]
+    assert first == [(f, 0), (f, 1), (b, 0), (w, 0), (f, 2), (b, 1), (w, 1), (f, 3), (b, 2), (w, 2), (b, 3), (w, 3)]
+    assert last == [(f, 0), (b, 0), (f, 1), (b, 1), (w, 0), (f, 2), (b, 2), (w, 1), (f, 3), (b, 3), (w, 2), (w, 3)]
 
 
 def test_gpipe_fills_then_drains():
@@ -69,7 +111,11 @@ def test_bubble_formula_and_errors():
     assert bubble_fraction(2, 1) == pytest.approx(0.5)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
     assert bubble_fraction(1, 5) == 0.0
-    with pytest.raises(ValueError, match="unknown schedule 'zigzag'.*gpipe, 1f1b"):
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'.*gpipe, 1f1b, zb-h1"):
         build_schedule("zigzag", 2, 4)
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        schedule_bubble("zigzag", 2, 4)
+    assert schedule_bubble("1f1b", 2, 8) == schedule_bubble("gpipe", 2, 8) == pytest.approx(1 / 9)
+    assert schedule_bubble("zb-h1", 2, 8) == pytest.approx(1 / 25)
     with pytest.raises(ValueError, match="micro_batches must be a positive integer, got 0"):
         build_schedule("gpipe", 2, 0)

@@ -7,21 +7,25 @@ import pytest
 from click.testing import CliRunner
 
 from hvd_runtime.pipeline import timeline
-from hvd_runtime.pipeline.schedule import Op, build_schedule, bubble_fraction, simulate
+from hvd_runtime.pipeline.schedule import Op, build_schedule, bubble_fraction, schedule_bubble, simulate
 from hvd_runtime.pipeline.timeline import (TimelineRecorder, load_timeline, measured_bubble, peak_in_flight, plot_timeline,
                                   save_timeline, step_bubble)
 from hvdgen.cli import main
 
 KIND = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_ACT: "send", Op.SEND_GRAD: "send",
-        Op.RECV_ACT: "recv", Op.RECV_GRAD: "recv"}
+        Op.RECV_ACT: "recv", Op.RECV_GRAD: "recv", Op.BACKWARD_INPUT: "backward_input",
+        Op.BACKWARD_WEIGHT: "backward_weight"}
 
 
 def simulated_records(name, p, m, steps=2, tb=2.0):
-    """Per-rank records of an ideal run: each step starts where the previous ended, times in ms."""
+    """Per-rank records of an ideal run: each step starts where the previous ended, times in ms.
+
+    A whole backward takes tb; a zero-bubble schedule's halves take half of it each."""
     recs = [TimelineRecorder(rank=s, stage=s) for s in range(p)]
     t0 = 1000.0
     for step in range(steps):
-        slots = simulate(build_schedule(name, p, m), 1.0, tb)
+        times = (1.0, tb) if name != "zb-h1" else (1.0, tb / 2, tb / 2)
+        slots = simulate(build_schedule(name, p, m), *times)
         for s, row in enumerate(slots):
             recs[s].step = step
             for sl in row:
@@ -30,14 +34,16 @@ def simulated_records(name, p, m, steps=2, tb=2.0):
     return [r.record() for r in recs]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
 def test_measured_bubble_of_an_ideal_run_matches_theory(tmp_path, name, m):
     meta = {"schedule": name, "stages": 2, "replicas": 1, "micro_batches": m}
     save_timeline(tmp_path, simulated_records(name, 2, m), meta)
     tl = load_timeline(tmp_path)
     assert tl.meta == meta and tl.steps == [0, 1]
-    assert measured_bubble(tl) == pytest.approx(bubble_fraction(2, m), rel=1e-6)
+    assert measured_bubble(tl) == pytest.approx(schedule_bubble(name, 2, m), rel=1e-6)
+    if name != "zb-h1":
+        assert schedule_bubble(name, 2, m) == bubble_fraction(2, m)
 
 
 def test_idle_fills_every_gap_so_each_row_covers_the_step(tmp_path):
@@ -59,7 +65,7 @@ def test_idle_fills_every_gap_so_each_row_covers_the_step(tmp_path):
 
 
 @pytest.mark.parametrize("name,m,peaks", [("gpipe", 4, {0: 4, 1: 4, 2: 4}), ("1f1b", 4, {0: 3, 1: 2, 2: 1}),
-                                          ("1f1b", 2, {0: 2, 1: 2, 2: 1})])
+                                          ("1f1b", 2, {0: 2, 1: 2, 2: 1}), ("zb-h1", 4, {0: 3, 1: 3, 2: 3})])
 def test_peak_in_flight_read_from_the_events(tmp_path, name, m, peaks):
     save_timeline(tmp_path, simulated_records(name, 3, m, steps=1), {"schedule": name, "stages": 3, "micro_batches": m})
     assert peak_in_flight(load_timeline(tmp_path), 0) == peaks
@@ -119,3 +125,15 @@ def test_step_bubble_of_a_missing_step(tmp_path):
     save_timeline(tmp_path, simulated_records("gpipe", 2, 2, steps=1), {})
     with pytest.raises(ValueError, match="no events in step 5"):
         step_bubble(load_timeline(tmp_path), 5)
+
+
+@pytest.mark.parametrize("p,m,theory", [(2, 4, "0.077 = (p-1)/(3m+p-1)"), (3, 2, "0.333 = the schedule on ideal hardware")])
+def test_cli_shows_the_zero_bubble_theory(tmp_path, p, m, theory):
+    save_timeline(tmp_path, simulated_records("zb-h1", p, m), {"schedule": "zb-h1", "stages": p, "micro_batches": m})
+    result = CliRunner().invoke(main, ["timeline", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert f"theory   bubble {theory}" in result.output
+    measured = float(result.output.split("measured bubble ")[1].split()[0])
+    assert measured == pytest.approx(float(theory.split()[0]), abs=0.001)
+    held = ", ".join(f"stage {s}: {min(p, m)}" for s in range(p))
+    assert f"micro-batches in flight, step 1: {held} (theory: at most {min(p, m)})" in result.output

@@ -123,7 +123,8 @@ def main():
               "tp_rank": dims.tensor_group.rank if dims.tensor_group else 0,
               "split_params": sorted(splits), "blocks": list(stage.plan.stage_names(dims.stage)),
               "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err,
-              "clipped": clipped, **run}
+              "clipped": clipped, "weights": sum(1 for p in stage.parameters() if p.requires_grad),
+              "weights_put_off": engine.split_backward.weights_put_off if engine.split_backward else None, **run}
     write_results(hvd, result, args.out)
 
 
