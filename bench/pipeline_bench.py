@@ -1,9 +1,10 @@
-"""Pipeline benchmark: measured bubble vs (p-1)/(m+p-1), activations in flight, speed-up over one process.
+"""Pipeline benchmark: measured bubble vs the schedule's theory, activations in flight, speed-up over one process.
 
     python bench/pipeline_bench.py            # writes docs/benchmarks-pipeline.md and docs/pipeline-timeline.png
 
 The driver launches `horovodrun -np 2 --gloo` running this file with --worker: a 2-stage pipeline
-of the model, one thread per rank, for GPipe and 1F1B at m = 1, 2, 4, 8; before each pipeline step,
+of the model, one thread per rank, for GPipe, 1F1B and zero-bubble ZB-H1 at m = 1, 2, 4, 8 (the three
+schedules one after the other at each m, so they see the same load); before each pipeline step,
 rank 0 times one step of the unsplit model alone (one thread) as the baseline. Synthetic data; the model is a stack of
 equal Linear+ReLU blocks, so the two stages are balanced. Numbers are wall-clock on a shared
 machine: read them as shapes, not as constants.
@@ -30,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 WIDTH, BLOCKS, BATCH, CLASSES = 1024, 8, 256, 10
 MICRO_BATCHES = [1, 2, 4, 8]
-SCHEDULES = ["gpipe", "1f1b"]
+SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
 
 
 def make_model() -> nn.Sequential:
@@ -64,14 +65,14 @@ class Baseline:
 def worker(steps: int, out: Path) -> None:
     import horovod.torch as hvd
 
-    from hvd_runtime.pipeline.timeline import load_timeline, step_bubble
+    from hvd_runtime.pipeline.timeline import COMPUTE, load_timeline, step_bubble
     from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
     _, dims = init_pipeline(stages=2, threads_per_rank=1, p2p="torch")   # the link docs/benchmarks-pipeline.md was measured on
     base = Baseline() if hvd.rank() == 0 else None
     rows = []
-    for schedule in SCHEDULES:
-        for m in MICRO_BATCHES:
+    for m in MICRO_BATCHES:
+        for schedule in SCHEDULES:
             stage = build_stage(make_model(), dims)
             engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, schedule=schedule, micro_batches=m,
                                     optimizer=torch.optim.SGD(stage.parameters(), lr=0.01), timeline=True)
@@ -96,7 +97,7 @@ def worker(steps: int, out: Path) -> None:
                 spans = [max(e["end"] for _, evs in tl.step_events(s) for e in evs)
                          - min(e["start"] for _, evs in tl.step_events(s) for e in evs) for s in tl.steps[2:]]
                 busy = [sum(e["end"] - e["start"] for r, evs in tl.step_events(s) for e in evs
-                            if e["kind"] in ("forward", "backward") and r["stage"] == 0) for s in tl.steps[2:]]
+                            if e["kind"] in COMPUTE and r["stage"] == 0) for s in tl.steps[2:]]
                 ratios = [b / t for b, t in zip(base_times[2:], times[2:])]
                 rows.append({"schedule": schedule, "m": m, "step_s": min(times[2:]), "base_s": min(base_times[2:]),
                              "speedup": statistics.median(ratios), "speedup_best": min(base_times[2:]) / min(times[2:]),
@@ -106,8 +107,8 @@ def worker(steps: int, out: Path) -> None:
         Path(out).write_text(json.dumps(rows, indent=1))
 
 
-def write_report(rows: list[dict], load: tuple[float, float], png: str) -> str:
-    from hvd_runtime.pipeline.schedule import bubble_fraction, theory_peak_in_flight
+def write_report(rows: list[dict], load: tuple[float, float], pngs: tuple[str, str]) -> str:
+    from hvd_runtime.pipeline.schedule import schedule_bubble, theory_peak_in_flight
 
     lines = [
         "# Pipeline benchmark",
@@ -122,14 +123,17 @@ def write_report(rows: list[dict], load: tuple[float, float], png: str) -> str:
         "keep the cores busy, so each number is given twice: *best* (the least disturbed step: fastest "
         "step of each, the smallest bubble), which estimates a quiet machine, and *median* (median of "
         "per-step bubbles and of per-step speed-ups), which is what this machine gave. The ideal speed-up of "
-        "2 balanced stages with free messages is 2 x (1 - bubble).",
+        "2 balanced stages with free messages is 2 x (1 - bubble). Theory: (p-1)/(m+p-1) for GPipe and 1F1B; "
+        "(p-1)/(3m+p-1) for ZB-H1 from m = p on (forward, input and weight backward one unit each), below "
+        "that the schedule played on ideal hardware.",
         "",
-        "| schedule | m | bubble, best / median | theory (p-1)/(m+p-1) | peak micro-batches in flight (stage 0, 1) "
+        "| schedule | m | bubble, best / median | theory | peak micro-batches in flight (stage 0, 1) "
         "| theory max | fastest step, 1 process / pipeline | speed-up, best / median | ideal |",
         "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
+    rows = sorted(rows, key=lambda r: (SCHEDULES.index(r["schedule"]), r["m"]))
     for r in rows:
-        bubble = bubble_fraction(2, r["m"])
+        bubble = schedule_bubble(r["schedule"], 2, r["m"])
         lines.append(f"| {r['schedule']} | {r['m']} | {r['bubble_best']:.3f} / {r['bubble']:.3f} | {bubble:.3f} | "
                      f"{', '.join(map(str, r['peaks']))} | {theory_peak_in_flight(r['schedule'], 2, r['m'])} | "
                      f"{r['base_s'] * 1e3:.0f} / {r['step_s'] * 1e3:.0f} ms | "
@@ -151,9 +155,11 @@ def write_report(rows: list[dict], load: tuple[float, float], png: str) -> str:
         f"Best: {best['schedule']} at m={best['m']}, **{best['speedup_best']:.2f}x** over one process "
         f"(fastest steps; median of per-step ratios {best['speedup']:.2f}x).",
         "",
-        "Timeline of the last step of 1F1B at m=4 (`hvdgen timeline`):",
+        "Timelines of the last step at m=4 (`hvdgen timeline`), 1F1B then ZB-H1:",
         "",
-        f"![1F1B, 2 stages, 4 micro-batches]({png})",
+        f"![1F1B, 2 stages, 4 micro-batches]({pngs[0]})",
+        "",
+        f"![ZB-H1, 2 stages, 4 micro-batches]({pngs[1]})",
         "",
     ]
     return "\n".join(lines)
@@ -179,10 +185,11 @@ def main() -> None:
         rows = json.loads(out.read_text())
         from hvd_runtime.pipeline.timeline import load_timeline, plot_timeline
 
-        png = "pipeline-timeline.png"
-        run = next(r["run"] for r in rows if r["schedule"] == "1f1b" and r["m"] == 4)
-        plot_timeline(load_timeline(run), args.docs / png)
-    report = write_report(rows, (load_before, os.getloadavg()[0]), png)
+        pngs = ("pipeline-timeline.png", "pipeline-timeline-zb-h1.png")
+        for schedule, png in zip(("1f1b", "zb-h1"), pngs):
+            run = next(r["run"] for r in rows if r["schedule"] == schedule and r["m"] == 4)
+            plot_timeline(load_timeline(run), args.docs / png)
+    report = write_report(rows, (load_before, os.getloadavg()[0]), pngs)
     (args.docs / "benchmarks-pipeline.md").write_text(report)
     print(report)
 

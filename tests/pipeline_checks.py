@@ -17,6 +17,8 @@ def check_against_reference(results, np, stages, schedule, m, all_blocks, tp=1):
     for r in results:
         # activations held at once: GPipe all m, 1F1B at most p - stage, ZB-H1 p on every stage
         assert r["peak_in_flight"] == theory_peak_in_flight(schedule, stages, m, r["stage"])
+        if r.get("weights_put_off") is not None:   # zero bubble: every weight waited for the second half
+            assert schedule == "zb-h1" and r["weights_put_off"] == r["weights"], (r["rank"], r["weights_put_off"])
         for got, want in zip(r["losses"], r["ref_losses"]):
             assert abs(got - want) <= TOL * abs(want), (r["rank"], r["losses"], r["ref_losses"])
         assert r["accs"] == pytest.approx(r["ref_accs"], abs=1e-6)

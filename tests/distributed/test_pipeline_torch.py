@@ -145,12 +145,15 @@ PIPELINE_CASES = [
     (4, 2, "1f1b", 2, "torch", "pp=2 dp=2: gradients averaged per stage over replicas"),
     (4, 2, "gpipe", 4, "alltoall", "pp=2 dp=2 with pair process sets"),
     (4, 4, "1f1b", 4, "torch", "pp=4 dp=1: middle stages get only the batch size"),
+    (4, 4, "zb-h1", 4, "socket", "pp=4 dp=1, zero bubble: each stage's weight halves 0-3 micro-batches late"),
 ]
 # The generated models, split: (model, np, stages, schedule, micro-batches, clip norm, what it covers)
 WORKLOAD_CASES = [
     ("resnet18", 2, 2, "1f1b", 4, 0.0, 1, "ResNet-18 pp=2, BatchNorm per micro-batch"),
     ("gpt", 4, 4, "gpipe", 2, 0.1, 1, "GPT pp=4 (one block a stage), gradients clipped by the whole model's norm"),
     ("gpt", 4, 2, "1f1b", 2, 0.1, 2, "GPT pp=2 x tp=2: each stage's blocks split over 2 ranks, clipped"),
+    ("resnet18", 2, 2, "zb-h1", 4, 0.0, 1, "ResNet-18 pp=2, zero bubble: BatchNorm, in-place ReLU and sums in halves"),
+    ("gpt", 4, 2, "zb-h1", 2, 0.1, 2, "GPT pp=2 x tp=2, zero bubble: the split layers' collectives in the input half"),
 ]
 WORKLOAD_BLOCKS = {"resnet18": [str(i) for i in range(10)], "gpt": [str(i) for i in range(4)]}
 
@@ -194,28 +197,39 @@ def test_pipeline_after_hvd_init_adds_process_sets_dynamically(tmp_path):
     assert "Horovod is already initialised: call init_pipeline() instead of hvd.init()" in failed.stdout + failed.stderr
 
 
+TIMELINES = {   # schedule: (what each micro-batch computes, the theory line, activations held per stage)
+    "1f1b": (("forward", "backward"), "theory   bubble 0.200", "stage 0: 2, stage 1: 1 (theory: at most 2)"),
+    "zb-h1": (("forward", "backward_input", "backward_weight"), "theory   bubble 0.077",
+              "stage 0: 2, stage 1: 2 (theory: at most 2)"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path):
+@pytest.mark.parametrize("schedule", TIMELINES)
+def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path, schedule):
+    """Also the zero-bubble schedule's plain case (pp=2 dp=1, equal to the unsplit model)."""
     out, run = tmp_path / "result.json", tmp_path / "run"
-    run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "1f1b", "--micro-batches", "4",
+    run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", schedule, "--micro-batches", "4",
                     "--steps", "3", "--partition", "4", "--out", str(out), "--run-dir", str(run)], cwd=tmp_path, timeout=280)
     results = json.loads(out.read_text())
-    check_against_reference(results, 2, 2, "1f1b", 4, ALL_BLOCKS)
+    check_against_reference(results, 2, 2, schedule, 4, ALL_BLOCKS)
     assert [r["blocks"] for r in results] == [["0", "1", "2", "3"], ["4", "5", "6"]]
     tl = load_timeline(run)
-    assert tl.meta == {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4}
+    assert tl.meta == {"schedule": schedule, "stages": 2, "replicas": 1, "micro_batches": 4}
     assert tl.steps == [0, 1, 2]          # training steps only: evaluation is not recorded
+    computed, theory, held = TIMELINES[schedule]
     for rank in tl.ranks:
         for step in tl.steps:
             kinds = [(e["kind"], e["mb"]) for e in rank["events"] if e["step"] == step]
-            for kind in ("forward", "backward"):
+            for kind in computed:
                 assert sorted(mb for k, mb in kinds if k == kind) == [0, 1, 2, 3]
+            assert {k for k, _ in kinds} - {"idle"} == {*computed, "send", "recv"}
             assert sum(k == "send" for k, _ in kinds) == 4 and sum(k == "recv" for k, _ in kinds) == 4
     result = CliRunner().invoke(cli, ["timeline", str(run)])
     assert result.exit_code == 0, result.output
-    assert "theory   bubble 0.200" in result.output and (run / "timeline.png").exists()
-    assert "micro-batches in flight, step 2: stage 0: 2, stage 1: 1 (theory: at most 2)" in result.output
+    assert theory in result.output and (run / "timeline.png").exists()
+    assert f"micro-batches in flight, step 2: {held}" in result.output
 
 
 MODEL_SPLIT_CASES = [

@@ -127,6 +127,8 @@ CASES = [
     ("micro-batches-above-batch", _nothing, ["new", "proj", "--strategy", "model-split", "--micro-batches", "33"]),
     ("schedule-unknown", _nothing, ["new", "proj", "--strategy", "pipeline", "--schedule", "zigzag"]),
     ("schedule-on-model-split", _nothing, ["new", "proj", "--strategy", "model-split", "--schedule", "gpipe"]),
+    ("zero-bubble-on-tensorflow", _nothing, ["new", "proj", "--strategy", "pipeline", "--framework", "tensorflow",
+                                            "--schedule", "zb-h1"]),
     ("elastic-pipeline", _nothing, ["new", "proj", "--strategy", "pipeline", "--elastic"]),
     ("tensor-on-mlp", _nothing, ["new", "proj", "--strategy", "tensor", "--model", "mlp"]),
     ("tensor-tp-not-dividing-heads", _nothing, ["new", "proj", "--strategy", "tensor", "--tp", "3"]),

@@ -122,7 +122,9 @@ def test_version():
     (["--stages", "3"], "--stages applies to --strategy model-split or pipeline"),
     (["--strategy", "pipeline", "--stages", "1"], "--stages must be an integer of at least 2"),
     (["--strategy", "pipeline", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
-    (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+    (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag': choose one of gpipe, 1f1b, zb-h1"),
+    (["--strategy", "pipeline", "--framework", "tensorflow", "--schedule", "zb-h1"],
+     "--schedule zb-h1 runs on PyTorch only: a TensorFlow stage is one compiled function"),
     (["--strategy", "pipeline", "--elastic"], "--elastic works with the data and model-split"),
 ])
 def test_stage_options_are_validated(tmp_path, args, fragment):
@@ -144,9 +146,12 @@ def test_elastic_projects_run_under_hvd_elastic(tmp_path, framework):
     assert (project / "discover_hosts.sh").stat().st_mode & 0o111
 
 
-def test_stage_options_reach_the_config(tmp_path):
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_stage_options_reach_the_config(tmp_path, schedule):
     result = run("new", "proj", "--output", str(tmp_path), "--strategy", "pipeline", "--stages", "3",
-                 "--micro-batches", "8", "--schedule", "gpipe")
+                 "--micro-batches", "8", "--schedule", schedule)
     assert result.exit_code == 0, result.output
     config = yaml.safe_load((tmp_path / "proj" / "config.yaml").read_text())
-    assert config["parallel"] == {"stages": 3, "micro_batches": 8, "schedule": "gpipe", "partition": "params"}
+    assert config["parallel"] == {"stages": 3, "micro_batches": 8, "schedule": schedule, "partition": "params"}
+    from hvd_runtime.config import load_config    # the runtime takes what the generator wrote
+    assert load_config(tmp_path / "proj" / "config.yaml").parallel.schedule == schedule

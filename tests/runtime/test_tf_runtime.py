@@ -185,3 +185,13 @@ def test_train_step_matches_a_plain_keras_step_with_regularization(one_rank):
     TrainStep(model, keras.optimizers.SGD(0.1), loss_fn, GradientSync())(x, y)
     for a, b in zip(model.variables, reference.variables):
         assert np.allclose(a, b, atol=1e-6)
+
+
+def test_the_tensorflow_pipeline_refuses_the_zero_bubble_schedule_in_one_line():
+    """Before anything is built: the stage's gradient is one compiled function, which has no halves."""
+    from hvd_runtime.config import ConfigError
+    from hvd_runtime.tf.pipeline import PipelineEngine
+
+    with pytest.raises(ConfigError, match=r"^parallel.schedule zb-h1 runs on PyTorch only: a TensorFlow stage is one "
+                                          r"compiled function.*: use 1f1b$"):
+        PipelineEngine(stage=None, dims=None, loss_fn=None, optimizer=None, schedule="zb-h1")
