@@ -145,8 +145,8 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
 }
 SPLIT_BACKWARD = ("zb-h1",)   # schedules whose engine runs input and weight gradients apart
 # Why those run on PyTorch only: said by the generator and by the TensorFlow engine at start-up.
-SPLIT_BACKWARD_TORCH_ONLY = ("runs on PyTorch only: a TensorFlow stage is one compiled function, whose gradient "
-                             "cannot be split into input and weight halves without computing it twice")
+SPLIT_BACKWARD_TORCH_ONLY = ("runs on PyTorch only: Keras layers inside a block have no hook to catch their outputs, "
+                             "so TensorFlow's weight half would redo each block's backward")
 
 
 def build_schedule(name: str, stages: int, micro_batches: int) -> list[list[Action]]:

@@ -124,7 +124,7 @@ def test_version():
     (["--strategy", "pipeline", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
     (["--strategy", "pipeline", "--schedule", "zigzag"], "unknown schedule 'zigzag': choose one of gpipe, 1f1b, zb-h1"),
     (["--strategy", "pipeline", "--framework", "tensorflow", "--schedule", "zb-h1"],
-     "--schedule zb-h1 runs on PyTorch only: a TensorFlow stage is one compiled function"),
+     "--schedule zb-h1 runs on PyTorch only: Keras layers inside a block have no hook"),
     (["--strategy", "pipeline", "--elastic"], "--elastic works with the data and model-split"),
 ])
 def test_stage_options_are_validated(tmp_path, args, fragment):

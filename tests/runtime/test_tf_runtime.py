@@ -188,10 +188,10 @@ def test_train_step_matches_a_plain_keras_step_with_regularization(one_rank):
 
 
 def test_the_tensorflow_pipeline_refuses_the_zero_bubble_schedule_in_one_line():
-    """Before anything is built: the stage's gradient is one compiled function, which has no halves."""
+    """Before anything is built: the weight half would redo each block's backward (docs/pipeline.md)."""
     from hvd_runtime.config import ConfigError
     from hvd_runtime.tf.pipeline import PipelineEngine
 
-    with pytest.raises(ConfigError, match=r"^parallel.schedule zb-h1 runs on PyTorch only: a TensorFlow stage is one "
-                                          r"compiled function.*: use 1f1b$"):
+    with pytest.raises(ConfigError, match=r"^parallel.schedule zb-h1 runs on PyTorch only: Keras layers inside a "
+                                          r"block have no hook.*: use 1f1b$"):
         PipelineEngine(stage=None, dims=None, loss_fn=None, optimizer=None, schedule="zb-h1")
