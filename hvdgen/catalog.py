@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 FRAMEWORKS = ("torch", "tensorflow")
 STRATEGIES = ("data", "model-split", "pipeline", "tensor")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")     # pipeline schedules (hvd_runtime.pipeline.schedule); zb-h1: torch only
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ AVAILABLE = {
     ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",
     ("tensorflow", "data"): "Keras 3 custom loop, one grouped allreduce of gradients per step",
     ("torch", "model-split"): "stages on one worker's devices, micro-batched; Horovod data parallel across workers",
-    ("torch", "pipeline"): "stages on ranks, GPipe or 1F1B; stages x replicas; --tp N splits stages (gpt)",
+    ("torch", "pipeline"): "stages on ranks, GPipe, 1F1B or zero-bubble; stages x replicas; --tp N splits stages",
     ("tensorflow", "model-split"): "stages on one worker's devices (GPUs or logical CPUs); Horovod DP across workers",
     ("tensorflow", "pipeline"): "stages on ranks, a tape per micro-batch, GPipe or 1F1B; --tp N splits stages (gpt)",
     ("torch", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",

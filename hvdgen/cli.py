@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from hvdgen import __version__
+from hvdgen import __version__, catalog
 
 
 class _Commands(click.Group):
@@ -80,27 +80,54 @@ def list_cmd() -> None:
         click.echo(f"{model:<11} {what}")
 
 
+# The options that answer a question of `hvdgen new`: with none of them, a terminal is asked instead.
+ANSWERS = ("framework", "strategy", "model", "stages", "micro_batches", "schedule", "tp", "elastic")
+
+
 @main.command("new")
-@click.argument("name")
-@click.option("--framework", "-f", default="torch", show_default=True, help="torch or tensorflow.")
-@click.option("--strategy", "-s", default="data", show_default=True, help="data, model-split, pipeline or tensor.")
-@click.option("--model", "-m", default=None, help="mlp, resnet18 or gpt (see hvdgen list) [mlp; gpt for tensor].")
+@click.argument("name", required=False)
+@click.option("--framework", "-f", type=click.Choice(catalog.FRAMEWORKS), default="torch", show_default=True,
+              help="The framework.")
+@click.option("--strategy", "-s", type=click.Choice(catalog.STRATEGIES), default="data", show_default=True,
+              help="The parallel strategy.")
+@click.option("--model", "-m", type=click.Choice(list(catalog.MODELS)), default=None,
+              help="The model (see hvdgen list) [mlp; gpt for tensor].")
 @click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Directory in which the project folder NAME is created.")
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
 @click.option("--micro-batches", type=int, default=None, help="model-split / pipeline: micro-batches per batch [4].")
-@click.option("--schedule", default=None, help="pipeline: gpipe, 1f1b or zb-h1 (zero bubble, torch) [1f1b].")
+@click.option("--schedule", type=click.Choice(catalog.SCHEDULES), default=None,
+              help="pipeline: zb-h1 is zero bubble, torch only [1f1b].")
 @click.option("--tp", type=int, default=None,
               help="tensor: ranks per tensor-parallel group [2]; pipeline: each stage split over tp ranks [1].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
-def new_cmd(name: str, framework: str, strategy: str, model: str | None, stages: int | None, micro_batches: int | None,
-            schedule: str | None, tp: int | None, elastic: bool, output: Path, dry_run: bool, force: bool) -> None:
-    """Generate a training project NAME."""
+@click.option("--no-input", is_flag=True, help="Never ask: take the flags and the defaults (as off a terminal).")
+@click.pass_context
+def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str, model: str | None,
+            stages: int | None, micro_batches: int | None, schedule: str | None, tp: int | None, elastic: bool,
+            output: Path, dry_run: bool, force: bool, no_input: bool) -> None:
+    """Generate a training project NAME.
+
+    In a terminal with none of the options that answer a question (framework to elastic), it asks
+    for each of them, with choices and defaults; --no-input, or input or output that is not a
+    terminal, never asks.
+    """
     from hvdgen.errors import HvdgenError
     from hvdgen.render import generate
     from hvdgen.spec import ProjectSpec
+
+    given_any = any(ctx.get_parameter_source(key) is not click.core.ParameterSource.DEFAULT for key in ANSWERS)
+    if not no_input and not given_any and sys.stdin.isatty() and sys.stdout.isatty():
+        from hvdgen.prompts import ask
+
+        answers = ask(name)
+        name, framework, strategy, model = (answers.pop(k) for k in ("name", "framework", "strategy", "model"))
+        elastic = answers.pop("elastic", False)
+        stages, micro_batches, schedule, tp = (answers.get(k) for k in ("stages", "micro_batches", "schedule", "tp"))
+    if name is None:
+        raise click.UsageError("Missing argument 'NAME': e.g. hvdgen new myproject", ctx)
 
     staged = {"stages": stages, "micro_batches": micro_batches, "schedule": schedule}
     given = {k: v for k, v in staged.items() if v is not None}

@@ -13,7 +13,6 @@ from hvdgen import __version__, catalog
 from hvdgen.errors import HvdgenError
 
 SPEC_FILE = ".hvdgen.yaml"
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # A letter first, a letter or digit last, single '-' or '_' between: a valid distribution name
 # (PEP 508) whose image tag and Kubernetes names come out the same (no '--' to collapse).
 _NAME = re.compile(r"[A-Za-z](?:[A-Za-z0-9]|[-_](?=[A-Za-z0-9]))*")
@@ -107,8 +106,8 @@ class ProjectSpec:
             raise HvdgenError(f"--micro-batches {self.micro_batches} is more than the {BATCH_SIZE} samples of a batch "
                               f"per rank: use at most {BATCH_SIZE}; for more, raise train.batch_size in config.yaml "
                               "and parallel.micro_batches there")
-        if self.schedule not in SCHEDULES:
-            raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in catalog.SCHEDULES:
+            raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(catalog.SCHEDULES)}")
         if self.schedule == "zb-h1" and self.framework == "tensorflow":
             raise HvdgenError(f"--schedule zb-h1 {SPLIT_BACKWARD_TORCH_ONLY}: use --schedule 1f1b, or --framework torch")
         if self.elastic and self.strategy in ("pipeline", "tensor"):

@@ -12,7 +12,7 @@ source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 step "generating ./demo (afresh: the demo trains from scratch every time)"
 rm -rf demo
-hvdgen new demo
+hvdgen new demo --no-input
 cd demo
 step "training: horovodrun -np 2 -H localhost:2 --gloo python train.py"
 horovodrun -np 2 -H localhost:2 --gloo python train.py "$@"
