@@ -109,7 +109,8 @@ class ProjectSpec:
         if self.schedule not in catalog.SCHEDULES:
             raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(catalog.SCHEDULES)}")
         if self.schedule == "zb-h1" and self.framework == "tensorflow":
-            raise HvdgenError(f"--schedule zb-h1 {SPLIT_BACKWARD_TORCH_ONLY}: use --schedule 1f1b, or --framework torch")
+            raise HvdgenError(f"--schedule zb-h1 {SPLIT_BACKWARD_TORCH_ONLY}: "
+                              "use --schedule 1f1b, or --framework torch")
         if self.elastic and self.strategy in ("pipeline", "tensor"):
             lost = "a stage" if self.strategy == "pipeline" else "a slice of every layer"
             raise HvdgenError(f"--elastic works with the data and model-split strategies: a {self.strategy} job cannot "

@@ -270,4 +270,5 @@ class PipelineEngineBase:
             return None
         stages, m = self.dims.stages, self.micro_batches
         return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),
-                "bubble_measured": measured_bubble(timeline), "bubble_theory": schedule_bubble(self.schedule, stages, m)}
+                "bubble_measured": measured_bubble(timeline),
+                "bubble_theory": schedule_bubble(self.schedule, stages, m)}

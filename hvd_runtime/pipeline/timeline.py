@@ -1,8 +1,8 @@
 """Pipeline timelines: what each stage did per micro-batch, and when, turned into a picture.
 
-Each rank records forward, backward (or its input and weight halves), send and recv spans with a `TimelineRecorder`; the executor
-gathers every rank's records to rank 0, which writes one `timeline.json` into the run dir (rank 0
-is the only writer, as everywhere else). Idle gaps are derived when saving. Then:
+Each rank records forward, backward (or its input and weight halves), send and recv spans with a
+`TimelineRecorder`; the executor gathers every rank's records to rank 0, which writes one
+`timeline.json` into the run dir (rank 0 is the only writer, as everywhere else). Idle gaps are derived when saving. Then:
 
     tl = load_timeline(run_dir)
     measured_bubble(tl)            # idle share of the schedule, to set beside schedule_bubble(name, p, m)

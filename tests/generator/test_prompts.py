@@ -78,7 +78,8 @@ def test_enter_takes_every_default(tmp_path, terminal):
     t = terminal(cwd=tmp_path)
     t.answer("Project name:", "first")
     for prompt in ("Framework (torch, tensorflow) [torch]:", "Strategy (data, model-split, pipeline, tensor) [data]:",
-                   "Model (mlp, resnet18, gpt) [mlp]:", "Elastic (survive lost workers, rescale to the hosts found)? [y/N]:"):
+                   "Model (mlp, resnet18, gpt) [mlp]:",
+                   "Elastic (survive lost workers, rescale to the hosts found)? [y/N]:"):
         t.answer(prompt)
     shown = t.wait_for("EXIT=")
     assert "EXIT=0" in shown and "created first (torch, data, mlp" in shown, shown
@@ -147,4 +148,5 @@ def test_no_questions_off_a_terminal(tmp_path):
     assert made.returncode == 0 and answers_of(tmp_path / "piped")["framework"] == "torch", made.stderr
     nameless = subprocess.run(run, cwd=tmp_path, input="", capture_output=True, text=True)
     assert nameless.returncode == 2
-    assert nameless.stderr.strip() == "Error: Missing argument 'NAME': e.g. hvdgen new myproject (see hvdgen new --help)"
+    assert nameless.stderr.strip() == ("Error: Missing argument 'NAME': e.g. hvdgen new myproject "
+                                       "(see hvdgen new --help)")

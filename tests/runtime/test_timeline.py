@@ -127,7 +127,8 @@ def test_step_bubble_of_a_missing_step(tmp_path):
         step_bubble(load_timeline(tmp_path), 5)
 
 
-@pytest.mark.parametrize("p,m,theory", [(2, 4, "0.077 = (p-1)/(3m+p-1)"), (3, 2, "0.333 = the schedule on ideal hardware")])
+@pytest.mark.parametrize("p,m,theory", [(2, 4, "0.077 = (p-1)/(3m+p-1)"),
+                                        (3, 2, "0.333 = the schedule on ideal hardware")])
 def test_cli_shows_the_zero_bubble_theory(tmp_path, p, m, theory):
     save_timeline(tmp_path, simulated_records("zb-h1", p, m), {"schedule": "zb-h1", "stages": p, "micro_batches": m})
     result = CliRunner().invoke(main, ["timeline", str(tmp_path)])
