@@ -29,12 +29,15 @@ step() { printf '\n==> [%4ds] %s\n' "$((SECONDS - SETUP_STARTED))" "$*"; }
 # OpenMPI gives Horovod its MPI controller (install-horovod builds it in when mpicxx is on PATH;
 # the MPI Operator's images run OpenMPI) and OpenSSH is how horovodrun reaches other hosts. They
 # come from apt, in the background while pip downloads the frameworks; without root or apt-get a
-# note says what to install, and Horovod builds with Gloo alone.
+# note says what to install, and Horovod builds with Gloo alone. The test suite (HVDGEN_FOR_TESTS=1,
+# set by test.sh) also drives `hvdgen new`'s questions in a real terminal: tmux.
 SYSTEM_PACKAGES_PID=""
 missing_system_packages() {
-  local -A provides=([mpicxx]=libopenmpi-dev [mpirun]=openmpi-bin [sshd]=openssh-server [ssh]=openssh-client)
-  local tool
-  for tool in mpicxx mpirun sshd ssh; do
+  local -A provides=([mpicxx]=libopenmpi-dev [mpirun]=openmpi-bin [sshd]=openssh-server [ssh]=openssh-client
+                     [tmux]=tmux)
+  local tool tools=(mpicxx mpirun sshd ssh)
+  [ "${HVDGEN_FOR_TESTS:-0}" = 1 ] && tools+=(tmux)
+  for tool in "${tools[@]}"; do
     command -v "$tool" >/dev/null || [ -x "/usr/sbin/$tool" ] || printf '%s ' "${provides[$tool]}"
   done
 }

@@ -6,6 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # Both frameworks, whatever the caller's environment says: the suite trains TensorFlow projects
 # too, and a Horovod without TensorFlow would only make those tests skip.
 export HVDGEN_FRAMEWORKS="torch tensorflow"
+export HVDGEN_FOR_TESTS=1     # and the tools only tests use (tmux)
 source "$ROOT/scripts/setup.sh"
 
 step "checking that Horovod was built for both frameworks"
