@@ -7,7 +7,6 @@ SIGHUP, at the moment it has rendered the project, must leave nothing either.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
