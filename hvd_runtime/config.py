@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from hvd_runtime.pipeline.schedule import SCHEDULES
+
 
 class ConfigError(ValueError):
     """A bad key or value in the config file or an override."""
@@ -192,7 +194,7 @@ CHOICES = {
     "data.source": ("digits", "npz", "image_folder", "tokens", "synthetic"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "optim.name": ("sgd", "adam", "adamw"),
-    "parallel.schedule": ("gpipe", "1f1b", "zb-h1"),
+    "parallel.schedule": tuple(SCHEDULES),
 }
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches",

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# stdlib only, like this module: `hvdgen doctor` imports the CLI with nothing but click installed
+from hvd_runtime.pipeline.schedule import SCHEDULES as _RUNTIME_SCHEDULES, SPLIT_BACKWARD
+
 FRAMEWORKS = ("torch", "tensorflow")
 STRATEGIES = ("data", "model-split", "pipeline", "tensor")
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")     # pipeline schedules (hvd_runtime.pipeline.schedule); zb-h1: torch only
+SCHEDULES = tuple(_RUNTIME_SCHEDULES)     # pipeline schedules, as the runtime names them
+
+
+def schedules(framework: str) -> tuple[str, ...]:
+    """The schedules a project of `framework` can use: TensorFlow has no split backward (zb-h1)."""
+    return tuple(s for s in SCHEDULES if framework == "torch" or s not in SPLIT_BACKWARD)
 
 
 @dataclass(frozen=True)

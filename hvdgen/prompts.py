@@ -30,8 +30,7 @@ def ask(name: str | None) -> dict:
         _ask(answers, "stages", "Stages", click.IntRange(min=2), 2)
         _ask(answers, "micro_batches", "Micro-batches per batch", click.IntRange(min=1), 4)
     if strategy == "pipeline":
-        schedules = [s for s in catalog.SCHEDULES if answers["framework"] == "torch" or s != "zb-h1"]
-        _ask(answers, "schedule", "Schedule", click.Choice(schedules), "1f1b")
+        _ask(answers, "schedule", "Schedule", click.Choice(catalog.schedules(answers["framework"])), "1f1b")
     if strategy == "tensor":
         _ask(answers, "tp", "Ranks per tensor-parallel group (tp)", click.IntRange(min=2), 2)
     if strategy in ("data", "model-split"):

@@ -108,8 +108,8 @@ class ProjectSpec:
                               "and parallel.micro_batches there")
         if self.schedule not in catalog.SCHEDULES:
             raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(catalog.SCHEDULES)}")
-        if self.schedule == "zb-h1" and self.framework == "tensorflow":
-            raise HvdgenError(f"--schedule zb-h1 {SPLIT_BACKWARD_TORCH_ONLY}: "
+        if self.schedule not in catalog.schedules(self.framework):
+            raise HvdgenError(f"--schedule {self.schedule} {SPLIT_BACKWARD_TORCH_ONLY}: "
                               "use --schedule 1f1b, or --framework torch")
         if self.elastic and self.strategy in ("pipeline", "tensor"):
             lost = "a stage" if self.strategy == "pipeline" else "a slice of every layer"

@@ -145,14 +145,19 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
 }
 SPLIT_BACKWARD = ("zb-h1",)   # schedules whose engine runs input and weight gradients apart
 # Why those run on PyTorch only: said by the generator and by the TensorFlow engine at start-up.
+# (hvdgen.catalog offers TensorFlow projects the others only; hvd_runtime.config takes every name.)
 SPLIT_BACKWARD_TORCH_ONLY = ("runs on PyTorch only: Keras layers inside a block have no hook to catch their outputs, "
                              "so TensorFlow's weight half would redo each block's backward")
 
 
-def build_schedule(name: str, stages: int, micro_batches: int) -> list[list[Action]]:
-    """Every stage's action list for the schedule called `name` ("gpipe", "1f1b" or "zb-h1")."""
+def _check_name(name: str) -> None:
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} (e.g. '1f1b')")
+
+
+def build_schedule(name: str, stages: int, micro_batches: int) -> list[list[Action]]:
+    """Every stage's action list for the schedule called `name` ("gpipe", "1f1b" or "zb-h1")."""
+    _check_name(name)
     return [SCHEDULES[name](s, stages, micro_batches) for s in range(stages)]
 
 
@@ -170,8 +175,7 @@ def schedule_bubble(name: str, stages: int, micro_batches: int) -> float:
     with fewer micro-batches than stages there is not enough weight work to put off, and the
     answer is the schedule played on ideal hardware.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} (e.g. '1f1b')")
+    _check_name(name)
     _check(stages, micro_batches)
     if name not in SPLIT_BACKWARD:
         return bubble_fraction(stages, micro_batches)
