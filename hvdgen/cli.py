@@ -122,9 +122,9 @@ def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str,
     if not no_input and not given_any and sys.stdin.isatty() and sys.stdout.isatty():
         from hvdgen.prompts import ask
 
-        answers = ask(name)
-        name, framework, strategy, model = (answers.pop(k) for k in ("name", "framework", "strategy", "model"))
-        elastic = answers.pop("elastic", False)
+        answers = ask(name)   # the questions that apply: the others keep their flags' defaults
+        name, framework, strategy, model = (answers[k] for k in ("name", "framework", "strategy", "model"))
+        elastic = answers.get("elastic", False)
         stages, micro_batches, schedule, tp = (answers.get(k) for k in ("stages", "micro_batches", "schedule", "tp"))
     if name is None:
         raise click.UsageError("Missing argument 'NAME': e.g. hvdgen new myproject", ctx)
