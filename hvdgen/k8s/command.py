@@ -31,6 +31,9 @@ from hvdgen.errors import HvdgenError
               help="Where MLFLOW_TRACKING_URI comes from (default configmap).")
 @click.option("--controller", type=click.Choice(["gloo", "mpi"]),
               help="How horovodrun runs the ranks: gloo (default; elastic jobs need it) or mpi (OpenMPI).")
+@click.option("--api", type=click.Choice(["mpijob", "trainer"]),
+              help="mpijob: an MPIJob for the MPI Operator (default; elastic jobs need it); trainer: a Kubeflow "
+                   "Trainer v2 TrainJob with the project's own TrainingRuntime.")
 @click.option("--checkpoint-size", help="Size of the checkpoint volume claim, 1Gi-64Ti (default 10Gi).")
 # Paths are checked by the command itself, so a bad one is one line like every other refusal.
 @click.option("--project", type=click.Path(path_type=Path), default=Path("."), show_default=True,
@@ -38,7 +41,7 @@ from hvdgen.errors import HvdgenError
 @click.option("--check", is_flag=True, help="Validate the manifests in k8s/ (or --file) and change nothing.")
 @click.option("--file", "file_", help="With --check: a manifest file to check instead of k8s/; '-' reads stdin.")
 def k8s_cmd(project: Path, check: bool, file_: str | None, **answers) -> None:
-    """Write the project's Kubernetes MPIJob manifests (k8s/), or check them with --check."""
+    """Write the project's Kubernetes manifests (k8s/: an MPIJob, or a Trainer TrainJob), or check them with --check."""
     if check:
         _check(project, file_, answers)
         return

@@ -48,24 +48,27 @@ def literal_credential(name, value) -> str | None:
 
 
 def env_problems(job: dict) -> list[Problem]:
-    """Literal credentials in the MPIJob's container environments, and credentials read from ConfigMaps."""
+    """Literal credentials in the job's container environments, and credentials read from ConfigMaps."""
+    return [problem for path, pod in pod_specs(job) for where, container in containers(pod, path)
+            for problem in env_list_problems(container.get("env"), f"{where}.env")]
+
+
+def env_list_problems(env, where: str) -> list[Problem]:
+    """The same for one `env:` list (a container's, or a TrainJob's spec.trainer.env) at `where`."""
     problems = []
-    for path, pod in pod_specs(job):
-        for where, container in containers(pod, path):
-            env = container.get("env")
-            for i, entry in enumerate(env if isinstance(env, list) else []):
-                if not isinstance(entry, dict):
-                    continue
-                name = entry.get("name")
-                reason = literal_credential(name, entry.get("value"))
-                if reason:
-                    problems.append(Problem(f"{where}.env[{i}].value", f"{name} {reason}: store it in a Secret "
-                                            f"(kubectl create secret generic NAME --from-literal={name}=...) "
-                                            "and read it with valueFrom.secretKeyRef"))
-                elif mapping(entry, "valueFrom", "configMapKeyRef") and is_credential_name(name):
-                    problems.append(Problem(f"{where}.env[{i}].valueFrom.configMapKeyRef",
-                                            f"{name} is a credential read from a ConfigMap: store it in a Secret "
-                                            "and read it with secretKeyRef"))
+    for i, entry in enumerate(env if isinstance(env, list) else []):
+        if not isinstance(entry, dict):
+            continue
+        name = entry.get("name")
+        reason = literal_credential(name, entry.get("value"))
+        if reason:
+            problems.append(Problem(f"{where}[{i}].value", f"{name} {reason}: store it in a Secret "
+                                    f"(kubectl create secret generic NAME --from-literal={name}=...) "
+                                    "and read it with valueFrom.secretKeyRef"))
+        elif mapping(entry, "valueFrom", "configMapKeyRef") and is_credential_name(name):
+            problems.append(Problem(f"{where}[{i}].valueFrom.configMapKeyRef",
+                                    f"{name} is a credential read from a ConfigMap: store it in a Secret "
+                                    "and read it with secretKeyRef"))
     return problems
 
 

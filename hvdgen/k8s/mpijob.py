@@ -40,7 +40,7 @@ NCCL_ENV = {
 
 
 def default_image(spec: ProjectSpec, opts: K8sOptions) -> str:
-    return opts.image or f"{job_name(spec.name, opts.workers)}:latest"
+    return opts.image or f"{job_name(spec.name, opts.workers, opts.api)}:latest"
 
 
 def default_gpu_image(spec: ProjectSpec, opts: K8sOptions) -> str:
@@ -52,7 +52,7 @@ def default_gpu_image(spec: ProjectSpec, opts: K8sOptions) -> str:
 
 
 def labels(spec: ProjectSpec, opts: K8sOptions, component: str | None = None) -> dict:
-    out = {"app.kubernetes.io/name": job_name(spec.name, opts.workers),
+    out = {"app.kubernetes.io/name": job_name(spec.name, opts.workers, opts.api),
            "app.kubernetes.io/managed-by": "hvdgen",
            "hvdgen/framework": spec.framework,
            "hvdgen/strategy": spec.strategy}
@@ -66,11 +66,11 @@ def labels(spec: ProjectSpec, opts: K8sOptions, component: str | None = None) ->
 
 
 def checkpoint_claim_name(spec: ProjectSpec, opts: K8sOptions) -> str:
-    return f"{job_name(spec.name, opts.workers)}-checkpoints"
+    return f"{job_name(spec.name, opts.workers, opts.api)}-checkpoints"
 
 
 def mlflow_source_name(spec: ProjectSpec, opts: K8sOptions) -> str:
-    return f"{job_name(spec.name, opts.workers)}-mlflow"
+    return f"{job_name(spec.name, opts.workers, opts.api)}-mlflow"
 
 
 def environment(spec: ProjectSpec, opts: K8sOptions, gpu: bool) -> list[dict]:
@@ -106,18 +106,26 @@ def ssh_path(opts: K8sOptions) -> str:
     return NON_ROOT_SSH_PATH if opts.non_root else ROOT_SSH_PATH
 
 
-def launcher_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: str, slots: int) -> dict:
-    args = horovodrun_args(opts.workers, slots, opts.elastic, opts.min_np_workers, opts.max_np_workers,
+def launch_args(opts: K8sOptions, slots: int) -> list[str]:
+    """horovodrun's arguments for this job: every slot of every worker runs one rank."""
+    return horovodrun_args(opts.workers, slots, opts.elastic, opts.min_np_workers, opts.max_np_workers,
                            opts.controller)
+
+
+def launcher_resources() -> dict:
+    """The launcher only runs horovodrun; the ranks run on the workers."""
+    return {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+
+
+def launcher_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: str, slots: int) -> dict:
     return {
         "name": "launcher",
         "image": image,
         "workingDir": WORKDIR,
         "command": ["horovodrun"],
-        "args": args,
+        "args": launch_args(opts, slots),
         "env": environment(spec, opts, gpu),
-        # The launcher only runs horovodrun; the ranks run on the workers.
-        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+        "resources": launcher_resources(),
         **container_security(opts),
     }
 
@@ -130,9 +138,9 @@ def worker_resources(gpus: int) -> dict:
             "limits": {"memory": f"{16 * gpus}Gi", GPU_RESOURCE: gpus}}
 
 
-def worker_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: str) -> dict:
+def worker_container(spec: ProjectSpec, opts: K8sOptions, gpu: bool, image: str, name: str = "worker") -> dict:
     return {
-        "name": "worker",
+        "name": name,
         "image": image,
         "workingDir": WORKDIR,
         # Workers only serve SSH; the host key is the job's key, mounted by the operator, so no
@@ -159,7 +167,7 @@ def worker_volumes(spec: ProjectSpec, opts: K8sOptions) -> list[dict]:
 
 def build_mpijob(spec: ProjectSpec, opts: K8sOptions, gpu: bool = False) -> dict:
     """The whole MPIJob for the cpu (gpu=False) or gpu variant."""
-    name = job_name(spec.name, opts.workers)
+    name = job_name(spec.name, opts.workers, opts.api)
     slots = slots_per_worker(spec, opts.gpus_per_worker if gpu else 0)
     image = default_gpu_image(spec, opts) if gpu else default_image(spec, opts)
     run_policy = {"cleanPodPolicy": "Running", "backoffLimit": 3}

@@ -18,6 +18,7 @@ _IMAGE = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-]{1,2}
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 MLFLOW_SOURCES = ("configmap", "secret")
 CONTROLLERS = ("gloo", "mpi")  # how horovodrun starts and coordinates the ranks; both are in the images
+APIS = ("mpijob", "trainer")  # the MPI operator's MPIJob (kubeflow.org/v2beta1), or Kubeflow Trainer v2's TrainJob
 # Counts: (answer, smallest, largest, example); 0 for min/max workers means "the default".
 _RANGES = (("workers", 1, MAX_WORKERS, 2), ("gpus_per_worker", 0, MAX_GPUS_PER_POD, 1),
            ("min_workers", 0, MAX_WORKERS, 1), ("max_workers", 0, MAX_WORKERS, 4))
@@ -39,6 +40,7 @@ class K8sOptions:
     mlflow_uri_from: str = "configmap"  # where MLFLOW_TRACKING_URI comes from: configmap or secret
     checkpoint_size: str = "10Gi"
     controller: str = "gloo"  # horovodrun --gloo or --mpi (OpenMPI over the operator's ssh); elastic: gloo
+    api: str = "mpijob"  # mpijob: an MPIJob for the MPI operator; trainer: a TrainJob and its TrainingRuntime
 
     def __post_init__(self) -> None:
         for spec in fields(self):
@@ -63,6 +65,9 @@ class K8sOptions:
             raise HvdgenError(f"--mlflow-uri-from {self.mlflow_uri_from!r} is not known: choose configmap or secret")
         if self.controller not in CONTROLLERS:
             raise HvdgenError(f"--controller {self.controller!r} is not known: choose gloo or mpi")
+        if self.api not in APIS:
+            raise HvdgenError(f"--api {self.api!r} is not known: choose mpijob or trainer")
+        self._check_trainer()
         if self.elastic and self.controller == "mpi":
             raise HvdgenError("elastic Horovod runs on Gloo only (horovodrun ignores --mpi there): "
                               "use --controller gloo, or --no-elastic for an MPI job")
@@ -81,6 +86,17 @@ class K8sOptions:
         elif self.min_workers or self.max_workers:
             raise HvdgenError("--min-workers and --max-workers apply to elastic jobs only: add --elastic, "
                               "or leave them out")
+
+    def _check_trainer(self) -> None:
+        """What a TrainJob cannot run (see hvdgen/k8s/trainjob.py)."""
+        if self.api != "trainer":
+            return
+        if self.elastic:
+            raise HvdgenError("a TrainJob has a fixed node count, so it cannot run elastic Horovod: use --api mpijob "
+                              "(the default) for an elastic job, or --no-elastic")
+        if not self.non_root:
+            raise HvdgenError("the Trainer mounts the job's SSH key with mode 0640, which ssh and sshd refuse to use "
+                              "as root: leave out --root (the images' user mpiuser, the default), or use --api mpijob")
 
     @property
     def min_np_workers(self) -> int:

@@ -1,4 +1,5 @@
-"""`k8s/README.md` of a generated project: the exact kubectl steps for this job's names and sizes."""
+"""`k8s/README.md` of a generated project: the exact kubectl steps for this job's names and sizes, for
+an MPIJob or for a Trainer TrainJob (`hvdgen k8s --api trainer`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ from hvdgen.k8s.mpijob import (CHECKPOINT_DIR, build_mpijob, checkpoint_claim_na
 from hvdgen.k8s.names import job_name
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.k8s.ranks import slots_per_worker
+from hvdgen.k8s.trainjob import build_trainjob, runtime_name
 from hvdgen.spec import ProjectSpec
 
 OPERATOR_MANIFEST = "https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.8.2/deploy/v2beta1/mpi-operator.yaml"
+TRAINER_RELEASE = "v2.3.0"
+TRAINER_MANIFESTS = f"https://github.com/kubeflow/trainer.git/manifests/overlays/manager?ref={TRAINER_RELEASE}"
 
 
 def _launch_line(spec: ProjectSpec, opts: K8sOptions, gpu: bool) -> str:
-    launcher = build_mpijob(spec, opts, gpu)["spec"]["mpiReplicaSpecs"]["Launcher"]
-    container = launcher["template"]["spec"]["containers"][0]
+    if opts.api == "trainer":
+        container = build_trainjob(spec, opts, gpu)["spec"]["trainer"]
+    else:
+        launcher = build_mpijob(spec, opts, gpu)["spec"]["mpiReplicaSpecs"]["Launcher"]
+        container = launcher["template"]["spec"]["containers"][0]
     return " ".join(container["command"] + container["args"])
 
 
@@ -36,14 +43,15 @@ def _ranks(spec: ProjectSpec, opts: K8sOptions, gpus: int) -> str:
     """How the overlay's ranks sit on its workers, in words, with the numbers of this job."""
     slots = slots_per_worker(spec, gpus)
     world = opts.workers * slots
+    pod, field = ("node", "numProcPerNode") if opts.api == "trainer" else ("worker", "slotsPerWorker")
     if not gpus:
-        shape = f"{_count(opts.workers, 'CPU worker')} x 1 rank"
+        shape = f"{_count(opts.workers, 'CPU ' + pod)} x 1 rank"
     elif spec.strategy == "model-split":
-        shape = (f"{_count(opts.workers, 'worker')} x {_count(gpus, 'GPU')}; each rank puts its {spec.stages} "
-                 f"stages on {spec.stages} GPUs of its own, so {_count(slots, 'rank')} per worker")
+        shape = (f"{_count(opts.workers, pod)} x {_count(gpus, 'GPU')}; each rank puts its {spec.stages} "
+                 f"stages on {spec.stages} GPUs of its own, so {_count(slots, 'rank')} per {pod}")
     else:
-        shape = f"{_count(opts.workers, 'worker')} x {_count(gpus, 'GPU')}, one rank per GPU"
-    shape += f" (`slotsPerWorker: {slots}`): {_count(world, 'rank')}"
+        shape = f"{_count(opts.workers, pod)} x {_count(gpus, 'GPU')}, one rank per GPU"
+    shape += f" (`{field}: {slots}`): {_count(world, 'rank')}"
     if spec.strategy == "pipeline":
         shape += f", {_count(world // spec.model_ranks, 'pipeline')} of {spec.stages} stages"
         shape += f" x tp {spec.tp}" if spec.tp > 1 else ""
@@ -52,8 +60,49 @@ def _ranks(spec: ProjectSpec, opts: K8sOptions, gpus: int) -> str:
     return shape
 
 
+def _controller(opts: K8sOptions) -> str:
+    return ("Ranks start through OpenMPI (`horovodrun --mpi`: `mpirun` over the operator's ssh); "
+            "`hvdgen k8s --controller gloo` starts them with Gloo instead.") if opts.controller == "mpi" else (
+        "Ranks start with Gloo (`horovodrun --gloo`), as elastic Horovod requires." if opts.elastic else
+        "Ranks start with Gloo (`horovodrun --gloo`); `hvdgen k8s --controller mpi` starts them through OpenMPI's "
+        "`mpirun` instead (both images carry it).")
+
+
+def _images(spec: ProjectSpec, opts: K8sOptions) -> str:
+    return f"""## 1. Build and push the images
+
+From the project folder (BuildKit is needed for the cache mounts):
+
+```bash
+docker build -t {default_image(spec, opts)} .
+docker push {default_image(spec, opts)}
+docker build -f Dockerfile.cuda -t {default_gpu_image(spec, opts)} .
+docker push {default_gpu_image(spec, opts)}
+```
+{_baked_data(spec)}
+"""
+
+
+def _mlflow(opts: K8sOptions, uri_source: str, ns: str) -> str:
+    return f"""## 2. Optional: send metrics to an MLflow server
+
+Every pod reads `MLFLOW_TRACKING_URI` from the {opts.mlflow_uri_from} `{uri_source}`, key
+`MLFLOW_TRACKING_URI`. Without it rank 0 logs to the embedded store inside its pod, which is lost
+with the pod. Create it before applying:
+
+```bash
+kubectl create configmap {uri_source} -n {ns} --from-literal=MLFLOW_TRACKING_URI=http://mlflow.mlflow.svc:5000
+# or, when the URI holds credentials (then generate with --mlflow-uri-from secret):
+kubectl create secret generic {uri_source} -n {ns} --from-literal=MLFLOW_TRACKING_URI='https://user:token@mlflow.example.com'
+```
+
+"""
+
+
 def readme(spec: ProjectSpec, opts: K8sOptions) -> str:
-    name, ns = job_name(spec.name, opts.workers), opts.namespace
+    if opts.api == "trainer":
+        return _trainer_readme(spec, opts)
+    name, ns = job_name(spec.name, opts.workers, opts.api), opts.namespace
     overlay = "cpu"
     other_note = "          # on GPU nodes: kubectl apply -k k8s/overlays/gpu" if opts.gpus_per_worker else ""
     uri_source = mlflow_source_name(spec, opts)
@@ -86,11 +135,7 @@ the job.
         if opts.non_root else (
         "The pods run as root (`hvdgen k8s --root`), and the operator mounts the job's SSH keys at `/root/.ssh`. "
         "`hvdgen k8s --non-root` (the default for new projects) runs them as the images' user `mpiuser`.")
-    controller = ("Ranks start through OpenMPI (`horovodrun --mpi`: `mpirun` over the operator's ssh); "
-                  "`hvdgen k8s --controller gloo` starts them with Gloo instead.") if opts.controller == "mpi" else (
-        "Ranks start with Gloo (`horovodrun --gloo`), as elastic Horovod requires." if opts.elastic else
-        "Ranks start with Gloo (`horovodrun --gloo`); `hvdgen k8s --controller mpi` starts them through OpenMPI's "
-        "`mpirun` instead (both images carry it).")
+    controller = _controller(opts)
     return f"""# Kubernetes: `{name}` as an MPIJob
 
 These manifests run the project with the [Kubeflow MPI Operator](https://github.com/kubeflow/mpi-operator)
@@ -118,30 +163,7 @@ kubectl apply --server-side -f {OPERATOR_MANIFEST}
 The older Kubeflow training-operator also defines `mpijobs.kubeflow.org` (version v1); the two cannot
 be installed side by side.
 
-## 1. Build and push the images
-
-From the project folder (BuildKit is needed for the cache mounts):
-
-```bash
-docker build -t {default_image(spec, opts)} .
-docker push {default_image(spec, opts)}
-docker build -f Dockerfile.cuda -t {default_gpu_image(spec, opts)} .
-docker push {default_gpu_image(spec, opts)}
-```
-{_baked_data(spec)}
-## 2. Optional: send metrics to an MLflow server
-
-Every pod reads `MLFLOW_TRACKING_URI` from the {opts.mlflow_uri_from} `{uri_source}`, key
-`MLFLOW_TRACKING_URI`. Without it rank 0 logs to the embedded store inside its pod, which is lost
-with the pod. Create it before applying:
-
-```bash
-kubectl create configmap {uri_source} -n {ns} --from-literal=MLFLOW_TRACKING_URI=http://mlflow.mlflow.svc:5000
-# or, when the URI holds credentials (then generate with --mlflow-uri-from secret):
-kubectl create secret generic {uri_source} -n {ns} --from-literal=MLFLOW_TRACKING_URI='https://user:token@mlflow.example.com'
-```
-
-## 3. Run
+{_images(spec, opts)}{_mlflow(opts, uri_source, ns)}## 3. Run
 
 ```bash
 kubectl apply -k k8s/overlays/{overlay}{other_note}
@@ -164,3 +186,80 @@ kubectl delete -k k8s/overlays/{overlay}      # the job and the checkpoint claim
 
 Apply again after the first command and training resumes from the last checkpoint.
 {elastic}"""
+
+
+def _trainer_readme(spec: ProjectSpec, opts: K8sOptions) -> str:
+    name, ns = job_name(spec.name, opts.workers, opts.api), opts.namespace
+    other_note = "          # on GPU nodes: kubectl apply -k k8s/overlays/gpu" if opts.gpus_per_worker else ""
+    gpu_rows = (f"| `overlays/gpu/` | {_ranks(spec, opts, opts.gpus_per_worker)}, "
+                f"image `{default_gpu_image(spec, opts)}`, "
+                f"NCCL environment; runs `{_launch_line(spec, opts, True)}` |\n") if opts.gpus_per_worker else ""
+    pods = f"jobset.sigs.k8s.io/jobset-name={name}"
+    return f"""# Kubernetes: `{name}` as a Kubeflow Trainer TrainJob
+
+These manifests run the project with [Kubeflow Trainer](https://github.com/kubeflow/trainer) v2
+(`trainer.kubeflow.org/v1alpha1`, Trainer {TRAINER_RELEASE} or newer). They were generated by
+`hvdgen k8s --api trainer` from the answers in `../.hvdgen.yaml`; change the answers with
+`hvdgen k8s --workers N --gpus-per-worker G --image ...` rather than by hand, and check hand edits
+with `hvdgen k8s --check`. `hvdgen k8s --api mpijob` writes an MPIJob for the MPI Operator instead.
+
+| folder | what it runs |
+| --- | --- |
+| `base/` | the TrainJob `{name}`, the TrainingRuntime `{runtime_name(spec, opts)}` it runs on, and the `{checkpoint_claim_name(spec, opts)}` PersistentVolumeClaim |
+| `overlays/cpu/` | {_ranks(spec, opts, 0)}, image `{default_image(spec, opts)}`; runs `{_launch_line(spec, opts, False)}` |
+{gpu_rows}
+The Trainer ships no runtime for Horovod, so the project brings its own: a `node` job, whose pods
+serve sshd and run the ranks, and a `launcher` job that runs horovodrun once every node is Ready
+(`dependsOn`). The Trainer's MPI plugin makes the job's SSH keys, mounts them at
+`{ssh_path(opts)}` in both, and writes the launcher's hostfile (`/etc/mpi/hostfile`, one line per
+node with `numProcPerNode` slots). The job succeeds when the launcher does. The TrainJob holds what
+changes from run to run: `numNodes`, `numProcPerNode` and the horovodrun line, whose `-np` is
+their product; `hvdgen k8s --check` checks that they agree. The images and the GPUs are the
+runtime's, since the Trainer applies a TrainJob's `image` and `resourcesPerNode` to the launcher
+only.
+
+Rank 0 writes checkpoints to `{CHECKPOINT_DIR}`, which is the claim, so a job applied again resumes
+where it stopped. The claim asks for `ReadWriteMany` because every node mounts it: on a single
+node, or a cluster without such a storage class, change `accessModes` to `ReadWriteOnce`. The pods
+run as the images' non-root user `mpiuser` (uid 1000), without privilege escalation or
+capabilities; they cannot run as root here, because the Trainer mounts the private key with mode
+0640, which ssh and sshd refuse as root. {_controller(opts)}
+
+A TrainJob's node count is fixed, so elastic Horovod needs the MPIJob (`hvdgen k8s --api mpijob
+--elastic`).
+
+## 0. Once per cluster: Kubeflow Trainer
+
+```bash
+kubectl apply --server-side -k "{TRAINER_MANIFESTS}"
+```
+
+This installs the Trainer's controller and CRDs, and JobSet, which runs the pods. The runtime here
+is namespaced (a TrainingRuntime), so nothing else is needed cluster-wide.
+
+{_images(spec, opts)}{_mlflow(opts, mlflow_source_name(spec, opts), ns)}## 3. Run
+
+```bash
+kubectl apply -k k8s/overlays/cpu{other_note}
+kubectl get pods -n {ns} -l {pods} -w
+kubectl logs -n {ns} -f -l {pods},jobset.sigs.k8s.io/replicatedjob-name=launcher
+kubectl get trainjob {name} -n {ns} -o jsonpath='{{.status.conditions[-1].type}}{{"\\n"}}'
+```
+
+The last command prints the job's latest condition: `Complete`, `Failed` or `Suspended`;
+`kubectl wait trainjob/{name} -n {ns} --for=condition=Complete --timeout=24h` blocks until it
+completes. A job that does not start shows why in `kubectl describe trainjob {name} -n {ns}` and
+`kubectl describe jobset {name} -n {ns}` (look at the Events).
+
+A TrainJob's `trainer` cannot change once created. To run with other sizes, delete the job (the
+checkpoints stay), run `hvdgen k8s --workers N ...` and apply again.
+
+## 4. Delete
+
+```bash
+kubectl delete trainjob {name} -n {ns}          # the job; checkpoints stay on the claim
+kubectl delete -k k8s/overlays/cpu      # the job, its runtime and the checkpoint claim (all checkpoints)
+```
+
+Apply again after the first command and training resumes from the last checkpoint.
+"""

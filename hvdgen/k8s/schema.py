@@ -1,4 +1,5 @@
-"""Validate an MPIJob against the vendored CRD schema, made strict.
+"""Validate a custom resource (MPIJob, TrainJob, TrainingRuntime, ClusterTrainingRuntime) against its
+vendored CRD schema, made strict, and against the CRD's own CEL rules.
 
 The API server prunes unknown fields of a custom resource without a word, so `limit:` for `limits:`
 silently loses the limits. Adding `additionalProperties: false` wherever `properties` are listed
@@ -15,12 +16,23 @@ from importlib import resources
 
 from hvdgen.k8s.problems import Problem, field_path
 
-SCHEMA_FILE = "mpijob_v2beta1.openapiv3.json"
+SCHEMA_FILES = {  # kind -> the CRD's openAPIV3Schema, vendored unchanged (see data/PROVENANCE.md)
+    "MPIJob": "mpijob_v2beta1.openapiv3.json",
+    "TrainJob": "trainjob_v1alpha1.openapiv3.json",
+    "TrainingRuntime": "trainingruntime_v1alpha1.openapiv3.json",
+    "ClusterTrainingRuntime": "clustertrainingruntime_v1alpha1.openapiv3.json",
+}
+SCHEMA_FILE = SCHEMA_FILES["MPIJob"]
 
 
-def load_schema() -> dict:
+@lru_cache(maxsize=None)
+def _schema_text(kind: str) -> str:
+    return resources.files("hvdgen.k8s").joinpath("data", SCHEMA_FILES[kind]).read_text()
+
+
+def load_schema(kind: str = "MPIJob") -> dict:
     """The CRD's openAPIV3Schema exactly as vendored (see data/PROVENANCE.md)."""
-    return json.loads(resources.files("hvdgen.k8s").joinpath("data", SCHEMA_FILE).read_text())
+    return json.loads(_schema_text(kind))
 
 
 def make_strict(schema: dict) -> dict:
@@ -42,11 +54,11 @@ def make_strict(schema: dict) -> dict:
     return strict
 
 
-@lru_cache(maxsize=1)
-def strict_validator():
+@lru_cache(maxsize=None)
+def strict_validator(kind: str = "MPIJob"):
     import jsonschema  # noqa: PLC0415 - kept out of CLI start-up
 
-    schema = make_strict(load_schema())
+    schema = make_strict(load_schema(kind))
     jsonschema.Draft7Validator.check_schema(schema)
     return jsonschema.Draft7Validator(schema)
 
@@ -77,7 +89,8 @@ def _describe(error) -> str:
         wanted = error.validator_value if isinstance(error.validator_value, str) else error.validator_value[0]
         return f"got {value}, expected {wanted}: write {_TYPE_EXAMPLES.get(wanted, wanted)}"
     if kind == "enum":
-        return f"{value} is not allowed: use one of {', '.join(map(str, error.validator_value))}"
+        allowed = [str(v) for v in error.validator_value if v != ""]  # "" stands for "left out"
+        return f"{value} is not allowed: use {allowed[0] if len(allowed) == 1 else 'one of ' + ', '.join(allowed)}"
     if kind == "pattern" or (kind == "anyOf" and "x-kubernetes-int-or-string" in error.schema):
         return f"{value} is not a Kubernetes quantity: write e.g. 2, 500m, 4Gi or 16G"
     if kind in ("minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength"):
@@ -86,11 +99,16 @@ def _describe(error) -> str:
 
 
 def schema_problems(manifest: dict) -> list[Problem]:
-    """Every violation of the strict CRD schema, one Problem per field."""
+    """Every violation of the strict CRD schema of the manifest's kind, one Problem per field, then
+    the CRD's CEL rules where the schema found nothing."""
+    from hvdgen.k8s.cel import cel_problems  # noqa: PLC0415 - the CEL interpreter loads only when validating
+
+    kind = manifest.get("kind", "MPIJob")
     problems: list[Problem] = []
-    for error in sorted(strict_validator().iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path))):
+    for error in sorted(strict_validator(kind).iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path))):
         if error.validator == "additionalProperties" and error.validator_value is False:
             problems += _unknown_fields(error)
         else:
             problems.append(Problem(field_path(error.absolute_path), _describe(error)))
-    return problems
+    return problems + [p for p in cel_problems(kind, manifest)
+                       if not any(p.path.startswith(q.path) or q.path.startswith(p.path) for q in problems)]

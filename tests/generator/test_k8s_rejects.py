@@ -401,7 +401,7 @@ def test_an_elastic_launcher_on_mpi_is_flagged():
 def test_a_file_without_an_mpijob_is_not_a_job():
     claim = build_checkpoint_claim(SPEC, K8sOptions())
     lines = [str(p) for p in documents_problems([claim])]
-    assert lines == ["holds no MPIJob (only PersistentVolumeClaim): give the job's manifest, e.g. "
+    assert lines == ["holds no MPIJob or TrainJob (only PersistentVolumeClaim): give the job's manifest, e.g. "
                      "k8s/base/mpijob.yaml or `kubectl kustomize k8s/overlays/gpu`"]
 
 
@@ -463,7 +463,7 @@ BAD = [
     _check("only-comments", "# nothing here\n---\n", "holds no Kubernetes object"),
     _check("a-list", "- apiVersion: v1\n- kind: MPIJob\n", "is a list, not a Kubernetes object"),
     _check("invalid-yaml", "apiVersion: v1\nkind: [\n", "not valid YAML", "line"),
-    _check("configmap-only", CONFIGMAP, "holds no MPIJob (only ConfigMap)"),
+    _check("configmap-only", CONFIGMAP, "holds no MPIJob or TrainJob (only ConfigMap)"),
     _check("kind-missing", "apiVersion: kubeflow.org/v2beta1\nmetadata: {name: demo}\n", "kind: missing"),
     _check("old-api-version", _job_text(old_api_version), "kubeflow.org/v1", "kubeflow.org/v2beta1"),
     # --check --file: an MPIJob that cannot run
