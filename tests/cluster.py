@@ -14,6 +14,13 @@ command runs in a private mount namespace, under the pod's own host name, where
 - /root/.ssh is the job's key pair laid out as the MPI Operator mounts its Secret (id_rsa,
   id_rsa.pub, authorized_keys) at spec.sshAuthMountPath; the rest of /root is the machine's
   under a layer of the pod's own, so nothing a pod writes there reaches the machine,
+- or, for non-root jobs (sshAuthMountPath /home/mpiuser/.ssh), every command runs as the images'
+  user `mpiuser` (uid 1000, in the pod's own /etc/passwd), the keys at /home/mpiuser/.ssh as a
+  Secret volume with `fsGroup: 1000` leaves them (root:1000; the private key 0640, which is also
+  the mode the Trainer gives it); the pod's workspace belongs to the user, the job's volumes to its
+  group. The machine's files are not laid out as an image's (its interpreter may sit in a folder
+  only root may enter), so those processes keep one capability, reading and searching folders
+  (CAP_DAC_READ_SEARCH); every write, and every ownership check ssh and sshd make, is uid 1000's,
 - the workspace path shows the pod's own copy of the project, with the job's volumes (a
   directory each, shared by the pods that mount it, like a ReadWriteMany claim) mounted inside.
 
@@ -38,6 +45,8 @@ from pathlib import Path
 
 SUBNET = "10.213.77"  # addresses exist only inside the namespaces made here
 SWITCH = "sw"
+ROOT_SSH = "/root/.ssh"
+USER, UID, HOME = "mpiuser", 1000, "/home/mpiuser"  # the images' non-root user
 
 
 def why_unavailable() -> str | None:
@@ -93,6 +102,7 @@ class Cluster:
     # Each pod's /etc/hosts names the pod itself on 127.0.1.1, as Debian's installer does on a
     # workstation (Kubernetes writes the pod's own address); every other pod by its address.
     own_name_on_loopback: bool = False
+    non_root: bool = False  # commands run as the images' mpiuser, the keys at /home/mpiuser/.ssh
 
     @property
     def switch(self) -> str:
@@ -100,8 +110,9 @@ class Cluster:
 
     def up(self, project: Path, ssh_auth_mount: str = "/root/.ssh") -> None:
         """The switch, the job's keys, and the pristine project that every pod copies."""
-        if ssh_auth_mount != "/root/.ssh":
-            raise ValueError("the pods run as root: generate the manifests with --root")
+        if ssh_auth_mount not in (ROOT_SSH, f"{HOME}/.ssh"):
+            raise ValueError(f"the pods run as root ({ROOT_SSH}) or as {USER} ({HOME}/.ssh), not {ssh_auth_mount}")
+        self.non_root = ssh_auth_mount != ROOT_SSH
         self.base.mkdir(parents=True, exist_ok=True)
         self.workspace = self.base / "workspace"
         shutil.copytree(project, self.workspace, symlinks=True)
@@ -110,10 +121,32 @@ class Cluster:
         subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-b", "521", "-N", "", "-f", str(self.keys / "id_rsa")],
                        check=True)
         shutil.copy(self.keys / "id_rsa.pub", self.keys / "authorized_keys")
+        if self.non_root:
+            self._user_files()
         _ip("netns", "add", self.switch)
         _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
         _ip("link", "set", "br0", "up", netns=self.switch)
         _ip("link", "set", "lo", "up", netns=self.switch)
+
+    def _user_files(self) -> None:
+        """The keys as a Secret volume with fsGroup 1000 holds them, and a passwd and group naming mpiuser."""
+        for path, mode in ((self.keys, 0o755), (self.keys / "id_rsa", 0o640), (self.keys / "id_rsa.pub", 0o644),
+                           (self.keys / "authorized_keys", 0o644)):
+            os.chown(path, 0, UID)
+            os.chmod(path, mode)
+        for name, line in (("passwd", f"{USER}:x:{UID}:{UID}::{HOME}:/bin/bash\n"), ("group", f"{USER}:x:{UID}:\n")):
+            kept = [entry for entry in Path(f"/etc/{name}").read_text().splitlines(keepends=True)
+                    if entry.split(":")[2:3] != [str(UID)] and not entry.startswith(f"{USER}:")]
+            (self.base / name).write_text("".join(kept) + line)
+
+    def volume(self, name: str) -> Path:
+        """A directory the pods may mount (a claim's volume): the job's group may write it, as with fsGroup."""
+        path = self.base / name
+        path.mkdir()
+        if self.non_root:
+            os.chown(path, 0, UID)
+            os.chmod(path, 0o2775)
+        return path
 
     def add_pod(self, name: str, volumes: dict[str, Path] | None = None) -> Pod:
         """A namespace wired to the switch, with its own copy of the workspace."""
@@ -133,6 +166,9 @@ class Cluster:
         _ip("link", "set", "eth0", "up", netns=pod.netns)
         _ip("link", "set", "lo", "up", netns=pod.netns)
         shutil.copytree(self.workspace, pod.files / "workspace", symlinks=True)
+        if self.non_root:
+            for path in [pod.files / "workspace", *(pod.files / "workspace").rglob("*")]:
+                os.chown(path, UID, UID, follow_symlinks=False)
         etc_ssh = pod.files / "etc-ssh"
         shutil.copytree("/etc/ssh", etc_ssh, ignore=shutil.ignore_patterns("ssh_host_*"))
         shutil.copy(self.workspace / "docker" / "sshd.conf", etc_ssh / "sshd_config.d" / "hvdgen.conf")
@@ -149,11 +185,12 @@ class Cluster:
     def command(self, pod: Pod, argv: list[str]) -> list[str]:
         """argv run inside the pod: its network namespace and its own view of the files."""
         layer = shlex.quote(str(pod.files / "root-layer"))
+        keys = shlex.quote(str(self.keys))
         mounts = [  # /root: the machine's (Python may live there) under a layer of the pod's own
             f"mkdir -p {layer} && mount -t tmpfs tmpfs {layer} && mkdir {layer}/upper {layer}/work",
             f"mount -t overlay overlay -o lowerdir=/root,upperdir={layer}/upper,workdir={layer}/work /root",
             "mkdir -p -m 0700 /root/.ssh",
-            f"mount --bind {shlex.quote(str(self.keys))} /root/.ssh",
+            f"mount --bind {keys} /root/.ssh",
             f"mount --bind {shlex.quote(str(pod.files / 'hosts'))} /etc/hosts",
             f"mount --bind {shlex.quote(str(pod.files / 'etc-ssh'))} /etc/ssh",
             f"mount --bind {shlex.quote(str(pod.files / 'workspace'))} {shlex.quote(str(self.workspace))}",
@@ -162,8 +199,16 @@ class Cluster:
             target = self.workspace / inside
             mounts += [f"mkdir -p {shlex.quote(str(pod.files / 'workspace' / inside))}",
                        f"mount --bind {shlex.quote(str(shared))} {shlex.quote(str(target))}"]
+        run_as = ""
+        if self.non_root:
+            base = shlex.quote(str(self.base))
+            mounts += [f"mount --bind {base}/passwd /etc/passwd", f"mount --bind {base}/group /etc/group",
+                       "mount -t tmpfs -o mode=0755 tmpfs /home", f"mkdir -p {HOME}/.ssh",
+                       f"chown {UID}:{UID} {HOME}", f"mount --bind {keys} {HOME}/.ssh"]
+            run_as = (f"setpriv --reuid={UID} --regid={UID} --clear-groups --inh-caps=+dac_read_search "
+                      f"--ambient-caps=+dac_read_search env HOME={HOME} USER={USER} LOGNAME={USER} ")
         script = (f"hostname {shlex.quote(pod.name.split('.')[0])} && " + " && ".join(mounts)
-                  + f" && cd {shlex.quote(str(self.workspace))} && exec \"$@\"")
+                  + f" && cd {shlex.quote(str(self.workspace))} && exec {run_as}\"$@\"")
         return ["ip", "netns", "exec", pod.netns, "unshare", "--uts", "bash", "-ec", script, pod.name, *argv]
 
     def start(self, pod: Pod, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:

@@ -19,16 +19,16 @@ from hvdgen.k8s.kustomize import render
 
 
 def generated_job(tmp_path: Path, framework: str, strategy: str, workers: int, *new_flags: str,
-                  k8s_flags: tuple[str, ...] = (), config: dict[str, int] | None = None) -> tuple[Path, dict]:
-    """A project with root manifests (the pods here run as root) and its CPU overlay's MPIJob (the
-    GPU overlay's, given --gpus-per-worker); `config`: settings of its config.yaml to change
-    (default: 1 epoch)."""
+                  k8s_flags: tuple[str, ...] = ("--root",), config: dict[str, int] | None = None
+                  ) -> tuple[Path, dict]:
+    """A project and its CPU overlay's MPIJob (the GPU overlay's, given --gpus-per-worker), root
+    unless `k8s_flags` leave out --root; `config`: settings of its config.yaml to change (default: 1 epoch)."""
     runner = CliRunner()
     result = runner.invoke(cli, ["new", "job", "-o", str(tmp_path), "--framework", framework, "--strategy", strategy,
                                  *new_flags])
     assert result.exit_code == 0, result.output
     project = tmp_path / "job"
-    result = runner.invoke(cli, ["k8s", "--project", str(project), "--root", "--workers", str(workers), *k8s_flags])
+    result = runner.invoke(cli, ["k8s", "--project", str(project), "--workers", str(workers), *k8s_flags])
     assert result.exit_code == 0, result.output
     path = project / "config.yaml"
     text = path.read_text()
@@ -53,8 +53,7 @@ def worker_pods(cluster: Cluster, project: Path, job: dict, extra_pods: tuple[st
     worker = container(job, "Worker")
     name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
     cluster.up(project, spec["sshAuthMountPath"])
-    volume = cluster.base / "checkpoint-volume"  # the claim: one directory every worker mounts
-    volume.mkdir()
+    volume = cluster.volume("checkpoint-volume")  # the claim: one directory every worker mounts
     workdir = Path(worker["workingDir"])
     mounts = {str(Path(m["mountPath"]).relative_to(workdir)): volume
               for m in worker["volumeMounts"] if m["name"] == "checkpoints"}

@@ -22,6 +22,7 @@ from hvdgen.cli import main
 from hvdgen.k8s.core import core_problems, pod_template_problems
 from hvdgen.k8s.mpijob import build_checkpoint_claim, build_mpijob
 from hvdgen.k8s.options import K8sOptions
+from hvdgen.k8s.trainjob import build_training_runtime, build_trainjob
 from hvdgen.k8s.validate import documents_problems, object_problems
 from hvdgen.spec import SPEC_FILE, ProjectSpec
 
@@ -414,6 +415,14 @@ def _job_text(breaker=None, gpu: bool = False) -> str:
     return yaml.safe_dump(job, sort_keys=False)
 
 
+def _trainer_text(breaker) -> str:
+    """A TrainJob with its runtime, the TrainJob broken by `breaker`."""
+    opts = K8sOptions(api="trainer")
+    job = build_trainjob(SPEC, opts)
+    breaker(job)
+    return yaml.safe_dump_all([build_training_runtime(SPEC, opts), job], sort_keys=False)
+
+
 def _answer(key: str, value) -> Callable[[str], str]:
     """An edit of the project's .hvdgen.yaml: one answer replaced."""
     def edit(text: str) -> str:
@@ -466,6 +475,10 @@ BAD = [
     _check("configmap-only", CONFIGMAP, "holds no MPIJob or TrainJob (only ConfigMap)"),
     _check("kind-missing", "apiVersion: kubeflow.org/v2beta1\nmetadata: {name: demo}\n", "kind: missing"),
     _check("old-api-version", _job_text(old_api_version), "kubeflow.org/v1", "kubeflow.org/v2beta1"),
+    _check("trainjob-np", _trainer_text(lambda job: job["spec"]["trainer"].update(numNodes=3)),
+           "spec.trainer.args", "numNodes (3) x numProcPerNode (1) = 3", "set -np 3"),
+    _check("trainjob-runtime-typo", _trainer_text(lambda job: job["spec"]["runtimeRef"].update(name="demo-hvd")),
+           "spec.runtimeRef", "'demo-hvd'", "TrainingRuntime 'demo-horovod'"),
     # --check --file: an MPIJob that cannot run
     _check("no-launcher", _job_text(no_launcher), "Launcher: missing"),
     _check("no-worker", _job_text(no_worker), "Worker: missing", "add a Worker"),
@@ -539,6 +552,9 @@ BAD = [
     _spec_file("checkpoint-size-number", _answer("k8s", {"checkpoint_size": 10}), "checkpoint_size must be text"),
     _spec_file("namespace-number", _answer("k8s", {"namespace": 5}), "namespace must be text"),
     _spec_file("unknown-k8s-key", _answer("k8s", {"gpus": 2}), "unknown keys ['gpus']"),
+    _spec_file("api-unknown", _answer("k8s", {"api": "kubeflow"}), "--api 'kubeflow' is not known", "trainer"),
+    _spec_file("api-number", _answer("k8s", {"api": 5}), "api must be text"),
+    _spec_file("recorded-trainer-elastic", _answer("k8s", {"api": "trainer", "elastic": True}), "fixed node count"),
     _spec_file("recorded-workers-100000", _answer("k8s", {"workers": 100000}), "between 1 and 1024"),
     _spec_file("answers-binary", b"\x00\x01\x02\xff", SPEC_FILE, "not UTF-8"),
     _spec_file("answers-empty", "", SPEC_FILE, "answers"),

@@ -94,7 +94,7 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path, framewo
     from hvd_runtime.scaling import warmup_factor
 
     epochs, batch, commit_every, full = 20, 32, 5, 3
-    project, job = generated_job(tmp_path, framework, "data", full, "--elastic", k8s_flags=("--min-workers", "2"),
+    project, job = generated_job(tmp_path, framework, "data", full, "--elastic", k8s_flags=("--root", "--min-workers", "2"),
                                  config={"epochs": epochs, "batch_size": batch, "elastic_commit_every": commit_every})
     n_train = len(load_dataset(DataConfig(), seed=42).train)
 

@@ -87,16 +87,19 @@ def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, c
     """2 worker pods x 2 slots (the GPU overlay's MPIJob, 2 GPUs a worker, run on CPU ranks): data
     parallel over 4 ranks, or a 2-stage pipeline with 2 replicas, with Gloo or with OpenMPI
     (mpirun over the operator's ssh). Ranks on different pods end with the same weights; rank 0's
-    pod and the volume hold every output, the others none."""
+    pod and the volume hold every output, the others none. The torch data-parallel jobs run as
+    generated, non-root (the images' mpiuser); the others as root (`hvdgen k8s --root`)."""
     if controller == "mpi" and mpi_missing():
         pytest.skip(f"Requires: Horovod with MPI: {mpi_missing()}")
+    user = () if (framework, strategy) == ("torch", "data") else ("--root",)
     project, job = generated_job(tmp_path, framework, strategy, 2,
-                                 k8s_flags=("--gpus-per-worker", "2", "--controller", controller))
+                                 k8s_flags=(*user, "--gpus-per-worker", "2", "--controller", controller))
     assert job["spec"]["slotsPerWorker"] == 2 and f"--{controller}" in container(job, "Launcher")["args"]
     (tmp_path / "hooks").mkdir()
     (tmp_path / "hooks" / "sitecustomize.py").write_text(DIGESTS)
     digests = tmp_path / "digests"
     digests.mkdir()
+    digests.chmod(0o777)  # the ranks may run as mpiuser
     out, worker_pods, volume = run_across_hosts(cluster, project, job, env=venv_env(
         PYTHONPATH=str(tmp_path / "hooks"), HVDT_DIGESTS=str(digests), HVDT_FRAMEWORK=framework))
     started = "pipeline of 2 stages x 2 replica(s)" if strategy == "pipeline" else "training on 4 rank(s)"
@@ -122,6 +125,7 @@ def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, c
         assert not written, f"{pod.name} wrote {written}"
     assert [p.suffix for p in volume.iterdir()] == [".pt" if framework == "torch" else ".pkl"], \
         "rank 0's checkpoint is not (alone) on the checkpoint volume"
+    assert {p.stat().st_uid for p in volume.iterdir()} == {0 if user else 1000}, "not written as the job's user"
 
 
 def test_pipeline_stages_link_across_hosts_that_name_themselves_on_loopback(cluster, tmp_path):
@@ -131,7 +135,7 @@ def test_pipeline_stages_link_across_hosts_that_name_themselves_on_loopback(clus
     not on what the host's own name resolves to."""
     if mpi_missing():
         pytest.skip(f"Requires: Horovod with MPI: {mpi_missing()}")
-    project, job = generated_job(tmp_path, "torch", "pipeline", 2, k8s_flags=("--controller", "mpi"))
+    project, job = generated_job(tmp_path, "torch", "pipeline", 2, k8s_flags=("--root", "--controller", "mpi"))
     assert job["spec"]["slotsPerWorker"] == 1
     cluster.own_name_on_loopback = True
     out, worker_pods, volume = run_across_hosts(cluster, project, job, env=venv_env())
