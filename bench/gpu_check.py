@@ -73,8 +73,12 @@ class Checks:
             result.update(status="skipped", seconds=0.0, output="(no time left before the deadline)")
             return self._keep(result)
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(env), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        except OSError as exc:
+            result.update(status="could not start", seconds=0.0, output=str(exc))
+            return self._keep(result)
         try:
             output, _ = proc.communicate(timeout=timeout)
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -127,6 +131,10 @@ def build(checks: Checks, args) -> bool:
     result = checks.run("build", "hvdgen install-horovod",
                         [PY, "-m", "hvdgen", "install-horovod", "--cuda-arch", arch, "--jobs", str(os.cpu_count())],
                         timeout=420, env=env)
+    if result["status"] != "ok":
+        for log in (args.work / "cache").glob("horovod-wheels/*.build.log"):
+            checks.log.write(f"\n===== {log.name}\n{log.read_text(errors='replace')}\n")
+        return False
     built = checks.run("build", "horovodrun --check-build", [str(BIN / "horovodrun"), "--check-build"], timeout=60)
     checks.note(built, nccl="[X] NCCL" in built["output"])
     checks.run("build", "hvdgen doctor", [PY, "-m", "hvdgen", "doctor"], timeout=90)
@@ -234,7 +242,9 @@ def check(args) -> None:
     try:
         if not args.smoke:
             checks.run("environment", "GPU and tools", ["bash", "-c", "nvidia-smi; nvcc --version; c++ --version; "
-                                                        "command -v mpicxx nvcc cmake; nproc"], timeout=30)
+                                                        "command -v mpicxx nvcc cmake; nproc; "
+                                                        f"{PY} -m pip list 2>/dev/null | grep -iE "
+                                                        "'^(setuptools|wheel|packaging|cmake|torch) '"], timeout=30)
         if not (args.skip_build or build(checks, args)):
             return
         if args.projects is None:

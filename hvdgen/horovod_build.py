@@ -50,9 +50,12 @@ from hvdgen.paths import cache_dir
 HOROVOD_VERSION = "0.28.1"
 
 
-# gcc >= 13 no longer pulls <cstdint> in transitively (Horovod master #3957); forcing it in is
-# harmless on older compilers.
-CXXFLAGS_EXTRA = "-include cstdint"
+# libstdc++ 13 stopped including these headers from others (GCC 13's porting notes name exactly
+# these five), and Horovod 0.28.1 leans on that: <cstdint> (fixed on master, #3957), <string> in
+# common/group_table.h, <stdexcept> for common.h's std::logic_error. Seen failing with g++ 13.3
+# (Ubuntu 24.04, a CUDA build); forcing them in is harmless on older compilers.
+GCC13_DROPPED_HEADERS = ("cstdint", "string", "stdexcept", "system_error", "cstdio")
+CXXFLAGS_EXTRA = " ".join(f"-include {header}" for header in GCC13_DROPPED_HEADERS)
 
 # Headers TF's own headers include but leave off its include path -> where TF ships a copy.
 TF_UNLISTED_HEADERS = {
