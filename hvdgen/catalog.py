@@ -10,6 +10,7 @@ from hvd_runtime.pipeline.schedule import SCHEDULES as _RUNTIME_SCHEDULES, SPLIT
 FRAMEWORKS = ("torch", "tensorflow")
 STRATEGIES = ("data", "model-split", "pipeline", "tensor")
 SCHEDULES = tuple(_RUNTIME_SCHEDULES)     # pipeline schedules, as the runtime names them
+CONFLICT_STYLES = ("inline", "rej")       # hvdgen update: clashing lines marked in the file, or beside it in .rej
 
 
 def schedules(framework: str) -> tuple[str, ...]:

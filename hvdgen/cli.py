@@ -166,6 +166,46 @@ def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str,
     click.echo(f"next: cd {target} && make setup && make train")
 
 
+@main.command("update")
+@click.option("--project", "-p", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              show_default=True, help="The generated project to update.")
+@click.option("--to", metavar="VERSION|WHEEL", default=None,
+              help="Update to this hvdgen: an hvdgen wheel file, or a version pip can fetch [this hvdgen].")
+@click.option("--conflict", type=click.Choice(catalog.CONFLICT_STYLES), default="inline", show_default=True,
+              help="Where lines that you and hvdgen both changed go: marked inline, or yours kept and "
+                   "hvdgen's in <file>.rej.")
+@click.option("--dry-run", is_flag=True, help="Show the changes as a diff; write nothing.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 2 when an update exists, 0 when up to date.")
+def update_cmd(project: Path, to: str | None, conflict: str, dry_run: bool, check: bool) -> int:
+    """Carry a generated project to this hvdgen's templates, keeping your edits.
+
+    A three-way merge, as copier's update: the project as its own hvdgen generated it (rendered
+    again by the wheel the project carries, from .hvdgen.yaml), the project as it is, and the
+    same answers rendered by this hvdgen. The result replaces the project in one step.
+    """
+    from hvdgen.update import show_diff, update_project
+
+    outcome = update_project(project, to, conflict, dry_run=dry_run, check_only=check)
+    if outcome.plan is None:
+        click.echo(f"{project} is up to date ({outcome.versions})")
+        return 0
+    if check:
+        click.echo(f"an update exists for {project}: {outcome.versions}; run hvdgen update --dry-run to see it")
+        return 2
+    plan = outcome.plan
+    if dry_run:
+        show_diff(Path(os.path.abspath(project)), plan)
+        click.echo(f"hvdgen update --dry-run ({outcome.versions}) would change, writing nothing now:")
+    else:
+        click.echo(f"updated {project} ({outcome.versions}):")
+    click.echo("\n".join(plan.lines(conflict)) or "  no file changes (only hvdgen's own records)")
+    if plan.conflicts and not dry_run:
+        where = "marked in the files" if conflict == "inline" else "in the .rej files beside them"
+        click.echo(f"warning: {len(plan.conflicts)} file(s) have lines you and hvdgen both changed, {where}: "
+                   f"{', '.join(plan.conflicts)}; resolve them by hand", err=True)
+    return 0
+
+
 @main.command("doctor")
 def doctor_cmd() -> None:
     """Check that this environment can run a generated project."""

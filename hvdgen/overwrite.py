@@ -86,7 +86,7 @@ class Plan:
         return [f"  {label}: {rel}" for label, rels in labels for rel in rels]
 
 
-def _conflict(old: Path, rel: str) -> str | None:
+def path_conflict(old: Path, rel: str) -> str | None:
     """Why `rel` cannot be written into `old`, if a path of the user's is in the way."""
     parts = Path(rel).parts
     for depth in range(1, len(parts)):
@@ -104,7 +104,7 @@ def _conflict(old: Path, rel: str) -> str | None:
 def plan_overwrite(old: Path, new: Path, generated: list[str]) -> Plan:
     """Compare the old project with the freshly rendered one; refuse path conflicts up front."""
     for rel in generated:
-        problem = _conflict(old, rel)
+        problem = path_conflict(old, rel)
         if problem:
             raise HvdgenError(f"{problem}: move it away, then run hvdgen new --force again")
     recorded = read_fingerprints(old)
