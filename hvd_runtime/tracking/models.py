@@ -8,9 +8,14 @@ other way round.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 
 import numpy as np
+
+from .records import now_ms
+
+log = logging.getLogger("hvd_runtime.tracking")
 
 
 def flavor_of(model) -> str:
@@ -41,21 +46,47 @@ def _torch_forward(model, example):
     return inputs.cpu().numpy(), output.detach().cpu().numpy()
 
 
+class NoSnapshot(Exception):
+    """The model cannot be copied as it is now."""
+
+
+def _keras_snapshot(model):
+    """A clone holding the model's weights now; None where Keras cannot clone it."""
+    keras = sys.modules.get("keras") or sys.modules["tensorflow"].keras
+    try:
+        clone = keras.models.clone_model(model)
+        clone.set_weights(model.get_weights())
+    except Exception as exc:  # noqa: BLE001 - any failure to clone only costs the snapshot
+        log.debug("cannot clone the Keras model: %s", exc)
+        return None
+    return clone
+
+
 def _keras_forward(model, example):
     inputs = np.asarray(example)
     return inputs, np.asarray(model(inputs, training=False))
 
 
-def model_record(model, input_example, name: str = "model") -> dict:
+def model_record(model, input_example, name: str = "model", step: int = 0, metrics: dict | None = None) -> dict:
     """An in-memory record (holds objects, not JSON) for the sender to log or to spool.
 
-    A torch model is deep-copied so that training may go on changing it while the record waits
-    in the queue; a Keras model is logged as it is when sent.
+    The model is copied with this moment's weights (torch: a deep copy; Keras: a clone holding
+    the same weights), so that training may go on changing it while the record waits in the
+    queue: a checkpoint's LoggedModel is that epoch's model. A Keras model that cannot be cloned
+    (a layer without get_config, or one tied to another, as the GPT's head to its embedding) is
+    logged as it is when sent if it comes with no metrics (the final model: training is over);
+    a checkpoint's (with metrics) raises NoSnapshot rather than log later weights under its name.
     """
     from mlflow.models import infer_signature
 
     flavor = flavor_of(model)
     inputs, outputs = (_torch_forward if flavor == "pytorch" else _keras_forward)(model, input_example)
-    snapshot = copy.deepcopy(model) if flavor == "pytorch" else model
+    snapshot = copy.deepcopy(model) if flavor == "pytorch" else _keras_snapshot(model)
+    if snapshot is None:
+        if metrics:
+            raise NoSnapshot(f"a {type(model).__name__} cannot be cloned, so its checkpoints are not logged as "
+                             "models (their metrics are); the final model is")
+        snapshot = model
     return {"kind": "model", "flavor": flavor, "name": name, "model": snapshot,
-            "signature": infer_signature(inputs, outputs), "input_example": inputs}
+            "signature": infer_signature(inputs, outputs), "input_example": inputs, "step": int(step),
+            "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "timestamp": now_ms()}

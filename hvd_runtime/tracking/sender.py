@@ -173,4 +173,5 @@ class Sender(threading.Thread):
             self.warn(f"could not save the model to the tracking spool ({exc})")
             return None
         return {"kind": "model", "flavor": record["flavor"], "name": record["name"],
-                "path": str(path.relative_to(self.spool.directory))}
+                "path": str(path.relative_to(self.spool.directory)),
+                **{k: record[k] for k in ("step", "metrics", "timestamp") if k in record}}

@@ -6,6 +6,7 @@ reaches a server through exactly the code a live one does.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
+
+from .records import now_ms
 
 ORIGINAL_RUN_TAG = "hvd_runtime.original_run_id"      # set when a stored run id is not on this server
 CHANGED_PARAMS_TAG = "hvd_runtime.params_changed"     # MLflow params are write-once; a resume may differ
@@ -31,6 +34,7 @@ def _chunks(items: list, size: int):
         yield items[start:start + size]
 
 
+@functools.cache  # once per flavor: each model of a run (one per checkpoint) has the same
 def _requirements(flavor) -> list[str]:
     """The flavor's pinned defaults (torch or tensorflow, cloudpickle...), given explicitly because
     MLflow's inference re-imports the model in a subprocess: ~10 s per model on a small CPU node,
@@ -137,6 +141,11 @@ class MlflowSink:
         # the run: point both at this run (this process logs to one place anyway).
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(experiment_id=self.client.get_run(run_id).info.experiment_id)
-        Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
-                  input_example=example, pip_requirements=_requirements(flavor),
-                  **{MODEL_ARGUMENT[record["flavor"]]: model})
+        step = int(record.get("step", 0))
+        info = Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
+                         input_example=example, pip_requirements=_requirements(flavor), step=step,
+                         **{MODEL_ARGUMENT[record["flavor"]]: model})
+        linked = [Metric(key, value, record.get("timestamp") or now_ms(), step, model_id=info.model_id, run_id=run_id)
+                  for key, value in (record.get("metrics") or {}).items()]
+        for chunk in _chunks(linked, METRICS_PER_REQUEST):  # the LoggedModel's own metrics
+            self.client.log_batch(run_id, metrics=chunk)

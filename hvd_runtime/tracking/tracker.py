@@ -58,7 +58,7 @@ class NullTracker:
     def log_artifact(self, path, artifact_path=None):
         pass
 
-    def log_model(self, model, input_example, name="model"):
+    def log_model(self, model, input_example, name="model", step=0, metrics=None):
         pass
 
     def close(self, status="FINISHED", timeout=None):
@@ -77,6 +77,7 @@ class Tracker(NullTracker):
         self._warn = warn
         self._close_timeout = close_timeout
         self._closed = False
+        self._no_snapshot = False    # warned that checkpoints cannot be logged as models
         atexit.register(self.close)     # a script that forgets close() still flushes and ends its run
 
     @property
@@ -108,14 +109,30 @@ class Tracker(NullTracker):
             return records.artifact(os.path.abspath(path), artifact_path)
         self._submit(record)
 
-    def log_model(self, model, input_example, name: str = "model") -> None:
+    def log_model(self, model, input_example, name: str = "model", step: int = 0,
+                  metrics: dict | None = None) -> None:
         """torch.nn.Module -> mlflow.pytorch, keras.Model -> mlflow.tensorflow, with a signature
-        inferred from `input_example` and the model's output on it."""
+        inferred from `input_example` and the model's output on it. In MLflow 3 each call is a
+        LoggedModel of the run, at `step`, with `metrics` (the epoch's, averaged across ranks)
+        linked to it, so `mlflow.search_logged_models` can rank a run's checkpoints."""
+        if self._closed:
+            return
         # Two threads importing MLflow at once can see it half-initialised: let the sender finish.
         self._sender.imported.wait(OPEN_TIMEOUT)
-        from .models import model_record
+        from .models import NoSnapshot, model_record
 
-        self._submit(lambda: model_record(model, input_example, name))
+        try:
+            record = model_record(model, input_example, name, step, metrics)
+        except NoSnapshot as exc:
+            if not self._no_snapshot:
+                log.warning("%s", exc)
+            self._no_snapshot = True
+            self.log_metrics(metrics, step)
+            return
+        except Exception as exc:  # a bad value or model is reported, never raised into training
+            log.warning("tracking call ignored: %s", exc)
+            return
+        self._submit(lambda: record)
 
     def _submit(self, make_record) -> None:
         if self._closed:

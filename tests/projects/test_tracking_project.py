@@ -35,10 +35,20 @@ def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
         assert len(client.get_metric_history(run.info.run_id, "epoch")) == 3
         assert not (project / "mlflow.db").exists(), "the server, not the embedded store, got the run"
 
-        models = client.search_logged_models(experiment_ids=[experiment.experiment_id])
-        assert [m.source_run_id for m in models] == [run.info.run_id]
+        models = client.search_logged_models(experiment_ids=[experiment.experiment_id],
+                                             order_by=[{"field_name": "creation_timestamp", "ascending": True}])
+        assert {m.source_run_id for m in models} == {run.info.run_id}
+        epochs = client.get_metric_history(run.info.run_id, "epoch")
+        if strategy == "data":  # rank 0 holds the whole model: each epoch's checkpoint is a LoggedModel
+            assert [m.name for m in models] == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "model"]
+            for logged, epoch in zip(models, epochs):
+                linked = {m.key: m for m in logged.metrics}
+                assert linked["epoch"].value == epoch.value and linked["val_accuracy"].step == epoch.step
+        else:                   # a pipeline gathers its stages once, at the end
+            assert [m.name for m in models] == ["model"]
+        assert models[-1].metrics is None or all(m.step == epochs[-1].step for m in models[-1].metrics)
         mlflow.set_tracking_uri(server.uri)
-        model = mlflow.pyfunc.load_model(f"models:/{models[0].model_id}")
+        model = mlflow.pyfunc.load_model(f"models:/{models[-1].model_id}")
         scores = np.asarray(model.predict(np.random.rand(4, 64).astype(np.float32)))
         assert scores.shape == (4, 10)
     finally:

@@ -74,18 +74,29 @@ def test_embedded_store_holds_params_metrics_artifacts_and_a_loadable_model(tmp_
             tracker.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
         tracker.set_tags({"stage": "test"})
         tracker.log_artifact("notes.txt")
-        tracker.log_model(model, input_example=example)
+        first = model(example).detach()
+        tracker.log_model(model, input_example=example, name="checkpoint-1", step=10, metrics={"val_acc": 0.5})
+        with torch.no_grad():   # training goes on while the checkpoint waits in the queue
+            model[0].weight.add_(1.0)
+        tracker.log_model(model, input_example=example, name="checkpoint-2", step=20, metrics={"val_acc": 0.75})
         run_id = tracker.run_id
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = only_run(client, "embedded")
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert run.data.params["world_size"] == "2" and run.data.tags["stage"] == "test"
     assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [0, 1, 2]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "val_acc")] == [(10, 0.5), (20, 0.75)], \
+        "a checkpoint's metrics are the run's too, logged once"
     assert [a.path for a in client.list_artifacts(run_id)] == ["notes.txt"]
-    (logged,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
-    loaded = mlflow.pytorch.load_model(f"models:/{logged.model_id}")
+    best, older = client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                              order_by=[{"field_name": "metrics.val_acc", "ascending": False}])
+    assert (best.name, older.name) == ("checkpoint-2", "checkpoint-1")
+    assert [(m.key, m.step, m.value) for m in older.metrics] == [("val_acc", 10, 0.5)]
+    loaded = mlflow.pytorch.load_model(f"models:/{best.model_id}")
     assert torch.allclose(loaded(example), model(example))
-    signature = mlflow.models.get_model_info(f"models:/{logged.model_id}").signature
+    assert torch.allclose(mlflow.pytorch.load_model(f"models:/{older.model_id}")(example), first), \
+        "each checkpoint's LoggedModel holds the weights it had when logged"
+    signature = mlflow.models.get_model_info(f"models:/{best.model_id}").signature
     assert list(signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 4]
     assert not (tmp_path / "runs").exists()     # nothing failed, so nothing was spooled
 
@@ -99,7 +110,7 @@ def test_unreachable_server_warns_once_spools_everything_and_replays(tmp_path, c
     for step in range(200):
         tracker.log_metrics({"train/loss": float(step)}, step=step)
     tracker.set_tags({"stage": "offline"})
-    tracker.log_model(model, input_example=example)
+    tracker.log_model(model, input_example=example, name="checkpoint-1", step=199, metrics={"val_acc": 0.25})
     tracker.close()
     assert tracker.run_id is None
     warnings = tracking_warnings(caplog)
@@ -120,6 +131,9 @@ def test_unreachable_server_warns_once_spools_everything_and_replays(tmp_path, c
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(200))
     (logged,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    linked = {m.key: (m.step, m.value) for m in logged.metrics}
+    assert logged.name == "checkpoint-1" and linked["val_acc"] == (199, 0.25), \
+        "a spooled checkpoint keeps its step and metrics through the replay"
     mlflow.set_tracking_uri(target)               # models:/ URIs resolve against the global store
     assert torch.allclose(mlflow.pytorch.load_model(f"models:/{logged.model_id}")(example), model(example))
     assert (spool / "spool.replayed.jsonl").exists() and not (spool / "spool.jsonl").exists()

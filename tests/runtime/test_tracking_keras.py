@@ -40,3 +40,47 @@ def test_keras_model_is_logged_with_the_tensorflow_flavor(tmp_path, monkeypatch)
         np.testing.assert_allclose(np.asarray(loaded(example)), np.asarray(model(example)), rtol=1e-5)
     finally:
         mlflow.set_tracking_uri(None)
+
+
+class Unclonable(keras.Model):
+    """A subclassed model with no get_config: Keras cannot clone it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_keras_checkpoint_is_that_epochs_model_or_its_metrics_alone(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    unclonable = Unclonable()
+    example = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
+    unclonable(example)
+    before = np.asarray(model(example))
+    with start_tracking(RunConfig(), rank=0, world_size=1, framework="tensorflow", strategy="data",
+                        project_name="keras") as tracker:
+        tracker.log_model(model, input_example=example, name="checkpoint-1", step=1, metrics={"val_acc": 0.5})
+        model.set_weights([w + 1.0 for w in model.get_weights()])  # training goes on
+        for step in (1, 2):
+            tracker.log_model(unclonable, input_example=example, name=f"sub-{step}", step=step,
+                              metrics={"sub_acc": 0.1 * step})
+        run_id = tracker.run_id
+    uri = settings.embedded_uri(tmp_path)
+    client = mlflow.MlflowClient(uri)
+    (logged,) = client.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id])
+    assert logged.name == "checkpoint-1" and [(m.key, m.step) for m in logged.metrics] == [("val_acc", 1)]
+    mlflow.set_tracking_uri(uri)
+    try:
+        loaded = mlflow.tensorflow.load_model(f"models:/{logged.model_id}")
+        np.testing.assert_allclose(np.asarray(loaded(example)), before, rtol=1e-5)
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "sub_acc")] == [(1, 0.1), (2, 0.2)]
+    warned = [r.getMessage() for r in caplog.records if r.name == "hvd_runtime.tracking" and r.levelname == "WARNING"]
+    assert len(warned) == 1 and "cannot be cloned" in warned[0]
