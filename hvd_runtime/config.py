@@ -103,6 +103,7 @@ class TrackingConfig:
     enabled: bool = True            # MLflow on rank 0; never a reason for training to fail
     uri: str = ""                   # server URI; MLFLOW_TRACKING_URI wins; "" and no env = sqlite:///mlflow.db
     experiment: str = ""            # "" = the project name
+    system_metrics: bool = True     # each host's CPU, memory, disk, network, GPUs: system/<host>/... per epoch
 
 
 @dataclass

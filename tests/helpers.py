@@ -32,9 +32,12 @@ def venv_env(**extra: str) -> dict[str, str]:
 
 
 def run_horovod(np: int, args: list[str], cwd: Path | str | None = None, env: dict | None = None,
-                timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `horovodrun -np N -H localhost:N --gloo <args>` and return the finished process."""
-    cmd = [horovodrun_path(), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *args]
+                timeout: float = 300, check: bool = True, hosts: str | None = None) -> subprocess.CompletedProcess:
+    """Run `horovodrun -np N -H localhost:N --gloo <args>` and return the finished process.
+
+    hosts: another -H, e.g. "localhost:1,127.0.0.1:1": two hosts to Horovod (local ranks, cross
+    ranks, HOROVOD_HOSTNAME), both this machine, reached without ssh."""
+    cmd = [horovodrun_path(), "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo", *args]
     full_env = venv_env(**(env or {}))
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -7,6 +7,9 @@
         ...
         tracker.log_model(model, input_example=batch[:4])
 
+    system = start_system_metrics(config, framework="torch")     # on every rank
+    tracker.log_metrics(system.gather(), step=step)              # each epoch: every host's readings
+
 Where it logs: the `tracking_uri` argument > MLFLOW_TRACKING_URI > config `tracking.uri` >
 the embedded store sqlite:///mlflow.db in the working directory (no server needed).
 Tracking is never a reason for training to fail: calls return at once, a background sender does
@@ -23,6 +26,7 @@ from . import records, settings
 from .sender import Sender
 from .spool import Spool
 from .handover import HandoverTracker
+from .system import start_system_metrics
 from .tracker import NullTracker, OneWarning, Tracker
 
 log = logging.getLogger("hvd_runtime.tracking")
@@ -61,4 +65,4 @@ def start_tracking(config, *, rank: int, world_size: int, framework: str, strate
         return NullTracker()
 
 
-__all__ = ["start_tracking", "HandoverTracker", "Tracker", "NullTracker"]
+__all__ = ["start_tracking", "start_system_metrics", "HandoverTracker", "Tracker", "NullTracker"]

@@ -96,7 +96,8 @@ class Tracker(NullTracker):
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         """Values already averaged across ranks (hvd.allreduce); one point per key and step."""
-        self._submit(lambda: records.metrics(metrics, step))
+        if metrics:
+            self._submit(lambda: records.metrics(metrics, step))
 
     def set_tags(self, tags: dict) -> None:
         self._submit(lambda: records.tags(tags))

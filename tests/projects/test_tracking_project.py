@@ -21,8 +21,11 @@ def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
     project = tmp_path / "tracked"
     server = MlflowServer(tmp_path / "server")
     try:
-        run_horovod(2, [sys.executable, "train.py", "--train.epochs", "3", "--train.log_every", "5"], cwd=project,
-                    env={"MLFLOW_TRACKING_URI": server.uri}, timeout=600)
+        # The data job runs as two hosts (each its own local rank 0), the pipeline on one.
+        hosts = ["localhost", "127.0.0.1"] if strategy == "data" else ["localhost"]
+        run_horovod(2, [sys.executable, "train.py", "--train.epochs", "3", "--train.log_every", "5",
+                        "--horovod.threads_per_rank", "1"], cwd=project, env={"MLFLOW_TRACKING_URI": server.uri},
+                    timeout=600, hosts=",".join(f"{host}:{2 // len(hosts)}" for host in hosts))
         client = MlflowClient(server.uri)
         experiment = client.get_experiment_by_name("tracked")
         runs = client.search_runs([experiment.experiment_id])
@@ -33,6 +36,13 @@ def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
             history = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             assert history and len(history) == len(set(history)), f"{key} logged more than once per step"
         assert len(client.get_metric_history(run.info.run_id, "epoch")) == 3
+        system = {key for key in run.data.metrics if key.startswith("system/")}
+        assert {key.split("/")[1] for key in system} == set(hosts), "every host's readings, in the one run"
+        for host in hosts:
+            cpu = client.get_metric_history(run.info.run_id, f"system/{host}/cpu_utilization_percentage")
+            assert [m.step for m in cpu] == [m.step for m in client.get_metric_history(run.info.run_id, "epoch")]
+            assert all(0.0 <= m.value <= 100.0 for m in cpu)
+            assert f"system/{host}/system_memory_usage_megabytes" in system
         assert not (project / "mlflow.db").exists(), "the server, not the embedded store, got the run"
 
         models = client.search_logged_models(experiment_ids=[experiment.experiment_id],
