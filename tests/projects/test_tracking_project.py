@@ -58,9 +58,12 @@ def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
             assert [m.name for m in models] == ["model"]
         assert models[-1].metrics is None or all(m.step == epochs[-1].step for m in models[-1].metrics)
         mlflow.set_tracking_uri(server.uri)
-        model = mlflow.pyfunc.load_model(f"models:/{models[-1].model_id}")
-        scores = np.asarray(model.predict(np.random.rand(4, 64).astype(np.float32)))
-        assert scores.shape == (4, 10)
+        digits = np.random.default_rng(0).random((4, 64)).astype(np.float32)
+        predictions = [np.asarray(mlflow.pyfunc.load_model(f"models:/{m.model_id}").predict(digits)) for m in models]
+        assert all(p.shape == (4, 10) for p in predictions), "every LoggedModel loads and predicts"
+        if strategy == "data":
+            assert not np.allclose(predictions[0], predictions[2]), "each checkpoint holds its own epoch's weights"
+            np.testing.assert_allclose(predictions[2], predictions[3], rtol=1e-5)  # the last one is the final model
     finally:
         mlflow.set_tracking_uri(None)
         server.kill()
