@@ -49,21 +49,18 @@ def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
                                              order_by=[{"field_name": "creation_timestamp", "ascending": True}])
         assert {m.source_run_id for m in models} == {run.info.run_id}
         epochs = client.get_metric_history(run.info.run_id, "epoch")
-        if strategy == "data":  # rank 0 holds the whole model: each epoch's checkpoint is a LoggedModel
-            assert [m.name for m in models] == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "model"]
-            for logged, epoch in zip(models, epochs):
-                linked = {m.key: m for m in logged.metrics}
-                assert linked["epoch"].value == epoch.value and linked["val_accuracy"].step == epoch.step
-        else:                   # a pipeline gathers its stages once, at the end
-            assert [m.name for m in models] == ["model"]
+        # Each epoch's checkpoint is a LoggedModel (a pipeline's stages gathered whole), then the final model.
+        assert [m.name for m in models] == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "model"]
+        for logged, epoch in zip(models, epochs):
+            linked = {m.key: m for m in logged.metrics}
+            assert linked["epoch"].value == epoch.value and linked["val_accuracy"].step == epoch.step
         assert models[-1].metrics is None or all(m.step == epochs[-1].step for m in models[-1].metrics)
         mlflow.set_tracking_uri(server.uri)
         digits = np.random.default_rng(0).random((4, 64)).astype(np.float32)
         predictions = [np.asarray(mlflow.pyfunc.load_model(f"models:/{m.model_id}").predict(digits)) for m in models]
         assert all(p.shape == (4, 10) for p in predictions), "every LoggedModel loads and predicts"
-        if strategy == "data":
-            assert not np.allclose(predictions[0], predictions[2]), "each checkpoint holds its own epoch's weights"
-            np.testing.assert_allclose(predictions[2], predictions[3], rtol=1e-5)  # the last one is the final model
+        assert not np.allclose(predictions[0], predictions[2]), "each checkpoint holds its own epoch's weights"
+        np.testing.assert_allclose(predictions[2], predictions[3], rtol=1e-5)  # the last one is the final model
     finally:
         mlflow.set_tracking_uri(None)
         server.kill()
