@@ -10,7 +10,7 @@ and rank 0 logs them with MLflow's names: the MLflow UI's system-metrics charts 
 The sampling is psutil's (and pynvml's for NVIDIA GPUs, where it is installed), as MLflow's own
 monitors do, without importing MLflow on ranks that never log. CPU utilization is the mean over
 the epoch (psutil's count since the last call); memory, disk and GPU readings are taken at the
-epoch's end; network traffic is what the host sent and received during the epoch.
+epoch's end; network traffic counts from the job's start, as MLflow's network monitor counts it.
 
 The node id is, in order: MLFLOW_SYSTEM_METRICS_NODE_ID (MLflow's own variable), the host name
 horovodrun launched the rank on (HOROVOD_HOSTNAME: what `-H` says, so two hosts that share a
@@ -35,12 +35,12 @@ def node_id() -> str:
 
 
 class HostSampler:
-    """This host's readings since the previous call, named as MLflow's system-metrics monitors name them."""
+    """This host's readings, named and counted as MLflow's system-metrics monitors do."""
 
     def __init__(self, disk_path: str = "/"):
         self.disk_path = disk_path
         psutil.cpu_percent(interval=None)   # the first call only starts psutil's count
-        self._network = psutil.net_io_counters()
+        self._network_start = psutil.net_io_counters()
         self._gpus = _nvml_handles()
 
     def sample(self) -> dict[str, float]:
@@ -54,10 +54,9 @@ class HostSampler:
             "disk_usage_percentage": disk.percent,
             "disk_usage_megabytes": disk.used / 1e6,
             "disk_available_megabytes": disk.free / 1e6,
-            "network_receive_megabytes": (network.bytes_recv - self._network.bytes_recv) / 1e6,
-            "network_transmit_megabytes": (network.bytes_sent - self._network.bytes_sent) / 1e6,
+            "network_receive_megabytes": (network.bytes_recv - self._network_start.bytes_recv) / 1e6,
+            "network_transmit_megabytes": (network.bytes_sent - self._network_start.bytes_sent) / 1e6,
         }
-        self._network = network
         readings.update(_gpu_readings(self._gpus))
         return readings
 
