@@ -84,6 +84,12 @@ FAILURE_HINTS = (
     (r"Could NOT find NCCL",
      "CMake did not find NCCL: pip install nvidia-nccl-cu13 (or set HOROVOD_NCCL_HOME), or build without GPU ops: "
      "hvdgen install-horovod --cpu-only"),
+    (r"No matching distribution found for cffi",
+     "Horovod's setup.py needs cffi and pip could not fetch it (no index reachable?): pip install cffi, "
+     "then rerun (hvdgen's own dependencies bring it)"),
+    (r"No matching distribution found for (setuptools|wheel)",
+     "the build needs setuptools and wheel installed (it runs without build isolation): "
+     "pip install setuptools wheel, then rerun"),
     (r"requires C\+\+17|error: .*is not a member of 'std'",
      "the C++ standard patch did not take: rerun with --force; if it persists, report the log"),
 )

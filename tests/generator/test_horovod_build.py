@@ -104,6 +104,15 @@ def test_failure_explains_the_likely_fix(tmp_path):
     assert message.count("compiling") == 39  # the tail, not the whole log
 
 
+def test_an_offline_build_without_cffi_says_to_install_it(tmp_path):
+    """What an offline GPU machine printed: Horovod's setup_requires cffi, and no index answered."""
+    log = tmp_path / "build.log"
+    log.write_text("  ERROR: Could not find a version that satisfies the requirement cffi>=1.4.0 (from versions: none)\n"
+                   "  ERROR: No matching distribution found for cffi>=1.4.0\n")
+    message = horovod_build.explain_failure(log)
+    assert "likely fix: Horovod's setup.py needs cffi" in message and "pip install cffi" in message
+
+
 @pytest.mark.slow
 def test_second_install_reuses_the_installed_wheel():
     proc = subprocess.run([str(BIN / "hvdgen"), "install-horovod"], capture_output=True, text=True, timeout=120)
