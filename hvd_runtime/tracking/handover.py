@@ -48,8 +48,8 @@ class HandoverTracker(NullTracker):
     def log_artifact(self, path, artifact_path=None):
         self._inner.log_artifact(path, artifact_path)
 
-    def log_model(self, model, input_example, name="model", step=0, metrics=None):
-        self._inner.log_model(model, input_example, name, step, metrics)
+    def log_model(self, model, input_example, name="model", step=0, checkpoint=False):
+        self._inner.log_model(model, input_example, name, step, checkpoint)
 
     def close(self, status="FINISHED", timeout=None):
         self._inner.close(status, timeout)

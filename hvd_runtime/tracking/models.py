@@ -13,8 +13,6 @@ import sys
 
 import numpy as np
 
-from .records import now_ms
-
 log = logging.getLogger("hvd_runtime.tracking")
 
 
@@ -67,15 +65,15 @@ def _keras_forward(model, example):
     return inputs, np.asarray(model(inputs, training=False))
 
 
-def model_record(model, input_example, name: str = "model", step: int = 0, metrics: dict | None = None) -> dict:
+def model_record(model, input_example, name: str = "model", step: int = 0, checkpoint: bool = False) -> dict:
     """An in-memory record (holds objects, not JSON) for the sender to log or to spool.
 
     The model is copied with this moment's weights (torch: a deep copy; Keras: a clone holding
     the same weights), so that training may go on changing it while the record waits in the
     queue: a checkpoint's LoggedModel is that epoch's model. A Keras model that cannot be cloned
     (a layer without get_config, or one tied to another, as the GPT's head to its embedding) is
-    logged as it is when sent if it comes with no metrics (the final model: training is over);
-    a checkpoint's (with metrics) raises NoSnapshot rather than log later weights under its name.
+    logged as it is when sent if it is the final model (training is over); a checkpoint raises
+    NoSnapshot rather than log later weights under its name.
     """
     from mlflow.models import infer_signature
 
@@ -83,10 +81,9 @@ def model_record(model, input_example, name: str = "model", step: int = 0, metri
     inputs, outputs = (_torch_forward if flavor == "pytorch" else _keras_forward)(model, input_example)
     snapshot = copy.deepcopy(model) if flavor == "pytorch" else _keras_snapshot(model)
     if snapshot is None:
-        if metrics:
+        if checkpoint:
             raise NoSnapshot(f"a {type(model).__name__} cannot be cloned, so its checkpoints are not logged as "
                              "models (their metrics are); the final model is")
         snapshot = model
     return {"kind": "model", "flavor": flavor, "name": name, "model": snapshot,
-            "signature": infer_signature(inputs, outputs), "input_example": inputs, "step": int(step),
-            "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "timestamp": now_ms()}
+            "signature": infer_signature(inputs, outputs), "input_example": inputs, "step": int(step)}

@@ -16,8 +16,6 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 
-from .records import now_ms
-
 ORIGINAL_RUN_TAG = "hvd_runtime.original_run_id"      # set when a stored run id is not on this server
 CHANGED_PARAMS_TAG = "hvd_runtime.params_changed"     # MLflow params are write-once; a resume may differ
 MODEL_ARGUMENT = {"pytorch": "pytorch_model", "tensorflow": "model"}
@@ -141,11 +139,7 @@ class MlflowSink:
         # the run: point both at this run (this process logs to one place anyway).
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(experiment_id=self.client.get_run(run_id).info.experiment_id)
-        step = int(record.get("step", 0))
-        info = Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
-                         input_example=example, pip_requirements=_requirements(flavor), step=step,
-                         **{MODEL_ARGUMENT[record["flavor"]]: model})
-        linked = [Metric(key, value, record.get("timestamp") or now_ms(), step, model_id=info.model_id, run_id=run_id)
-                  for key, value in (record.get("metrics") or {}).items()]
-        for chunk in _chunks(linked, METRICS_PER_REQUEST):  # the LoggedModel's own metrics
-            self.client.log_batch(run_id, metrics=chunk)
+        # At its step: MLflow links the run's metrics of that step (the epoch's, sent before) to it.
+        Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
+                  input_example=example, pip_requirements=_requirements(flavor), step=int(record.get("step", 0)),
+                  **{MODEL_ARGUMENT[record["flavor"]]: model})

@@ -58,7 +58,7 @@ class NullTracker:
     def log_artifact(self, path, artifact_path=None):
         pass
 
-    def log_model(self, model, input_example, name="model", step=0, metrics=None):
+    def log_model(self, model, input_example, name="model", step=0, checkpoint=False):
         pass
 
     def close(self, status="FINISHED", timeout=None):
@@ -110,12 +110,15 @@ class Tracker(NullTracker):
             return records.artifact(os.path.abspath(path), artifact_path)
         self._submit(record)
 
-    def log_model(self, model, input_example, name: str = "model", step: int = 0,
-                  metrics: dict | None = None) -> None:
+    def log_model(self, model, input_example, name: str = "model", step: int = 0, checkpoint: bool = False) -> None:
         """torch.nn.Module -> mlflow.pytorch, keras.Model -> mlflow.tensorflow, with a signature
-        inferred from `input_example` and the model's output on it. In MLflow 3 each call is a
-        LoggedModel of the run, at `step`, with `metrics` (the epoch's, averaged across ranks)
-        linked to it, so `mlflow.search_logged_models` can rank a run's checkpoints."""
+        inferred from `input_example` and the model's output on it: an MLflow 3 LoggedModel of
+        the run at `step`. MLflow links to it the run's metrics logged at that step, so log the
+        epoch's metrics first (log_metrics, a small record sent at once): a rank 0 lost while the
+        model is still queued then loses the model, never the epoch's metrics.
+
+        checkpoint: training goes on, so the model must be copied now; one that cannot be (see
+        models.model_record) is skipped, with one warning."""
         if self._closed:
             return
         # Two threads importing MLflow at once can see it half-initialised: let the sender finish.
@@ -123,12 +126,11 @@ class Tracker(NullTracker):
         from .models import NoSnapshot, model_record
 
         try:
-            record = model_record(model, input_example, name, step, metrics)
+            record = model_record(model, input_example, name, step, checkpoint)
         except NoSnapshot as exc:
             if not self._no_snapshot:
                 log.warning("%s", exc)
             self._no_snapshot = True
-            self.log_metrics(metrics, step)
             return
         except Exception as exc:  # a bad value or model is reported, never raised into training
             log.warning("tracking call ignored: %s", exc)

@@ -65,11 +65,12 @@ def test_a_keras_checkpoint_is_that_epochs_model_or_its_metrics_alone(tmp_path, 
     before = np.asarray(model(example))
     with start_tracking(RunConfig(), rank=0, world_size=1, framework="tensorflow", strategy="data",
                         project_name="keras") as tracker:
-        tracker.log_model(model, input_example=example, name="checkpoint-1", step=1, metrics={"val_acc": 0.5})
+        tracker.log_metrics({"val_acc": 0.5}, step=1)
+        tracker.log_model(model, input_example=example, name="checkpoint-1", step=1, checkpoint=True)
         model.set_weights([w + 1.0 for w in model.get_weights()])  # training goes on
         for step in (1, 2):
-            tracker.log_model(unclonable, input_example=example, name=f"sub-{step}", step=step,
-                              metrics={"sub_acc": 0.1 * step})
+            tracker.log_metrics({"sub_acc": 0.1 * step}, step=step)
+            tracker.log_model(unclonable, input_example=example, name=f"sub-{step}", step=step, checkpoint=True)
         run_id = tracker.run_id
     uri = settings.embedded_uri(tmp_path)
     client = mlflow.MlflowClient(uri)
