@@ -138,11 +138,12 @@ def _link_or_copy(source: Path, dest: Path) -> None:
         shutil.copy2(source, dest)
 
 
-def _free_name(path: Path) -> Path:
-    candidate, n = path.with_name(path.name + ".orig"), 1
+def free_name(path: Path, suffix: str = ".orig") -> Path:
+    """`path` + suffix, or + suffix2, suffix3...: the first name nothing holds yet."""
+    candidate, n = path.with_name(path.name + suffix), 1
     while candidate.exists() or candidate.is_symlink():
         n += 1
-        candidate = path.with_name(f"{path.name}.orig{n}")
+        candidate = path.with_name(f"{path.name}{suffix}{n}")
     return candidate
 
 
@@ -165,7 +166,7 @@ def carry_user_files(old: Path, new: Path, generated: list[str], plan: Plan) -> 
             if rel not in skip:
                 _link_or_copy(here / name, new / rel)
     for rel in plan.user_changed:
-        _link_or_copy(old / rel, _free_name(new / rel))
+        _link_or_copy(old / rel, free_name(new / rel))
 
 
 _RENAME_EXCHANGE = 2

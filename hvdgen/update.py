@@ -28,7 +28,6 @@ the answers and `hvdgen.render.render_tree(spec, folder)` writes the project (RE
 from __future__ import annotations
 
 import difflib
-import hashlib
 import os
 import shutil
 import subprocess
@@ -45,7 +44,7 @@ from hvdgen import __version__, runtime_wheel
 from hvdgen.catalog import CONFLICT_STYLES
 from hvdgen.errors import HvdgenError
 from hvdgen.interrupts import interrupts_held, interrupts_unwind
-from hvdgen.overwrite import FINGERPRINTS, path_conflict, refresh_fingerprints
+from hvdgen.overwrite import FINGERPRINTS, fingerprint, free_name, path_conflict, refresh_fingerprints
 from hvdgen.spec import SPEC_FILE, ProjectSpec
 
 YOURS = "yours"
@@ -109,10 +108,6 @@ def project_wheel(root: Path) -> Path:
                           f"with (found {found}): without it there is nothing to update from; regenerate with "
                           "hvdgen new --force")
     return wheels[0]
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
 def _wheel_version(wheel: Path) -> str:
@@ -192,12 +187,8 @@ def _text(data: bytes) -> list[str] | None:
         return None
 
 
-def _free_name(root: Path, rel: str, suffix: str) -> str:
-    name, n = f"{rel}{suffix}", 1
-    while (root / name).exists() or (root / name).is_symlink():
-        n += 1
-        name = f"{rel}{suffix}{n}"
-    return name
+def _beside(root: Path, rel: str, suffix: str) -> str:
+    return free_name(root / rel, suffix).relative_to(root).as_posix()
 
 
 def merge_file(rel: str, base: bytes, yours: bytes, new: bytes, conflict: str, root: Path,
@@ -205,7 +196,7 @@ def merge_file(rel: str, base: bytes, yours: bytes, new: bytes, conflict: str, r
     """Both you and hvdgen changed `rel`: merge the lines; returns what the file becomes."""
     lines = [_text(b) for b in (base, yours, new)]
     if any(text is None for text in lines):  # not text: yours stays, hvdgen's beside it
-        plan.rejects[_free_name(root, rel, ".new")] = new
+        plan.rejects[_beside(root, rel, ".new")] = new
         plan.conflicts.append(rel)
         return yours
     base_lines, your_lines, new_lines = lines
@@ -234,7 +225,7 @@ def merge_file(rel: str, base: bytes, yours: bytes, new: bytes, conflict: str, r
             hunks.append(f"@@ -{z1 + 1},{z2 - z1} +{b1 + 1},{b2 - b1} @@\n"
                          + "".join("-" + _ended(line) for line in base_lines[z1:z2])
                          + "".join("+" + _ended(line) for line in new_lines[b1:b2]))
-    plan.rejects[_free_name(root, rel, ".rej")] = (f"--- a/{rel}\n+++ b/{rel}\n" + "".join(hunks)).encode()
+    plan.rejects[_beside(root, rel, ".rej")] = (f"--- a/{rel}\n+++ b/{rel}\n" + "".join(hunks)).encode()
     return "".join(kept).encode()
 
 
@@ -376,8 +367,8 @@ def update_project(root: Path, to: str | None = None, conflict: str = "inline", 
             work = Path(tempfile.mkdtemp(prefix="hvdgen-update-"))
             try:
                 theirs = target_wheel(to, work)
-                versions = (f"hvdgen {_wheel_version(ours)} ({digest(ours)}) -> "
-                            f"{_wheel_version(theirs)} ({digest(theirs)})")
+                versions = (f"hvdgen {_wheel_version(ours)} ({fingerprint(ours)}) -> "
+                            f"{_wheel_version(theirs)} ({fingerprint(theirs)})")
                 if ours.read_bytes() == theirs.read_bytes():
                     return Outcome(versions, None)
                 if check_only:

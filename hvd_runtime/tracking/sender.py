@@ -174,4 +174,4 @@ class Sender(threading.Thread):
             return None
         return {"kind": "model", "flavor": record["flavor"], "name": record["name"],
                 "path": str(path.relative_to(self.spool.directory)),
-                **{k: record[k] for k in ("step",) if k in record}}
+                "step": record.get("step", 0)}

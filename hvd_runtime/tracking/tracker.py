@@ -125,17 +125,15 @@ class Tracker(NullTracker):
         self._sender.imported.wait(OPEN_TIMEOUT)
         from .models import NoSnapshot, model_record
 
-        try:
-            record = model_record(model, input_example, name, step, checkpoint)
-        except NoSnapshot as exc:
-            if not self._no_snapshot:
-                log.warning("%s", exc)
-            self._no_snapshot = True
-            return
-        except Exception as exc:  # a bad value or model is reported, never raised into training
-            log.warning("tracking call ignored: %s", exc)
-            return
-        self._submit(lambda: record)
+        def record():
+            try:
+                return model_record(model, input_example, name, step, checkpoint)
+            except NoSnapshot as exc:
+                if not self._no_snapshot:
+                    log.warning("%s", exc)
+                self._no_snapshot = True
+                return None
+        self._submit(record)
 
     def _submit(self, make_record) -> None:
         if self._closed:
@@ -145,7 +143,8 @@ class Tracker(NullTracker):
         except Exception as exc:  # a bad value or model is reported, never raised into training
             log.warning("tracking call ignored: %s", exc)
             return
-        self._sender.submit(record)
+        if record is not None:  # None: nothing to send (a checkpoint that could not be copied)
+            self._sender.submit(record)
 
     def close(self, status: str = "FINISHED", timeout: float | None = None) -> None:
         """End the run with `status`; wait at most `timeout` s (default CLOSE_TIMEOUT) for the
