@@ -27,6 +27,16 @@ puts off its weight gradients to fill what would be idle time at the end of the 
 runs 1F1B's forwards and input backwards, with its weight backwards s micro-batches behind.
 With forward, input backward and weight backward each costing one unit, the idle time falls
 from 1F1B's 3(p-1) units to p-1, for the memory of 1F1B's first stage: p micro-batches on every stage.
+
+Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters", 2021; Megatron-LM's virtual pipeline) gives each of the p ranks v chunks of the model
+instead of one contiguous stage: the model is cut into p x v virtual stages, and rank r holds
+virtual stages r, r + p, r + 2p, ... A micro-batch travels round the ring of ranks v times, the
+last rank's chunk c handing on to the first rank's chunk c + 1. Each action then names its
+`chunk`. The fill and drain cost a chunk's time, 1/v of a stage's, so the bubble is divided by v:
+(p-1)/(vm+p-1), for v times as many messages and more activations on the first ranks.
+It needs m to be a multiple of p (micro-batches go round in groups of p); a smaller batch, an
+epoch's last, runs the chunks one after the other, GPipe-like, which any m allows.
 """
 
 from __future__ import annotations
@@ -55,42 +65,55 @@ RELEASES = (Op.BACKWARD, Op.BACKWARD_WEIGHT)   # the action after which a micro-
 class Action:
     op: Op
     micro_batch: int
+    chunk: int = 0      # interleaved schedules: which of the rank's chunks (virtual stage chunk x p + rank)
 
     def __str__(self) -> str:
-        return f"{self.op.value}({self.micro_batch})"
+        at = f"@{self.chunk}" if self.chunk else ""
+        return f"{self.op.value}({self.micro_batch}{at})"
 
 
-def _check(stages: int, micro_batches: int) -> None:
+def _check(stages: int, micro_batches: int, chunks: int = 1) -> None:
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive integer, got {stages!r} (e.g. 2)")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r} (e.g. 4)")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r} (e.g. 2)")
 
 
-def _forward(stage: int, stages: int, i: int) -> list[Action]:
-    acts = [Action(Op.RECV_ACT, i)] if stage > 0 else []
-    acts.append(Action(Op.FORWARD, i))
-    if stage < stages - 1:
-        acts.append(Action(Op.SEND_ACT, i))
+def _forward(stage: int, stages: int, i: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    virtual = chunk * stages + stage
+    acts = [Action(Op.RECV_ACT, i, chunk)] if virtual > 0 else []
+    acts.append(Action(Op.FORWARD, i, chunk))
+    if virtual < stages * chunks - 1:
+        acts.append(Action(Op.SEND_ACT, i, chunk))
     return acts
 
 
-def _backward(stage: int, stages: int, i: int, op: Op = Op.BACKWARD) -> list[Action]:
-    acts = [Action(Op.RECV_GRAD, i)] if stage < stages - 1 else []
-    acts.append(Action(op, i))
-    if stage > 0:
-        acts.append(Action(Op.SEND_GRAD, i))
+def _backward(stage: int, stages: int, i: int, op: Op = Op.BACKWARD, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    virtual = chunk * stages + stage
+    acts = [Action(Op.RECV_GRAD, i, chunk)] if virtual < stages * chunks - 1 else []
+    acts.append(Action(op, i, chunk))
+    if virtual > 0:
+        acts.append(Action(Op.SEND_GRAD, i, chunk))
     return acts
 
 
-def gpipe_stage(stage: int, stages: int, micro_batches: int) -> list[Action]:
-    """Fill, then drain: every forward first, then every backward, in micro-batch order."""
-    _check(stages, micro_batches)
+def gpipe_stage(stage: int, stages: int, micro_batches: int, chunks: int = 1) -> list[Action]:
+    """Fill, then drain: every forward first, then every backward, in micro-batch order.
+
+    With chunks: each chunk's forwards in chunk order, then each chunk's backwards in reverse.
+    Any m works and the fill and drain are a whole stage long, as GPipe's; it is also the
+    forward order of an interleaved pipeline's evaluation.
+    """
+    _check(stages, micro_batches, chunks)
     acts: list[Action] = []
-    for i in range(micro_batches):
-        acts += _forward(stage, stages, i)
-    for i in range(micro_batches):
-        acts += _backward(stage, stages, i)
+    for c in range(chunks):
+        for i in range(micro_batches):
+            acts += _forward(stage, stages, i, c, chunks)
+    for c in reversed(range(chunks)):
+        for i in range(micro_batches):
+            acts += _backward(stage, stages, i, Op.BACKWARD, c, chunks)
     return acts
 
 
@@ -138,11 +161,54 @@ def zero_bubble_h1_stage(stage: int, stages: int, micro_batches: int) -> list[Ac
     return acts
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+def interleaved_1f1b_stage(stage: int, stages: int, micro_batches: int, chunks: int = 2) -> list[Action]:
+    """1F1B over the rank's `chunks` chunks in Megatron's order: micro-batches go round in groups of p.
+
+    The k-th forward of a rank is micro-batch (k // pv) p + k % p on chunk (k % pv) // p; its k-th
+    backward the same micro-batch, chunks counted from the last. Rank r warms up with
+    2 (p-1-r) + (v-1) p forwards: enough for the first backward's gradient to come back round
+    the ring. With m not a multiple of p the groups do not fill: the chunks then run one after
+    the other (gpipe_stage with chunks).
+    """
+    _check(stages, micro_batches, chunks)
+    p, v, m = stages, chunks, micro_batches
+    if v < 2:
+        raise ValueError(f"interleaved-1f1b needs at least 2 chunks per rank, got {v} (with 1, use 1f1b)")
+    if m % p:
+        return gpipe_stage(stage, p, m, v)
+    total = m * v
+
+    def micro_batch(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    def chunk(k: int) -> int:
+        return (k % (p * v)) // p
+
+    def forward(k: int) -> list[Action]:
+        return _forward(stage, p, micro_batch(k), chunk(k), v)
+
+    def backward(k: int) -> list[Action]:
+        return _backward(stage, p, micro_batch(k), Op.BACKWARD, v - 1 - chunk(k), v)
+
+    warmup = min(total, 2 * (p - 1 - stage) + (v - 1) * p)
+    acts: list[Action] = []
+    for k in range(warmup):
+        acts += forward(k)
+    for k in range(total - warmup):
+        acts += forward(warmup + k)
+        acts += backward(k)
+    for k in range(total - warmup, total):
+        acts += backward(k)
+    return acts
+
+
+SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe_stage,
     "1f1b": one_f_one_b_stage,
     "zb-h1": zero_bubble_h1_stage,
+    "interleaved-1f1b": interleaved_1f1b_stage,
 }
+INTERLEAVED = ("interleaved-1f1b",)   # schedules that give each rank several chunks (parallel.virtual_stages)
 SPLIT_BACKWARD = ("zb-h1",)   # schedules whose engine runs input and weight gradients apart
 # Why those run on PyTorch only: said by the generator and by the TensorFlow engine at start-up.
 # (hvdgen.catalog offers TensorFlow projects the others only; hvd_runtime.config takes every name.)
@@ -155,9 +221,15 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} (e.g. '1f1b')")
 
 
-def build_schedule(name: str, stages: int, micro_batches: int) -> list[list[Action]]:
-    """Every stage's action list for the schedule called `name` ("gpipe", "1f1b" or "zb-h1")."""
+def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Action]]:
+    """Every stage's action list for the schedule called `name` ("gpipe", "1f1b", "zb-h1" or
+    "interleaved-1f1b"); `chunks` per rank for interleaved-1f1b (and gpipe, which runs them in turn)."""
     _check_name(name)
+    _check(stages, micro_batches, chunks)
+    if name in INTERLEAVED or (name == "gpipe" and chunks > 1):
+        return [SCHEDULES[name](s, stages, micro_batches, chunks) for s in range(stages)]
+    if chunks != 1:
+        raise ValueError(f"schedule {name!r} runs one chunk per rank, got {chunks}: use interleaved-1f1b")
     return [SCHEDULES[name](s, stages, micro_batches) for s in range(stages)]
 
 
@@ -167,16 +239,22 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def schedule_bubble(name: str, stages: int, micro_batches: int) -> float:
+def schedule_bubble(name: str, stages: int, micro_batches: int, chunks: int = 1) -> float:
     """Idle share of a step of schedule `name` with equal stages and free communication.
 
     GPipe and 1F1B: (p-1)/(m+p-1). ZB-H1, with forward, input backward and weight backward one
     unit each: from m = p on, p-1 idle units against 3m busy ones on each stage, (p-1)/(3m+p-1);
     with fewer micro-batches than stages there is not enough weight work to put off, and the
-    answer is the schedule played on ideal hardware.
+    answer is the schedule played on ideal hardware. Interleaved 1F1B with v chunks:
+    (p-1)/(vm+p-1) where m is a multiple of p; otherwise its chunk-by-chunk fallback played on
+    ideal hardware.
     """
     _check_name(name)
-    _check(stages, micro_batches)
+    _check(stages, micro_batches, chunks)
+    if name in INTERLEAVED:
+        if micro_batches % stages == 0:
+            return (stages - 1) / (chunks * micro_batches + stages - 1)
+        return simulated_bubble(simulate(build_schedule(name, stages, micro_batches, chunks)))
     if name not in SPLIT_BACKWARD:
         return bubble_fraction(stages, micro_batches)
     if micro_batches >= stages:
@@ -185,7 +263,10 @@ def schedule_bubble(name: str, stages: int, micro_batches: int) -> float:
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most micro-batches whose forward ran but whose backward has not: activations held."""
+    """Most micro-batches whose forward ran but whose backward has not: activations held.
+
+    With chunks, each (micro-batch, chunk) counts once: a chunk holds 1/v of a stage's activations.
+    """
     live = peak = 0
     for a in actions:
         if a.op is Op.FORWARD:
@@ -196,14 +277,18 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-def theory_peak_in_flight(name: str, stages: int, micro_batches: int, stage: int = 0) -> int:
+def theory_peak_in_flight(name: str, stages: int, micro_batches: int, stage: int = 0, chunks: int = 1) -> int:
     """Micro-batches stage `stage` holds at most: GPipe all m; 1F1B p - stage; ZB-H1 p on every stage.
 
-    The first stage (the default) holds the most in each schedule: that is the job's peak.
+    Interleaved 1F1B: its warm-up plus one, 2 (p-1-stage) + (v-1) p + 1 micro-batch chunks, each
+    1/v of a stage's activations (m a multiple of p; else GPipe's mv). The first stage (the
+    default) holds the most in each schedule: that is the job's peak.
     """
-    _check(stages, micro_batches)
-    if name == "gpipe":
-        return micro_batches
+    _check(stages, micro_batches, chunks)
+    if name == "gpipe" or (name in INTERLEAVED and micro_batches % stages):
+        return micro_batches * chunks
+    if name in INTERLEAVED:
+        return min(2 * (stages - 1 - stage) + (chunks - 1) * stages + 1, micro_batches * chunks)
     return min(stages - (stage if name == "1f1b" else 0), micro_batches)
 
 
@@ -220,38 +305,49 @@ def simulate(schedule: Sequence[Sequence[Action]], forward_time: float = 1.0,
              backward_time: float = 1.0, weight_time: float = 0.0) -> list[list[Slot]]:
     """Play a schedule on ideal hardware: compute takes fixed time, messages are free.
 
-    An input backward takes `backward_time`, a weight backward `weight_time`, and a whole
-    backward both.
+    Times are a whole stage's: an input backward takes `backward_time`, a weight backward
+    `weight_time`, and a whole backward both; with v chunks per rank, a chunk's action 1/v of that.
 
-    Sends are non-blocking; a receive waits for its matching send. Raises RuntimeError naming the
-    stuck stages if the schedule deadlocks or a receive has no matching send, so a schedule that
-    simulates is one an executor can run.
+    Sends are non-blocking; a receive waits for its matching send. Messages from one rank to
+    another of one kind (activations, gradients) arrive in the order sent, as on the pipeline's
+    links, so a receive must take the oldest. Raises RuntimeError naming the stuck stages if the
+    schedule deadlocks, a receive has no matching send or would take a message out of order, so
+    a schedule that simulates is one an executor can run.
     """
     p = len(schedule)
+    chunks = 1 + max((a.chunk for row in schedule for a in row), default=0)
     pos = [0] * p
     clock = [0.0] * p
-    sent: dict[tuple[str, int, int], float] = {}   # (direction, destination stage, mb) -> time
+    channels: dict[tuple[str, int, int], list[tuple[int, int, float]]] = {}   # (kind, from, to) -> [(chunk, mb, time)]
     out: list[list[Slot]] = [[] for _ in range(p)]
+    cost = {Op.FORWARD: forward_time, Op.BACKWARD: backward_time + weight_time,
+            Op.BACKWARD_INPUT: backward_time, Op.BACKWARD_WEIGHT: weight_time}
     while any(pos[s] < len(schedule[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             while pos[s] < len(schedule[s]):
                 a = schedule[s][pos[s]]
                 start = clock[s]
+                virtual = a.chunk * p + s
                 if a.op is Op.RECV_ACT or a.op is Op.RECV_GRAD:
-                    key = ("act" if a.op is Op.RECV_ACT else "grad", s, a.micro_batch)
-                    if key not in sent:
+                    kind, source = ("act", virtual - 1) if a.op is Op.RECV_ACT else ("grad", virtual + 1)
+                    queue = channels.get((kind, source % p, s))
+                    if not queue:
                         break
-                    start = max(start, sent.pop(key))
+                    chunk, mb, sent_at = queue[0]
+                    if (chunk, mb) != (a.chunk, a.micro_batch):
+                        raise RuntimeError(f"stage {s} at {a} would receive {kind} of micro-batch {mb} for chunk "
+                                           f"{chunk} first: its messages from stage {source % p} are out of order")
+                    queue.pop(0)
+                    start = max(start, sent_at)
                     end = start
                 elif a.op in COMPUTE:
-                    end = start + {Op.FORWARD: forward_time, Op.BACKWARD: backward_time + weight_time,
-                                   Op.BACKWARD_INPUT: backward_time, Op.BACKWARD_WEIGHT: weight_time}[a.op]
+                    end = start + cost[a.op] / chunks
                 else:
-                    dest = s + 1 if a.op is Op.SEND_ACT else s - 1
-                    if not 0 <= dest < p:
+                    kind, dest = ("act", virtual + 1) if a.op is Op.SEND_ACT else ("grad", virtual - 1)
+                    if not 0 <= dest < p * chunks:
                         raise RuntimeError(f"stage {s} sends {a} to missing stage {dest}")
-                    sent[("act" if a.op is Op.SEND_ACT else "grad", dest, a.micro_batch)] = start
+                    channels.setdefault((kind, s, dest % p), []).append((dest // p, a.micro_batch, start))
                     end = start
                 out[s].append(Slot(s, a, start, end))
                 clock[s] = end
@@ -260,8 +356,9 @@ def simulate(schedule: Sequence[Sequence[Action]], forward_time: float = 1.0,
         if not progressed:
             stuck = [f"stage {s} at {schedule[s][pos[s]]}" for s in range(p) if pos[s] < len(schedule[s])]
             raise RuntimeError("schedule deadlocks: " + "; ".join(stuck))
-    if sent:
-        raise RuntimeError(f"messages sent but never received: {sorted(sent)}")
+    left = sorted((key, msg[:2]) for key, queue in channels.items() for msg in queue)
+    if left:
+        raise RuntimeError(f"messages sent but never received: {left}")
     return out
 
 

@@ -111,7 +111,7 @@ def test_bubble_formula_and_errors():
     assert bubble_fraction(2, 1) == pytest.approx(0.5)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
     assert bubble_fraction(1, 5) == 0.0
-    with pytest.raises(ValueError, match="unknown schedule 'zigzag'.*gpipe, 1f1b, zb-h1"):
+    with pytest.raises(ValueError, match="unknown schedule .zigzag.*gpipe, 1f1b, zb-h1, interleaved-1f1b"):
         build_schedule("zigzag", 2, 4)
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         schedule_bubble("zigzag", 2, 4)
@@ -119,3 +119,67 @@ def test_bubble_formula_and_errors():
     assert schedule_bubble("zb-h1", 2, 8) == pytest.approx(1 / 25)
     with pytest.raises(ValueError, match="micro_batches must be a positive integer, got 0"):
         build_schedule("gpipe", 2, 0)
+
+
+INTERLEAVED_CASES = list(itertools.product([2, 3, 4], [2, 3], [1, 2, 3, 4, 5, 6, 8, 12]))
+
+
+@pytest.mark.parametrize("p,v,m", INTERLEAVED_CASES)
+def test_interleaved_runs_every_chunk_of_every_micro_batch_once_and_talks_round_the_ring(p, v, m):
+    for s, acts in enumerate(build_schedule("interleaved-1f1b", p, m, v)):
+        for c in range(v):
+            virtual = c * p + s
+            for op in (Op.FORWARD, Op.BACKWARD):
+                assert sorted(a.micro_batch for a in acts if a.op is op and a.chunk == c) == list(range(m)), (s, c, op)
+            for i in range(m):
+                assert acts.index(Action(Op.FORWARD, i, c)) < acts.index(Action(Op.BACKWARD, i, c))
+            ops = {a.op for a in acts if a.chunk == c}
+            # only the model's first chunk reads the data and only its last computes the loss
+            assert (Op.RECV_ACT in ops, Op.SEND_GRAD in ops) == (virtual > 0, virtual > 0), (s, c)
+            assert (Op.SEND_ACT in ops, Op.RECV_GRAD in ops) == ((virtual < p * v - 1),) * 2, (s, c)
+
+
+@pytest.mark.parametrize("p,v,m", INTERLEAVED_CASES)
+def test_interleaved_runs_without_deadlock_in_order_and_divides_the_bubble_by_v(p, v, m):
+    """On ideal hardware (a chunk costs 1/v of a stage) the bubble is (p-1)/(vm+p-1) when m is a
+    multiple of p: 1F1B's divided by about v. Otherwise the chunk-by-chunk fallback still runs."""
+    slots = simulate(build_schedule("interleaved-1f1b", p, m, v), 1.0, 2.0)
+    bubble = simulated_bubble(slots)
+    assert bubble == pytest.approx(schedule_bubble("interleaved-1f1b", p, m, v))
+    if m % p == 0:
+        assert bubble == pytest.approx((p - 1) / (v * m + p - 1))
+        assert bubble < bubble_fraction(p, m)
+        makespan = max(sl.end for row in slots for sl in row)
+        assert makespan == pytest.approx((m + (p - 1) / v) * 3.0)
+    peaks = [peak_in_flight(acts) for acts in build_schedule("interleaved-1f1b", p, m, v)]
+    assert peaks == [theory_peak_in_flight("interleaved-1f1b", p, m, s, v) for s in range(p)]
+
+
+def test_interleaved_two_ranks_two_chunks_reads_like_megatron():
+    """Micro-batches go round in groups of p: rank 0 warms up with (v-1)p + 2(p-1) = 4 forwards."""
+    def order(rank):
+        return [str(a) for a in build_schedule("interleaved-1f1b", 2, 4, 2)[rank] if a.op in (Op.FORWARD, Op.BACKWARD)]
+    assert order(0) == ["forward(0)", "forward(1)", "forward(0@1)", "forward(1@1)", "forward(2)", "backward(0@1)",
+                        "forward(3)", "backward(1@1)", "forward(2@1)", "backward(0)", "forward(3@1)", "backward(1)",
+                        "backward(2@1)", "backward(3@1)", "backward(2)", "backward(3)"]
+    assert order(1)[:4] == ["forward(0)", "forward(1)", "forward(0@1)", "backward(0@1)"]
+
+
+def test_simulate_reports_messages_taken_out_of_order():
+    """The links deliver one kind of message from one rank in the order sent; a schedule that reads
+    micro-batch 1 before 0 would get the wrong tensor there, and the simulator says so."""
+    swapped = [_ for _ in build_schedule("1f1b", 2, 2)]
+    last = [a for a in swapped[1]]
+    first_recv, second_recv = (k for k, a in enumerate(last) if a.op is Op.RECV_ACT)
+    last[first_recv], last[second_recv] = last[second_recv], last[first_recv]
+    with pytest.raises(RuntimeError, match="out of order"):
+        simulate([swapped[0], last])
+
+
+def test_interleaved_refusals():
+    with pytest.raises(ValueError, match="interleaved-1f1b needs at least 2 chunks per rank, got 1"):
+        build_schedule("interleaved-1f1b", 2, 4, 1)
+    with pytest.raises(ValueError, match="schedule '1f1b' runs one chunk per rank, got 2: use interleaved-1f1b"):
+        build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="chunks must be a positive integer, got 0"):
+        build_schedule("gpipe", 2, 4, 0)
