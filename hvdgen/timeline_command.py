@@ -19,7 +19,7 @@ from hvdgen.errors import HvdgenError
               help="PNG to write (default: RUN_DIR/timeline.png).")
 def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     """Draw a pipeline run's timeline and print its measured bubble against the schedule's theory."""
-    from hvd_runtime.pipeline.schedule import SCHEDULES, SPLIT_BACKWARD, schedule_bubble, theory_peak_in_flight
+    from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, schedule_bubble, theory_peak_in_flight
     from hvd_runtime.pipeline.timeline import load_timeline, measured_bubble, peak_in_flight, plot_timeline, step_bubble
 
     try:
@@ -36,16 +36,20 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     which = f"step {step}" if step is not None else "mean over steps after the first"
     click.echo(f"measured bubble {shown:.3f} ({which})")
     name = meta.get("schedule") if meta.get("schedule") in SCHEDULES else "1f1b"
-    if name not in SPLIT_BACKWARD:
+    v = int(meta.get("chunks", 1))
+    if name in INTERLEAVED:
+        formula = (f"(p-1)/(vm+p-1), v = {v} chunks" if m % p == 0
+                   else "its chunk-by-chunk fallback (m not a multiple of p) on ideal hardware")
+    elif name not in SPLIT_BACKWARD:
         formula = "(p-1)/(m+p-1)"
     else:
         formula = "(p-1)/(3m+p-1)" if m >= p else "the schedule on ideal hardware"
-    click.echo(f"theory   bubble {schedule_bubble(name, p, m):.3f} = {formula}")
+    click.echo(f"theory   bubble {schedule_bubble(name, p, m, v):.3f} = {formula}")
     shown_step = step if step is not None else tl.steps[-1]
     peaks = peak_in_flight(tl, shown_step)
     stages = {r["rank"]: r["stage"] for r in tl.ranks}
     held = ", ".join(f"stage {stages[r]}: {n}" for r, n in sorted(peaks.items(), key=lambda kv: (stages[kv[0]], kv[0])))
-    theory = (f" (theory: at most {theory_peak_in_flight(meta['schedule'], p, m)})"
+    theory = (f" (theory: at most {theory_peak_in_flight(meta['schedule'], p, m, chunks=v)})"
               if meta.get("schedule") in SCHEDULES else "")
     click.echo(f"micro-batches in flight, step {shown_step}: {held}{theory}")
     png = plot_timeline(tl, out or run_dir / "timeline.png", step)

@@ -12,11 +12,11 @@ from hvd_runtime.pipeline.schedule import theory_peak_in_flight
 TOL = 1e-5   # relative, fp32
 
 
-def check_against_reference(results, np, stages, schedule, m, all_blocks, tp=1):
+def check_against_reference(results, np, stages, schedule, m, all_blocks, tp=1, chunks=1):
     assert sorted(r["rank"] for r in results) == list(range(np))
     for r in results:
         # activations held at once: GPipe all m, 1F1B at most p - stage, ZB-H1 p on every stage
-        assert r["peak_in_flight"] == theory_peak_in_flight(schedule, stages, m, r["stage"])
+        assert r["peak_in_flight"] == theory_peak_in_flight(schedule, stages, m, r["stage"], chunks)
         if r.get("weights_put_off") is not None:   # zero bubble: every weight waited for the second half
             assert schedule == "zb-h1" and r["weights_put_off"] == r["weights"], (r["rank"], r["weights_put_off"])
         for got, want in zip(r["losses"], r["ref_losses"]):
@@ -31,7 +31,11 @@ def check_against_reference(results, np, stages, schedule, m, all_blocks, tp=1):
     assert len(lanes) == np // stages and {t for _, t in lanes} == set(range(tp))
     for lane in lanes:
         ranks = sorted((r for r in results if (r["replica"], r.get("tp_rank", 0)) == lane), key=lambda r: r["stage"])
-        assert [b for r in ranks for b in r["blocks"]] == list(all_blocks)
+        if chunks > 1:   # the model's pieces in order: chunk 0 of every stage, then chunk 1, ...
+            assert all(len(r["chunk_blocks"]) == chunks for r in ranks)
+            assert [b for c in range(chunks) for r in ranks for b in r["chunk_blocks"][c]] == list(all_blocks)
+        else:
+            assert [b for r in ranks for b in r["blocks"]] == list(all_blocks)
         assert [r["stage"] for r in ranks] == list(range(stages))
     if tp > 1:  # the split layers were split, and compared slice against slice
         assert all(r["split_params"] for r in results if r["update_err"])

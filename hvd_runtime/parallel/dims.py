@@ -90,9 +90,10 @@ class ParallelDims:
         c = self.coords(rank)
         return [self.rank_of(d, c.pp, c.tp) for d in range(self.dp)]
 
-    def process_set_ranks(self, pairs: bool = False) -> list[list[int]]:
+    def process_set_ranks(self, pairs: bool = False, ring: bool = False) -> list[list[int]]:
         """Every rank list that needs a process set of its own, each once, in a fixed order:
-        tp groups, then dp groups, then (with `pairs`) neighbouring stages."""
+        tp groups, then dp groups, then (with `pairs`) neighbouring stages, with `ring` the last
+        and first stage too (interleaved schedules)."""
         firsts = range(0, self.world, self.tp)
         groups = [self.tp_ranks(r) for r in firsts]
         groups += [self.dp_ranks(self.rank_of(0, p, t)) for p in range(self.pp) for t in range(self.tp)]
@@ -100,6 +101,9 @@ class ParallelDims:
             groups += [lane[s:s + 2] for lane in (self.pp_ranks(self.rank_of(d, 0, t))
                                                   for d in range(self.dp) for t in range(self.tp))
                        for s in range(self.pp - 1)]
+            if ring and self.pp > 2:
+                groups += [[lane[0], lane[-1]] for lane in (self.pp_ranks(self.rank_of(d, 0, t))
+                                                            for d in range(self.dp) for t in range(self.tp))]
         return [g for g in groups if 1 < len(g) < self.world]
 
     def describe(self) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
-from hvd_runtime.pipeline.schedule import Op, build_schedule, schedule_bubble
+from hvd_runtime.pipeline.schedule import INTERLEAVED, Op, build_schedule, schedule_bubble
 from hvd_runtime.pipeline.timeline import TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline
 
 
@@ -32,15 +32,23 @@ class PipelineEngineBase:
     def __init__(self, hvd, dims: PipelineRank, schedule: str, micro_batches: int, metrics_fn=None,
                  timeline: bool = False, timeline_steps: int = 20):
         self.hvd, self.dims, self.metrics_fn = hvd, dims, metrics_fn
-        self.schedule, self.micro_batches = schedule, micro_batches
+        self.schedule, self.micro_batches, self.chunks = schedule, micro_batches, dims.chunks
+        if (schedule in INTERLEAVED) != (dims.chunks > 1):
+            raise PipelineConfigError(f"schedule {schedule} with {dims.chunks} chunks per rank: interleaved-1f1b needs "
+                                      "init_pipeline(..., chunks=2 or more), every other schedule chunks=1")
+        if schedule in INTERLEAVED and micro_batches % dims.stages:
+            fits = micro_batches + dims.stages - micro_batches % dims.stages
+            raise PipelineConfigError(f"parallel.micro_batches {micro_batches} is not a multiple of the {dims.stages} "
+                                      f"stages: {schedule} sends micro-batches round the stages in groups of "
+                                      f"{dims.stages}; use {fits}")
         self._schedules: dict[int, tuple[list, list]] = {}
         self._actions_for(micro_batches)   # built up front: a schedule that cannot be made fails at start-up
         self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline)
         self.timeline, self.timeline_steps = timeline, timeline_steps   # record the first steps only: bounded memory
         self.steps = 0
         self.peak_in_flight = 0     # most micro-batches holding activations at once, last step
-        self._act_shapes: dict[int, tuple] = {}    # micro-batch size -> (shape, dtype) seen on the way in
-        self._act_sent: set[int] = set()            # micro-batch sizes whose shape the next stage knows
+        self._act_shapes: dict[tuple, tuple] = {}  # (chunk, micro-batch size) -> (shape, dtype) seen on the way in
+        self._act_sent: set[tuple] = set()          # (chunk, micro-batch size) whose shape the next stage knows
         self._metric_names: list[str] | None = None
         self._names_synced = False
 
@@ -51,31 +59,45 @@ class PipelineEngineBase:
         validation shard's last one): every stage of a replica sees the same batch, so all agree.
         """
         if m not in self._schedules:
-            train = build_schedule(self.schedule, self.dims.stages, m)[self.dims.stage]
-            forward = [a for a in build_schedule("gpipe", self.dims.stages, m)[self.dims.stage]
+            train = build_schedule(self.schedule, self.dims.stages, m, self.chunks)[self.dims.stage]
+            forward = [a for a in build_schedule("gpipe", self.dims.stages, m, self.chunks)[self.dims.stage]
                        if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)]
             self._schedules[m] = (train, forward)
         return self._schedules[m]
 
-    # -- framework hooks ----------------------------------------------------------------------------
-    def _forward(self, i: int, inp, y, weight: float, train: bool):
-        """Run the stage on micro-batch i; on the last stage also the loss. Returns (output, mean loss or None).
+    def _is_first(self, chunk: int) -> bool:
+        """Does this chunk begin the model (it reads the inputs, receives nothing)?"""
+        return self.dims.is_first and chunk == 0
 
-        When training, keep what `_backward(i, ...)` needs; the last stage backpropagates
+    def _is_last(self, chunk: int) -> bool:
+        """Does this chunk end the model (it computes the loss, sends nothing on)?"""
+        return self.dims.is_last and chunk == self.chunks - 1
+
+    def _tag(self, kind: str, i: int, virtual_stage: int) -> str:
+        """A message's name: micro-batch i's activation or gradient, going to `virtual_stage`
+        (named only with chunks, where one link carries several chunks' messages)."""
+        return f"{kind}{i}" if self.chunks == 1 else f"{kind}{i}>{virtual_stage}"
+
+    # -- framework hooks ----------------------------------------------------------------------------
+    def _forward(self, c: int, i: int, inp, y, weight: float, train: bool):
+        """Run chunk c (the stage, without chunks: c = 0) on micro-batch i; at the model's end also
+        the loss. Returns (output, mean loss or None).
+
+        When training, keep what `_backward(c, i, ...)` needs; the last chunk backpropagates
         `weight x loss` so the micro-batches add up to the whole batch's mean.
         """
         raise NotImplementedError
 
-    def _backward(self, i: int, grad):
-        """Backpropagate micro-batch i (grad None on the last stage); return its input's gradient."""
+    def _backward(self, c: int, i: int, grad):
+        """Backpropagate micro-batch i through chunk c (grad None at the model's end); return its input's gradient."""
         raise NotImplementedError
 
-    def _backward_input(self, i: int, grad):
+    def _backward_input(self, c: int, i: int, grad):
         """Zero-bubble schedules: only micro-batch i's input gradient (returned); keep what
-        `_backward_weight(i)` needs to add its weights' gradients later."""
+        `_backward_weight(c, i)` needs to add its weights' gradients later."""
         raise NotImplementedError
 
-    def _backward_weight(self, i: int) -> None:
+    def _backward_weight(self, c: int, i: int) -> None:
         """Zero-bubble schedules: add micro-batch i's weight gradients, then free what it kept."""
         raise NotImplementedError
 
@@ -104,15 +126,16 @@ class PipelineEngineBase:
         return int(t.shape[0])
 
     # -- messages -------------------------------------------------------------------------------
-    def _recv_act(self, i: int, size: int):
-        known = self._act_shapes.get(size)
-        t = self.dims.prev.recv(f"act{i}", *(known or (None, None)))
-        self._act_shapes[size] = (tuple(t.shape), t.dtype)
+    def _recv_act(self, c: int, i: int, size: int):
+        known = self._act_shapes.get((c, size))
+        t = self.dims.prev.recv(self._tag("act", i, c * self.dims.stages + self.dims.stage), *(known or (None, None)))
+        self._act_shapes[(c, size)] = (tuple(t.shape), t.dtype)
         return t
 
-    def _send_act(self, i: int, size: int, out) -> None:
-        self.dims.next.send(out, f"act{i}", shape_known=size in self._act_sent)
-        self._act_sent.add(size)
+    def _send_act(self, c: int, i: int, size: int, out) -> None:
+        to = c * self.dims.stages + self.dims.stage + 1
+        self.dims.next.send(out, self._tag("act", i, to), shape_known=(c, size) in self._act_sent)
+        self._act_sent.add((c, size))
 
     def _wait_sends(self) -> None:
         for link in (self.dims.prev, self.dims.next):
@@ -121,54 +144,59 @@ class PipelineEngineBase:
 
     # -- one pass over the schedule ---------------------------------------------------------------
     def _run(self, actions, xs, ys, sizes, total: int, train: bool) -> np.ndarray:
-        """Walk this stage's actions; return [loss sum, samples, metric sums...] (zeros off the last stage)."""
-        dims, rec = self.dims, self.recorder
-        inputs: dict[int, object] = {}
-        outputs: dict[int, object] = {}
-        grads: dict[int, object] = {}
-        in_flight: set[int] = set()
+        """Walk this stage's actions; return [loss sum, samples, metric sums...] (zeros off the last stage).
+
+        Everything in flight is keyed by (chunk, micro-batch): without chunks, the chunk is 0.
+        """
+        dims, rec, p = self.dims, self.recorder, self.dims.stages
+        inputs: dict[tuple, object] = {}
+        outputs: dict[tuple, object] = {}
+        grads: dict[tuple, object] = {}
+        in_flight: set[tuple] = set()
         sums, peak = None, 0
         for a in actions:
-            i, op = a.micro_batch, a.op
+            i, c, op = a.micro_batch, a.chunk, a.op
+            key, virtual = (c, i), c * p + dims.stage
             if op is Op.RECV_ACT:
-                with rec.span("recv", i):
-                    inputs[i] = self._recv_act(i, sizes[i])
+                with rec.span("recv", i, c):
+                    inputs[key] = self._recv_act(c, i, sizes[i])
             elif op is Op.FORWARD:
-                with rec.span("forward", i):
-                    inp = xs[i] if dims.is_first else inputs.pop(i)
-                    y = ys[i] if dims.is_last else None
-                    out, loss = self._forward(i, inp, y, sizes[i] / total, train)
-                    if dims.is_last:
+                with rec.span("forward", i, c):
+                    first, last = self._is_first(c), self._is_last(c)
+                    inp = xs[i] if first else inputs.pop(key)
+                    y = ys[i] if last else None
+                    out, loss = self._forward(c, i, inp, y, sizes[i] / total, train)
+                    if last:
                         stats = self._stats(loss, out, y, sizes[i])
                         sums = stats if sums is None else sums + stats
                     else:
-                        outputs[i] = out
-                    if train or not dims.is_last:
-                        in_flight.add(i)
+                        outputs[key] = out
+                    if train or not last:
+                        in_flight.add(key)
                     peak = max(peak, len(in_flight))
             elif op is Op.SEND_ACT:
-                with rec.span("send", i):
-                    self._send_act(i, sizes[i], outputs[i] if train else outputs.pop(i))
+                with rec.span("send", i, c):
+                    self._send_act(c, i, sizes[i], outputs[key] if train else outputs.pop(key))
                     if not train:
-                        in_flight.discard(i)
+                        in_flight.discard(key)
             elif op is Op.RECV_GRAD:
-                with rec.span("recv", i):
-                    out = outputs.pop(i)
-                    grads[i] = dims.next.recv(f"grad{i}", tuple(out.shape), out.dtype)
+                with rec.span("recv", i, c):
+                    out = outputs.pop(key)
+                    grads[key] = dims.next.recv(self._tag("grad", i, virtual), tuple(out.shape), out.dtype)
             elif op is Op.BACKWARD:
-                with rec.span("backward", i):
-                    grads[i] = self._backward(i, grads.pop(i, None))
-                    in_flight.discard(i)
+                with rec.span("backward", i, c):
+                    grads[key] = self._backward(c, i, grads.pop(key, None))
+                    in_flight.discard(key)
             elif op is Op.BACKWARD_INPUT:
-                with rec.span("backward_input", i):
-                    grads[i] = self._backward_input(i, grads.pop(i, None))
+                with rec.span("backward_input", i, c):
+                    grads[key] = self._backward_input(c, i, grads.pop(key, None))
             elif op is Op.BACKWARD_WEIGHT:
-                with rec.span("backward_weight", i):
-                    self._backward_weight(i)
-                    in_flight.discard(i)
+                with rec.span("backward_weight", i, c):
+                    self._backward_weight(c, i)
+                    in_flight.discard(key)
             elif op is Op.SEND_GRAD:
-                with rec.span("send", i):
-                    dims.prev.send(grads.pop(i), f"grad{i}", shape_known=True)
+                with rec.span("send", i, c):
+                    dims.prev.send(grads.pop(key), self._tag("grad", i, virtual - 1), shape_known=True)
         self._wait_sends()
         if train:
             self.peak_in_flight = peak
@@ -254,7 +282,7 @@ class PipelineEngineBase:
         records = self.hvd.allgather_object(self.recorder.record(), name="pp.timeline")
         if self.hvd.rank() == 0:
             meta = {"schedule": self.schedule, "stages": self.dims.stages, "replicas": self.dims.replicas,
-                    "micro_batches": self.micro_batches}
+                    "micro_batches": self.micro_batches, "chunks": self.chunks}
             save_timeline(run_dir, records, meta)
 
     def close_timeline(self, run_dir) -> dict | None:
@@ -271,4 +299,4 @@ class PipelineEngineBase:
         stages, m = self.dims.stages, self.micro_batches
         return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),
                 "bubble_measured": measured_bubble(timeline),
-                "bubble_theory": schedule_bubble(self.schedule, stages, m)}
+                "bubble_theory": schedule_bubble(self.schedule, stages, m, self.chunks)}

@@ -31,6 +31,7 @@ class PipelineRank:
     tensor_group: object = None           # TensorGroup of this stage's tensor-parallel slices (tp > 1)
     prev: object = None                   # p2p Link to the previous stage
     next: object = None                   # p2p Link to the next stage
+    chunks: int = 1                       # interleaved schedules: this rank's chunks of the model (virtual stages)
     _sets: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -51,12 +52,24 @@ class PipelineRank:
 
     @property
     def prev_rank(self) -> int | None:
-        """The rank holding the previous stage of this replica (and slice); None on the first stage."""
-        return None if self.is_first else self.dims.pp_ranks(self.rank)[self.stage - 1]
+        """The rank holding the previous stage of this replica (and slice); None on the first stage.
+
+        With chunks the stages form a ring: the first stage's chunk c + 1 follows the last's chunk c.
+        """
+        if self.is_first and self.chunks == 1:
+            return None
+        return self.dims.pp_ranks(self.rank)[(self.stage - 1) % self.stages]
 
     @property
     def next_rank(self) -> int | None:
-        return None if self.is_last else self.dims.pp_ranks(self.rank)[self.stage + 1]
+        if self.is_last and self.chunks == 1:
+            return None
+        return self.dims.pp_ranks(self.rank)[(self.stage + 1) % self.stages]
+
+    @property
+    def virtual_stages(self) -> list[int]:
+        """The model's pieces this rank holds, in order: its stage, and with chunks stage + p, stage + 2p, ..."""
+        return [c * self.stages + self.stage for c in range(self.chunks)]
 
     @property
     def is_first(self) -> bool:
@@ -78,6 +91,25 @@ class PipelineRank:
 
     def process_set(self, ranks: list[int]):
         return process_set_of(ranks, self.dims.world, self._sets)
+
+
+def chunks_per_rank(parallel_cfg) -> int:
+    """The model's chunks each rank holds: parallel.virtual_stages for an interleaved schedule, else 1."""
+    from hvd_runtime.pipeline.schedule import INTERLEAVED
+
+    return parallel_cfg.virtual_stages if parallel_cfg.schedule in INTERLEAVED else 1
+
+
+def check_chunks(stages: int, chunks: int, tp: int = 1) -> None:
+    """Chunks per rank (interleaved schedules) need a ring of at least two stages, and whole stages."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise PipelineConfigError(f"chunks must be a positive integer, got {chunks!r} (e.g. 2)")
+    if chunks > 1 and stages < 2:
+        raise PipelineConfigError(f"{chunks} chunks per rank need at least 2 stages, got {stages}: "
+                                  "set parallel.stages 2 or more, or use schedule 1f1b")
+    if chunks > 1 and tp > 1:
+        raise PipelineConfigError("the interleaved-1f1b schedule does not split stages over tensor-parallel ranks: "
+                                  "use parallel.tp 1, or schedule 1f1b")
 
 
 def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:

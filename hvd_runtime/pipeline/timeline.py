@@ -39,17 +39,20 @@ class TimelineRecorder:
     step: int = 0
     events: list = field(default_factory=list)
 
-    def add(self, kind: str, micro_batch: int, start: float, end: float) -> None:
+    def add(self, kind: str, micro_batch: int, start: float, end: float, chunk: int = 0) -> None:
         if self.enabled:
-            self.events.append({"step": self.step, "kind": kind, "mb": micro_batch, "start": start, "end": end})
+            event = {"step": self.step, "kind": kind, "mb": micro_batch, "start": start, "end": end}
+            if chunk:   # interleaved schedules: the rank's chunk, drawn beside the micro-batch
+                event["chunk"] = chunk
+            self.events.append(event)
 
     @contextmanager
-    def span(self, kind: str, micro_batch: int):
+    def span(self, kind: str, micro_batch: int, chunk: int = 0):
         start = time.time()
         try:
             yield
         finally:
-            self.add(kind, micro_batch, start, time.time())
+            self.add(kind, micro_batch, start, time.time(), chunk)
 
     def record(self) -> dict:
         return {"rank": self.rank, "stage": self.stage, "replica": self.replica, "events": list(self.events)}
@@ -177,7 +180,8 @@ def plot_timeline(tl: Timeline, path: str | Path, step: int | None = None) -> Pa
             height = 0.8 if e["kind"] in COMPUTE else 0.3
             ax.barh(y, w, left=x, height=height, color=COLOURS[e["kind"]], edgecolor="black", linewidth=0.4)
             if e["kind"] in COMPUTE and w > (t1 - t0) * scale / 80:
-                ax.text(x + w / 2, y, str(e["mb"]), ha="center", va="center", fontsize=8, color="white")
+                label = f"{e['mb']}@{e['chunk']}" if e.get("chunk") else str(e["mb"])   # micro-batch@chunk
+                ax.text(x + w / 2, y, label, ha="center", va="center", fontsize=8, color="white")
     labels = [f"stage {r['stage']}" + (f" / replica {r['replica']}" if tl.meta.get("replicas", 1) > 1 else "")
               for r, _ in rows]
     ax.set_yticks(range(len(rows)), labels)

@@ -14,7 +14,7 @@ import os
 
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.parallel.tensor_groups import TensorGroup
-from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank
+from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, check_chunks
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.scaling import set_cycle_time
 from hvd_runtime.torch.context import Context, pin_device
@@ -23,7 +23,7 @@ __all__ = ["Context", "ParallelDims", "PipelineConfigError", "PipelineRank", "in
 
 
 def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                  p2p: str = "socket", tp: int = 1) -> tuple[Context, PipelineRank]:
+                  p2p: str = "socket", tp: int = 1, chunks: int = 1) -> tuple[Context, PipelineRank]:
     """Initialise Horovod with the pipeline's process sets, pin the device, open the neighbour links.
 
     p2p: "socket" (a TCP connection per neighbour pair, the default, as for TensorFlow: fastest,
@@ -34,6 +34,8 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     cycle_time_ms: Horovod's background-loop period (hvd_runtime.scaling.set_cycle_time).
     tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`): the grid is
     replicas x stages x tp, and each slice talks to the same slice of the neighbouring stages.
+    chunks: the model's chunks per rank, for the interleaved-1f1b schedule: the stages then form a
+    ring, the last linked back to the first.
     """
     import horovod.torch as hvd
     import torch
@@ -43,9 +45,10 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
 
     if p2p not in LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'socket')")
+    check_chunks(stages, chunks, tp)
     world = launched_world_size() or (hvd.size() if hvd.is_initialized() else 1)
     dims = grid_of(hvd, world, tp=tp, pp=stages)
-    wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"))
+    wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"), ring=chunks > 1)
     if hvd.is_initialized():
         if wanted and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
             raise PipelineConfigError("Horovod is already initialised: call init_pipeline() instead of hvd.init(), "
@@ -57,7 +60,8 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
         hvd.init(process_sets=sets)
     if hvd.size() != dims.world:
         dims = ParallelDims(world=hvd.size(), tp=tp, pp=stages)
-    me = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
+    me = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, chunks=chunks,
+                      _sets={tuple(r): s for r, s in zip(wanted, sets)})
     ctx = Context(pin_device(seed, threads_per_rank), pipeline=me)
     if dims.dp > 1:
         me.dp_set = me.process_set(dims.dp_ranks(me.rank))
@@ -75,8 +79,8 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
         links = connect_neighbours(hvd, me.prev_rank, me.next_rank)
         me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
         return ctx, me
-    if not me.is_first:
-        me.prev = link(me.prev_rank, [me.prev_rank, me.rank])
-    if not me.is_last:
-        me.next = link(me.next_rank, [me.rank, me.next_rank])
+    if me.prev_rank is not None:
+        me.prev = link(me.prev_rank, sorted([me.prev_rank, me.rank]))
+    if me.next_rank is not None:
+        me.next = link(me.next_rank, sorted([me.rank, me.next_rank]))
     return ctx, me

@@ -50,6 +50,9 @@ def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
     group = dims.tensor_group
     if group is None:
         return stage
+    if dims.chunks > 1:
+        raise PipelineConfigError("the interleaved-1f1b schedule does not split stages over tensor-parallel ranks: "
+                                  "use parallel.tp 1, or schedule 1f1b")
     # Horovod: one model for the whole group, from its first rank
     _broadcast_state(stage, dims.dims.tp_ranks(dims.rank)[0], group.process_set, "tp.init")
     return split_model(stage, group)
@@ -86,9 +89,9 @@ class PipelineEngine(PipelineEngineBase):
         self.clip_norm, self.lr_schedule = clip_norm, lr_schedule
         # Tensor-parallel stages: the parameters held as slices, found once (the clip norm counts them apart)
         self._split_ids = set(SplitParameters(stage).by_param) if dims.dims.tp > 1 else set()
-        self._saved: dict[int, tuple] = {}     # micro-batch -> (input, output to backpropagate[, module calls])
+        self._saved: dict[tuple, tuple] = {}   # (chunk, micro-batch) -> (input, output to backpropagate, module calls)
         self.split_backward = SplitBackward(stage) if schedule in SPLIT_BACKWARD else None
-        self._weight_work: dict[int, object] = {}   # zero-bubble: micro-batch -> its weight gradients, still to do
+        self._weight_work: dict[tuple, object] = {}   # zero-bubble: (chunk, micro-batch) -> its weight gradients, still to do
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
@@ -97,38 +100,40 @@ class PipelineEngine(PipelineEngineBase):
             _broadcast_state(self.stage, self.dims.stage_root, self.dims.dp_set, "pp.init")
 
     # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
-    def _forward(self, i, inp, y, weight, train):
+    def _forward(self, c, i, inp, y, weight, train):
         inp = inp.to(self.device)
-        if train and not self.dims.is_first:
+        first, last = self._is_first(c), self._is_last(c)
+        if train and not first:
             inp.requires_grad_(True)
         catching = self.split_backward.catching() if train and self.split_backward else contextlib.nullcontext()
         with torch.set_grad_enabled(train), self._autocast(), catching as calls:
-            out = self.stage(inp)
-            loss = self.loss_fn(out, y.to(self.device)) if self.dims.is_last else None
+            out = self.stage(inp) if self.chunks == 1 else self.stage.forward_chunk(c, inp)
+            loss = self.loss_fn(out, y.to(self.device)) if last else None
         if train:
-            self._saved[i] = (inp, loss * weight if loss is not None else out, calls)
+            self._saved[(c, i)] = (inp, loss * weight if loss is not None else out, calls)
         return out, (loss.item() if loss is not None else None)
 
-    def _backward(self, i, grad):
-        inp, out, _ = self._saved.pop(i)
+    def _backward(self, c, i, grad):
+        inp, out, _ = self._saved.pop((c, i))
         if out.requires_grad:  # a first stage without weights (a flatten) has nothing to differentiate
             out.backward(None if grad is None else grad.to(self.device))
-        if self.dims.is_first:
+        if self._is_first(c):
             return None
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
-    def _backward_input(self, i, grad):
-        inp, out, calls = self._saved.pop(i)
+    def _backward_input(self, c, i, grad):
+        inp, out, calls = self._saved.pop((c, i))
+        first = self._is_first(c)
         input_grad = None
         if out.requires_grad:
-            input_grad, self._weight_work[i] = self.split_backward.input_half(
-                out, None if grad is None else grad.to(self.device), None if self.dims.is_first else inp, calls)
-        if self.dims.is_first:
+            input_grad, self._weight_work[(c, i)] = self.split_backward.input_half(
+                out, None if grad is None else grad.to(self.device), None if first else inp, calls)
+        if first:
             return None
         return input_grad if input_grad is not None else torch.zeros_like(inp)
 
-    def _backward_weight(self, i):
-        work = self._weight_work.pop(i, None)
+    def _backward_weight(self, c, i):
+        work = self._weight_work.pop((c, i), None)
         if work is not None:
             work.run()
 

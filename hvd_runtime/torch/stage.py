@@ -8,6 +8,10 @@ stages' blocks are freed.
 
     plan = plan_stages(model, stages=2, by="params")           # or by="time", sample=x
     stage = build_stage(model, dims, partition=plan)         # dims from init_pipeline, or an int
+
+With chunks (interleaved schedules, `init_pipeline(..., chunks=v)`), the model is cut into p x v
+pieces and a rank's stage holds pieces stage, stage + p, ...: still one module of the model's own
+blocks under their own names, run a chunk at a time by `forward_chunk`.
 """
 
 from __future__ import annotations
@@ -72,12 +76,20 @@ def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch
 
 
 class Stage(nn.Sequential):
-    """Blocks [start, stop) of the model, under their original names."""
+    """Blocks [start, stop) of the model, under their original names (with chunks, each chunk's)."""
 
-    def __init__(self, blocks: "OrderedDict[str, nn.Module]", index: int, plan: Partition):
+    def __init__(self, blocks: "OrderedDict[str, nn.Module]", index: int, plan: Partition,
+                 chunks: list[list[str]] | None = None):
         super().__init__(blocks)
         self.index = index
         self.plan = plan
+        self.chunk_names = chunks or [list(blocks)]   # the block names of each chunk, in order
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """Run one of the stage's chunks (the whole stage when it has one)."""
+        for name in self.chunk_names[chunk]:
+            x = self._modules[name](x)
+        return x
 
 
 def build_stage(model, dims, partition: Partition | str | Sequence = "params",
@@ -89,17 +101,23 @@ def build_stage(model, dims, partition: Partition | str | Sequence = "params",
     if isinstance(dims, int):
         if not isinstance(partition, Partition):
             raise PartitionError("build_stage(model, <stage index>) needs partition=plan_stages(model, stages)")
-        index, stages = dims, partition.stages
+        index, stages, chunks = dims, partition.stages, 1
     else:
-        index, stages = dims.stage, dims.stages
-    plan = plan_stages(model, stages, partition, sample)
+        index, stages, chunks = dims.stage, dims.stages, dims.chunks
+    plan = plan_stages(model, stages * chunks, partition, sample)
     if not isinstance(dims, int) and partition == "time":
         import horovod.torch as hvd
 
         # timings differ from rank to rank; every rank must cut the model the same way
         plan = hvd.broadcast_object(plan, root_rank=0, name="pp.partition")
-    if plan.stages != stages:
-        raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {stages}")
-    start, stop = plan.bounds[index]
-    kept = OrderedDict(named_blocks(model)[start:stop])
-    return Stage(kept, index, plan)
+    if plan.stages != stages * chunks:
+        of = f"{stages} x {chunks} chunks" if chunks > 1 else f"{stages}"
+        raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {of}")
+    blocks = named_blocks(model)
+    kept: "OrderedDict[str, nn.Module]" = OrderedDict()
+    chunk_names = []
+    for piece in range(index, stages * chunks, stages):   # this rank's chunks: pieces index, index + p, ...
+        start, stop = plan.bounds[piece]
+        kept.update(blocks[start:stop])
+        chunk_names.append([name for name, _ in blocks[start:stop]])
+    return Stage(kept, index, plan, chunk_names)

@@ -183,6 +183,34 @@ def test_generated_models_split_into_a_pipeline_match_single_process(tmp_path, w
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 
+INTERLEAVED_CASES = [
+    # (np, stages, chunks, micro-batches, p2p, model, clip norm, what it covers)
+    (2, 2, 2, 4, "socket", "mlp", 0.0, "pp=2, 2 chunks a rank: two socket links between the same pair, one each way round"),
+    (3, 3, 2, 6, "torch", "mlp", 0.0, "pp=3, 2 chunks: the last stage hands each micro-batch to the first's chunk 1"),
+    (4, 2, 3, 2, "alltoall", "mlp", 0.0, "pp=2 dp=2, 3 chunks over Horovod alltoall, averaged per stage"),
+    (2, 2, 2, 4, "socket", "resnet18", 0.0, "ResNet-18 pp=2 x 2 chunks: BatchNorm per micro-batch in every chunk"),
+    (2, 2, 2, 2, "socket", "gpt", 0.1, "GPT pp=2 x 2 chunks (a block each), clipped by the whole model's norm"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np_,stages,chunks,m,p2p,model,clip,what", INTERLEAVED_CASES,
+                         ids=[c[-1] for c in INTERLEAVED_CASES])
+def test_interleaved_pipeline_matches_single_process(tmp_path, workload_projects, np_, stages, chunks, m, p2p, model,
+                                                     clip, what):
+    """Interleaved 1F1B: each rank holds `chunks` pieces of the model (virtual stages r, r+p, ...)."""
+    out = tmp_path / "result.json"
+    project = [] if model == "mlp" else ["--model", model, "--project", str(workload_projects[model]), "--batch", "8"]
+    run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule",
+                      "interleaved-1f1b", "--chunks", str(chunks), "--micro-batches", str(m), "--p2p", p2p,
+                      "--clip-norm", str(clip), *project, "--out", str(out)], cwd=tmp_path, timeout=280)
+    results = json.loads(out.read_text())
+    blocks = ALL_BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model]
+    check_against_reference(results, np_, stages, "interleaved-1f1b", m, blocks, chunks=chunks)
+    assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pipeline_after_hvd_init_adds_process_sets_dynamically(tmp_path):
@@ -201,7 +229,11 @@ TIMELINES = {   # schedule: (what each micro-batch computes, the theory line, ac
     "1f1b": (("forward", "backward"), "theory   bubble 0.200", "stage 0: 2, stage 1: 1 (theory: at most 2)"),
     "zb-h1": (("forward", "backward_input", "backward_weight"), "theory   bubble 0.077",
               "stage 0: 2, stage 1: 2 (theory: at most 2)"),
+    # 2 chunks a rank: each micro-batch's forward and backward twice on every rank, twice the messages
+    "interleaved-1f1b": (("forward", "backward"), "theory   bubble 0.111 = (p-1)/(vm+p-1), v = 2 chunks",
+                         "stage 0: 5, stage 1: 3 (theory: at most 5)"),
 }
+TIMELINE_SPLITS = {"1f1b": "4", "zb-h1": "4", "interleaved-1f1b": "2,4,6"}
 
 
 @pytest.mark.slow
@@ -210,22 +242,30 @@ TIMELINES = {   # schedule: (what each micro-batch computes, the theory line, ac
 def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path, schedule):
     """Also the zero-bubble schedule's plain case (pp=2 dp=1, equal to the unsplit model)."""
     out, run = tmp_path / "result.json", tmp_path / "run"
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
     run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", schedule, "--micro-batches", "4",
-                    "--steps", "3", "--partition", "4", "--out", str(out), "--run-dir", str(run)], cwd=tmp_path, timeout=280)
+                    "--chunks", str(chunks), "--steps", "3", "--partition", TIMELINE_SPLITS[schedule], "--out", str(out),
+                    "--run-dir", str(run)], cwd=tmp_path, timeout=280)
     results = json.loads(out.read_text())
-    check_against_reference(results, 2, 2, schedule, 4, ALL_BLOCKS)
-    assert [r["blocks"] for r in results] == [["0", "1", "2", "3"], ["4", "5", "6"]]
+    check_against_reference(results, 2, 2, schedule, 4, ALL_BLOCKS, chunks=chunks)
+    if chunks == 1:
+        assert [r["blocks"] for r in results] == [["0", "1", "2", "3"], ["4", "5", "6"]]
+    else:
+        assert [r["chunk_blocks"] for r in results] == [[["0", "1"], ["4", "5"]], [["2", "3"], ["6"]]]
     tl = load_timeline(run)
-    assert tl.meta == {"schedule": schedule, "stages": 2, "replicas": 1, "micro_batches": 4}
+    assert tl.meta == {"schedule": schedule, "stages": 2, "replicas": 1, "micro_batches": 4, "chunks": chunks}
     assert tl.steps == [0, 1, 2]          # training steps only: evaluation is not recorded
     computed, theory, held = TIMELINES[schedule]
     for rank in tl.ranks:
         for step in tl.steps:
-            kinds = [(e["kind"], e["mb"]) for e in rank["events"] if e["step"] == step]
+            kinds = [(e["kind"], e["mb"], e.get("chunk", 0)) for e in rank["events"] if e["step"] == step]
             for kind in computed:
-                assert sorted(mb for k, mb in kinds if k == kind) == [0, 1, 2, 3]
-            assert {k for k, _ in kinds} - {"idle"} == {*computed, "send", "recv"}
-            assert sum(k == "send" for k, _ in kinds) == 4 and sum(k == "recv" for k, _ in kinds) == 4
+                assert sorted((c, mb) for k, mb, c in kinds if k == kind) == [(c, i) for c in range(chunks)
+                                                                              for i in range(4)]
+            assert {k for k, _, _ in kinds} - {"idle"} == {*computed, "send", "recv"}
+            # a rank sends and receives once per micro-batch and chunk, but for the model's two ends
+            messages = 4 * (2 * chunks - 1)
+            assert sum(k == "send" for k, _, _ in kinds) == messages and sum(k == "recv" for k, _, _ in kinds) == messages
     result = CliRunner().invoke(cli, ["timeline", str(run)])
     assert result.exit_code == 0, result.output
     assert theory in result.output and (run / "timeline.png").exists()

@@ -75,7 +75,7 @@ def main():
 
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
-    _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp)
+    _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
     g = torch.Generator().manual_seed(7)
     global_batch = args.batch * dims.replicas
     batches = [work.batch(g, global_batch) for _ in range(args.steps)]
@@ -122,6 +122,7 @@ def main():
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
               "tp_rank": dims.tensor_group.rank if dims.tensor_group else 0,
               "split_params": sorted(splits), "blocks": list(stage.plan.stage_names(dims.stage)),
+              "chunk_blocks": stage.chunk_names,
               "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err,
               "clipped": clipped, "weights": sum(1 for p in stage.parameters() if p.requires_grad),
               "weights_put_off": engine.split_backward.weights_put_off if engine.split_backward else None, **run}

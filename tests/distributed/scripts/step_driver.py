@@ -27,6 +27,7 @@ def parse_args(pipeline: bool, p2p: str = "torch") -> argparse.Namespace:
         ap.add_argument("--stages", type=int, default=2)
         ap.add_argument("--tp", type=int, default=1, help="split each stage over this many ranks (tensor parallelism)")
         ap.add_argument("--schedule", default="1f1b")
+        ap.add_argument("--chunks", type=int, default=1, help="the model's chunks per rank (interleaved-1f1b)")
         ap.add_argument("--p2p", default=p2p, help="torch: torch, socket, alltoall or broadcast; TF: socket or alltoall")
         ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
         ap.add_argument("--run-dir", default=None)
