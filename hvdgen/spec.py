@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import yaml
 
-from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD_TORCH_ONLY
+from hvd_runtime.pipeline.schedule import INTERLEAVED, SPLIT_BACKWARD_TORCH_ONLY
 from hvdgen import __version__, catalog
 from hvdgen.errors import HvdgenError
 
@@ -111,6 +111,8 @@ class ProjectSpec:
         if self.schedule not in catalog.schedules(self.framework):
             raise HvdgenError(f"--schedule {self.schedule} {SPLIT_BACKWARD_TORCH_ONLY}: "
                               "use --schedule 1f1b, or --framework torch")
+        if self.strategy == "pipeline" and self.schedule in INTERLEAVED:
+            self._check_interleaved(model)
         if self.elastic and self.strategy in ("pipeline", "tensor"):
             lost = "a stage" if self.strategy == "pipeline" else "a slice of every layer"
             raise HvdgenError(f"--elastic works with the data and model-split strategies: a {self.strategy} job cannot "
@@ -120,6 +122,30 @@ class ProjectSpec:
         elif self.tp != 1:
             raise HvdgenError(f"tp {self.tp!r} applies to the tensor and pipeline strategies, not {self.strategy}: "
                               "drop it (tp: 1), or use --strategy tensor")
+
+    def _check_interleaved(self, model) -> None:
+        """Interleaved 1F1B cuts the model into stages x virtual_stages pieces and sends micro-batches
+        round the stages in groups of `stages`."""
+        pieces = self.stages * self.virtual_stages
+        if pieces > model.blocks:
+            raise HvdgenError(f"--schedule {self.schedule} cuts the model into --stages {self.stages} x "
+                              f"{self.virtual_stages} chunks = {pieces} pieces, more than the {model.blocks} blocks of "
+                              f"the generated {self.model} ({model.block_names}): use --stages "
+                              f"{model.blocks // self.virtual_stages} or fewer, or --schedule 1f1b")
+        if self.micro_batches % self.stages:
+            fits = self.micro_batches + self.stages - self.micro_batches % self.stages
+            raise HvdgenError(f"--micro-batches {self.micro_batches} is not a multiple of --stages {self.stages}: "
+                              f"--schedule {self.schedule} sends micro-batches round the stages in groups of "
+                              f"{self.stages}; use --micro-batches {fits}")
+        if self.tp != 1:
+            raise HvdgenError(f"--schedule {self.schedule} does not split stages over tensor-parallel ranks: drop --tp, "
+                              "or use --schedule 1f1b")
+
+    @property
+    def virtual_stages(self) -> int:
+        """Chunks of the model per rank the generated config starts with (parallel.virtual_stages, used by
+        the interleaved schedule): 2 halves 1F1B's bubble for twice its messages."""
+        return 2
 
     def _check_tensor(self) -> None:
         heads = catalog.MODELS[self.model].heads

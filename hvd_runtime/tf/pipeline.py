@@ -25,31 +25,31 @@ from hvd_runtime.pipeline.partition import Partition, PartitionError
 from hvd_runtime.pipeline.engine import PipelineEngineBase
 from hvd_runtime.config import ConfigError
 from hvd_runtime.parallel.dims import ParallelDims
-from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank
+from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, check_chunks, chunks_per_rank
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD, SPLIT_BACKWARD_TORCH_ONLY
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.context import Context, init_horovod
-from hvd_runtime.tf.stage import Stage, plan_stages
+from hvd_runtime.tf.stage import Stage, plan_stages, rank_stage
 from hvd_runtime.tf.tensor_parallel import split_layers
 from hvd_runtime.tf.tensor_state import SplitVariables
-from hvd_runtime.tf.stage import build_stage as _stage_of_plan
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "ReplicaContext", "build_stage",
-           "init_pipeline", "replica_context", "split_stage"]
+           "chunks_per_rank", "init_pipeline", "replica_context", "split_stage"]
 
 
 P2P_LINKS = ("socket", "alltoall")
 
 
 def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                  p2p: str = "socket", tp: int = 1) -> tuple[Context, PipelineRank]:
+                  p2p: str = "socket", tp: int = 1, chunks: int = 1) -> tuple[Context, PipelineRank]:
     """Initialise Horovod with the grid's process sets (dp per stage; neighbour pairs for alltoall) and link neighbours.
 
     p2p: "socket" (a TCP connection per neighbour pair, the default: fastest, see docs/pipeline.md)
     or "alltoall" (Horovod's alltoall in the pair's process set: nothing beside Horovod).
     tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`, split_stage):
     the grid is replicas x stages x tp, and each slice talks to the same slice of the neighbours.
+    chunks: the model's chunks per rank (interleaved-1f1b): the stages then link in a ring.
     """
     import horovod.tensorflow as hvd
 
@@ -58,15 +58,16 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
 
     if p2p not in P2P_LINKS:
         raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(P2P_LINKS)} (e.g. 'socket')")
+    check_chunks(stages, chunks, tp)
     world = launched_world_size() or 1
     dims = grid_of(hvd, world, tp=tp, pp=stages)
-    wanted = dims.process_set_ranks(pairs=p2p == "alltoall")
+    wanted = dims.process_set_ranks(pairs=p2p == "alltoall", ring=chunks > 1)
     sets = [hvd.ProcessSet(r) for r in wanted]
     ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets)
     if ctx.size != dims.world:
         raise PipelineConfigError(f"Horovod started {ctx.size} ranks but the launcher said {world}: "
                                   "launch with horovodrun")
-    me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, _sets={tuple(r): s for r, s in zip(wanted, sets)})
+    me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, chunks=chunks, _sets={tuple(r): s for r, s in zip(wanted, sets)})
     if dims.dp > 1:
         me.dp_set = me.process_set(dims.dp_ranks(me.rank))
     if dims.tp > 1:
@@ -77,9 +78,9 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
         me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
     else:
         if prev is not None:
-            me.prev = AlltoallLink(me.rank, prev, me.process_set([prev, me.rank]))
+            me.prev = AlltoallLink(me.rank, prev, me.process_set(sorted([prev, me.rank])))
         if next_ is not None:
-            me.next = AlltoallLink(me.rank, next_, me.process_set([me.rank, next_]))
+            me.next = AlltoallLink(me.rank, next_, me.process_set(sorted([me.rank, next_])))
     return replace(ctx, pipeline=me), me
 
 
@@ -114,15 +115,18 @@ def replica_context(ctx: Context, dims: PipelineRank) -> ReplicaContext:
 
 
 def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "params", sample=None) -> Stage:
-    """This rank's stage of `model`, cut the same way on every rank (a timed plan comes from rank 0)."""
-    plan = plan_stages(model, dims.stages, partition, sample)
+    """This rank's stage of `model`, cut the same way on every rank (a timed plan comes from rank 0);
+    with chunks (interleaved schedules) its pieces stage, stage + p, ... of p x chunks."""
+    pieces = dims.stages * dims.chunks
+    plan = plan_stages(model, pieces, partition, sample)
     if partition == "time":
         import horovod.tensorflow as hvd
 
         plan = hvd.broadcast_object(plan, root_rank=0, name="pp.partition")
-    if plan.stages != dims.stages:
-        raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {dims.stages}")
-    return _stage_of_plan(model, dims.stage, plan)
+    if plan.stages != pieces:
+        of = f"{dims.stages} x {dims.chunks} chunks" if dims.chunks > 1 else f"{dims.stages}"
+        raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {of}")
+    return rank_stage(model, dims.stage, plan, dims.stages)
 
 
 def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
@@ -170,10 +174,16 @@ class PipelineEngine(PipelineEngineBase):
         self._whole_share = [1.0 if id(v) in split else 1.0 / dims.dims.tp for v in self.variables]
         if not optimizer.built:
             optimizer.build(self.variables)
-        self._saved: dict[int, tuple] = {}    # micro-batch -> (tape, input, output to backpropagate)
+        self._saved: dict[tuple, tuple] = {}  # (chunk, micro-batch) -> (tape, input, output to backpropagate)
         self._grads: list = []
-        # compiled once per mode; a tape around the call still records it, and its gradient is compiled too
-        self._stage_fn = tf.function(lambda x, training: stage(x, training=training), reduce_retracing=True)
+        # each chunk's trainable variables, and where they sit in self.variables (whose gradients add up)
+        at = {id(v): k for k, v in enumerate(self.variables)}
+        self._chunk_variables = [[v for layer in stage.chunk_layers(c) for v in layer.trainable_variables]
+                                 for c in range(self.chunks)]
+        self._chunk_slots = [[at[id(v)] for v in chunk] for chunk in self._chunk_variables]
+        # compiled once per mode and chunk; a tape around the call still records it, and its gradient is compiled too
+        self._chunk_fns = [tf.function(lambda x, training, c=c: stage.call_chunk(c, x, training=training),
+                                       reduce_retracing=True) for c in range(self.chunks)]
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
@@ -185,35 +195,37 @@ class PipelineEngine(PipelineEngineBase):
                                      root_rank=root, process_set=self.dims.dp_set)
 
     # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
-    def _forward(self, i, inp, y, weight, train):
+    def _forward(self, c, i, inp, y, weight, train):
+        last = self._is_last(c)
         if not train:
-            out = self._stage_fn(inp, False)
-            loss = self.loss_fn(y, out) if self.dims.is_last else None
+            out = self._chunk_fns[c](inp, False)
+            loss = self.loss_fn(y, out) if last else None
             return out, (float(loss) if loss is not None else None)
         with tf.GradientTape() as tape:
             tape.watch(inp)
-            out = self._stage_fn(inp, True)
+            out = self._chunk_fns[c](inp, True)
             loss = None
-            if self.dims.is_last:
+            if last:
                 loss = self.loss_fn(y, out)
                 if self.stage.losses:      # regularisation terms, as Keras adds them to the loss
                     loss = loss + tf.add_n(self.stage.losses)
                 target = loss * weight
             else:
                 target = out
-        self._saved[i] = (tape, inp, target)
+        self._saved[(c, i)] = (tape, inp, target)
         return out, (float(loss) if loss is not None else None)
 
-    def _backward(self, i, grad):
-        tape, inp, target = self._saved.pop(i)
-        first = self.dims.is_first
-        sources = self.variables if first else [inp, *self.variables]
+    def _backward(self, c, i, grad):
+        tape, inp, target = self._saved.pop((c, i))
+        first, variables = self._is_first(c), self._chunk_variables[c]
+        sources = variables if first else [inp, *variables]
         grads = tape.gradient(target, sources, output_gradients=None if grad is None else grad)
         # dense: an embedding's IndexedSlices neither add up over micro-batches nor give a true norm
         # (a token's row counts once per occurrence)
-        var_grads = [None if g is None else tf.convert_to_tensor(g) for g in (grads if first else grads[1:])]
-        self._grads = [g if acc is None else (acc if g is None else acc + g)
-                       for acc, g in zip(self._grads, var_grads)]
+        for slot, g in zip(self._chunk_slots[c], grads if first else grads[1:]):
+            if g is not None:
+                g = tf.convert_to_tensor(g)
+                self._grads[slot] = g if self._grads[slot] is None else self._grads[slot] + g
         if first:
             return None
         return grads[0] if grads[0] is not None else tf.zeros_like(inp)

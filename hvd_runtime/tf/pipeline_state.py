@@ -19,7 +19,7 @@ import numpy as np
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.pipeline.checkpoint import checkpoint_payload, gather_stages, restore_own_stage
 from hvd_runtime.tf.buffers import average_statistics
-from hvd_runtime.tf.stage import Stage, build_stage
+from hvd_runtime.tf.stage import Stage, rank_stage
 from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state
 
 
@@ -93,5 +93,6 @@ def gather_full_model(model, stage: Stage, dims, split=None):
     stages, _ = _gather_stages(stage, None, dims, split)
     if hvd.rank() == 0:
         for k, part in stages.items():
-            _assign(build_stage(model, k, stage.plan).variables, part["model"], f"stage {k}", Path("<gathered>"))
+            _assign(rank_stage(model, k, stage.plan, dims.stages).variables, part["model"], f"stage {k}",
+                    Path("<gathered>"))
     return model

@@ -8,6 +8,9 @@ split points may be given by name or by index (`model.layers` order, Input exclu
     plan = plan_stages(model, stages=2, by="params")          # or by="time", sample=x
     stage = build_stage(model, 1, plan)                       # layers of stage 1
     y = stage(x, training=True); stage.trainable_variables
+
+With chunks (interleaved schedules), the model is cut into p x v pieces and a rank's stage holds
+pieces r, r + p, ... (`rank_stage`), run a chunk at a time by `call_chunk`.
 """
 
 from __future__ import annotations
@@ -65,13 +68,27 @@ def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None) 
 
 
 class Stage:
-    """Layers [start, stop) of a model, called in order; the variables are the model's."""
+    """Layers [start, stop) of a model, called in order; the variables are the model's.
 
-    def __init__(self, layers: Sequence, index: int, plan: Partition):
+    With chunks, the layers of each of the rank's pieces in turn; `chunks` holds how many layers each has.
+    """
+
+    def __init__(self, layers: Sequence, index: int, plan: Partition, chunks: Sequence[int] | None = None):
         self.layers, self.index, self.plan = list(layers), index, plan
+        self.chunk_sizes = list(chunks) if chunks else [len(self.layers)]
 
     def __call__(self, x, training: bool = False):
         for layer in self.layers:
+            x = layer(x, training=training)
+        return x
+
+    def chunk_layers(self, chunk: int) -> list:
+        start = sum(self.chunk_sizes[:chunk])
+        return self.layers[start:start + self.chunk_sizes[chunk]]
+
+    def call_chunk(self, chunk: int, x, training: bool = False):
+        """Run one of the stage's chunks (the whole stage when it has one)."""
+        for layer in self.chunk_layers(chunk):
             x = layer(x, training=training)
         return x
 
@@ -87,6 +104,15 @@ class Stage:
     def losses(self) -> list:
         """Regularisation terms of this stage's layers, as Keras adds them to the loss."""
         return [loss for layer in self.layers for loss in layer.losses]
+
+
+def rank_stage(model, index: int, plan: Partition, stages: int) -> Stage:
+    """The stage of rank `index` of a `stages`-rank pipeline over `plan`'s pieces: pieces index,
+    index + stages, ... (one piece, build_stage's, when the plan has as many pieces as stages)."""
+    if plan.stages % stages:
+        raise PartitionError(f"partition has {plan.stages} stages, not a multiple of the pipeline's {stages}")
+    pieces = [build_stage(model, piece, plan) for piece in range(index, plan.stages, stages)]
+    return Stage([layer for piece in pieces for layer in piece.layers], index, plan, [len(p.layers) for p in pieces])
 
 
 def build_stage(model, index: int, plan: Partition) -> Stage:

@@ -28,6 +28,7 @@ from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline.engine import PipelineEngineBase
 from hvd_runtime.pipeline.grid import micro_batch_sizes
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD
+from hvd_runtime.pipeline.grid import chunks_per_rank
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.split_backward import SplitBackward
@@ -35,7 +36,8 @@ from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
 
-__all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "init_pipeline",
+__all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "chunks_per_rank",
+           "init_pipeline",
            "micro_batch_sizes", "plan_stages", "split_stage"]
 
 

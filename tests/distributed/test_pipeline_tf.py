@@ -162,6 +162,33 @@ def test_generated_keras_models_split_into_a_pipeline_match_single_process(tmp_p
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 
+INTERLEAVED_CASES = [
+    # (np, stages, chunks, micro-batches, link, model, clip norm, batch, what it covers)
+    (2, 2, 2, 4, "socket", "mlp", 0.0, 10, "pp=2, 2 chunks a rank, round the ring over two sockets"),
+    (3, 3, 2, 3, "alltoall", "mlp", 0.0, 10, "pp=3, 2 chunks over hvd.alltoall: the ring's last-to-first pair set"),
+    (2, 2, 2, 2, "socket", "gpt", 0.1, 8, "GPT pp=2 x 2 chunks (a block each), clipped by the whole model's norm"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np_,stages,chunks,m,p2p,model,clip,batch,what", INTERLEAVED_CASES,
+                         ids=[c[-1] for c in INTERLEAVED_CASES])
+def test_tf_interleaved_pipeline_matches_single_process(tmp_path, tf_workload_projects, np_, stages, chunks, m, p2p,
+                                                        model, clip, batch, what):
+    """Interleaved 1F1B: each rank holds `chunks` pieces of the model, each under its own tape and tf.function."""
+    out = tmp_path / "result.json"
+    project = [] if model == "mlp" else ["--model", model, "--project", str(tf_workload_projects[model])]
+    run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages), "--schedule",
+                      "interleaved-1f1b", "--chunks", str(chunks), "--micro-batches", str(m), "--p2p", p2p,
+                      "--clip-norm", str(clip), "--batch", str(batch), *project, "--out", str(out)],
+                cwd=tmp_path, timeout=280)
+    results = json.loads(out.read_text())
+    blocks = BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model]
+    check_against_reference(results, np_, stages, "interleaved-1f1b", m, blocks, chunks=chunks)
+    assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tf_pipeline_records_a_timeline(tmp_path):
@@ -173,7 +200,7 @@ def test_tf_pipeline_records_a_timeline(tmp_path):
     check_against_reference(results, 2, 2, "1f1b", 4, BLOCKS)
     assert [r["blocks"] for r in results] == [BLOCKS[:4], BLOCKS[4:]]
     tl = load_timeline(run)
-    assert tl.meta == {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4}
+    assert tl.meta == {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4, "chunks": 1}
     assert tl.steps == [0, 1, 2]
     for rank in tl.ranks:
         kinds = [(e["kind"], e["mb"]) for e in rank["events"] if e["step"] == 1]

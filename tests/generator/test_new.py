@@ -123,7 +123,15 @@ def test_version():
     (["--stages", "3"], "--stages applies to --strategy model-split or pipeline"),
     (["--strategy", "pipeline", "--stages", "1"], "--stages must be an integer of at least 2"),
     (["--strategy", "pipeline", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
-    (["--strategy", "pipeline", "--schedule", "zigzag"], "'zigzag' is not one of 'gpipe', '1f1b', 'zb-h1'."),
+    (["--strategy", "pipeline", "--schedule", "zigzag"],
+     "'zigzag' is not one of 'gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b'."),
+    (["--strategy", "pipeline", "--schedule", "interleaved-1f1b", "--micro-batches", "3"],
+     "--micro-batches 3 is not a multiple of --stages 2: --schedule interleaved-1f1b sends micro-batches round the "
+     "stages in groups of 2; use --micro-batches 4"),
+    (["--strategy", "pipeline", "--schedule", "interleaved-1f1b", "--stages", "3"],
+     "cuts the model into --stages 3 x 2 chunks = 6 pieces, more than the 4 blocks of the generated mlp"),
+    (["--strategy", "pipeline", "--model", "gpt", "--tp", "2", "--schedule", "interleaved-1f1b"],
+     "--schedule interleaved-1f1b does not split stages over tensor-parallel ranks: drop --tp"),
     (["--strategy", "pipeline", "--framework", "tensorflow", "--schedule", "zb-h1"],
      "--schedule zb-h1 runs on PyTorch only: Keras layers inside a block have no hook"),
     (["--strategy", "pipeline", "--elastic"], "--elastic works with the data and model-split"),
@@ -147,12 +155,13 @@ def test_elastic_projects_run_under_hvd_elastic(tmp_path, framework):
     assert (project / "discover_hosts.sh").stat().st_mode & 0o111
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
-def test_stage_options_reach_the_config(tmp_path, schedule):
-    result = run("new", "proj", "--output", str(tmp_path), "--strategy", "pipeline", "--stages", "3",
+@pytest.mark.parametrize("schedule, stages", [("gpipe", 3), ("zb-h1", 3), ("interleaved-1f1b", 2)])
+def test_stage_options_reach_the_config(tmp_path, schedule, stages):
+    result = run("new", "proj", "--output", str(tmp_path), "--strategy", "pipeline", "--stages", str(stages),
                  "--micro-batches", "8", "--schedule", schedule)
     assert result.exit_code == 0, result.output
     config = yaml.safe_load((tmp_path / "proj" / "config.yaml").read_text())
-    assert config["parallel"] == {"stages": 3, "micro_batches": 8, "schedule": schedule, "partition": "params"}
+    assert config["parallel"] == {"stages": stages, "micro_batches": 8, "schedule": schedule, "virtual_stages": 2,
+                                  "partition": "params"}
     from hvd_runtime.config import load_config    # the runtime takes what the generator wrote
     assert load_config(tmp_path / "proj" / "config.yaml").parallel.schedule == schedule

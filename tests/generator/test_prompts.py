@@ -100,7 +100,7 @@ def test_a_bad_answer_is_asked_again_with_the_reason(tmp_path, terminal):
     t.wait_for("Error: --stages 9 is more than the 4 blocks of the generated mlp")
     t.answer("Stages [2]:", "3")
     t.answer("Micro-batches per batch [4]:", "8")
-    t.answer("Schedule (gpipe, 1f1b) [1f1b]:", "gpipe")    # TensorFlow: zb-h1 is not offered
+    t.answer("Schedule (gpipe, 1f1b, interleaved-1f1b) [1f1b]:", "gpipe")    # TensorFlow: zb-h1 is not offered
     shown = t.wait_for("EXIT=")
     assert "EXIT=0" in shown and "Elastic" not in shown, shown     # a pipeline cannot be elastic: not asked
     spec = answers_of(tmp_path / "deep")

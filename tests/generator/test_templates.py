@@ -43,6 +43,8 @@ def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
     # (the tensor strategy, and a pipeline whose stages it can split: a model with heads)
     if not (strategy == "tensor" or (strategy == "pipeline" and model == "gpt")):
         expected.discard("parallel.tp")
+    if strategy != "pipeline":   # the chunks per rank of the interleaved pipeline schedule
+        expected.discard("parallel.virtual_stages")
     if strategy in ("data", "tensor"):
         expected = {k for k in expected if not k.startswith("parallel.") or k == "parallel.tp"}
     expected = {k for k in expected if not k.startswith("model.")} | MODEL_KEYS[model]

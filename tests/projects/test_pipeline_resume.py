@@ -44,14 +44,18 @@ def assert_same(got: dict, expected: dict, keys: tuple[str, ...]) -> None:
         assert got[key] == pytest.approx(expected[key], rel=1e-5), (got["epoch"], key)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_pipeline_resumes_exactly(tmp_path, framework):
+def test_pipeline_resumes_exactly(tmp_path, framework, schedule):
+    """Also interleaved: each rank's checkpoint part holds both its chunks, under the model's names."""
     project = generate(tmp_path, framework, "pipeline")
     skip_digest = {"SKIP_DIGEST": "1"}      # pipeline ranks hold different stages
-    straight, _ = train(project, tmp_path / "straight", 2, env=skip_digest)
-    train(project, tmp_path / "resumed", 1, env=skip_digest)
-    resumed, out = train(project, tmp_path / "resumed", 2, env=skip_digest)
+    choice = ["--parallel.schedule", schedule]
+    straight, _ = train(project, tmp_path / "straight", 2, *choice, env=skip_digest)
+    train(project, tmp_path / "resumed", 1, *choice, env=skip_digest)
+    resumed, out = train(project, tmp_path / "resumed", 2, *choice, env=skip_digest)
     assert "resuming from checkpoints/ckpt-" in out and "from epoch 1" in out
+    assert f"{schedule}, 4 micro-batches" in out
     assert resumed[-1]["epoch"] == 2
     assert_same(resumed[-1], straight[-1], ("train_loss", "val_loss", "val_accuracy"))
 

@@ -59,6 +59,9 @@ def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
     ("pipeline", [], "config error: world size 1 (horovodrun -np) is not stages 2 x replicas: "
                      "use -np 2, 4, 6... or a --stages that divides 1"),
     ("model-split", ["--parallel.partition", "nope"], "config error: split block 'nope' is not a block: blocks are "),
+    ("pipeline", ["--parallel.schedule", "interleaved-1f1b", "--parallel.micro_batches", "3"],
+     "config error: parallel.micro_batches 3 is not a multiple of parallel.stages 2: interleaved-1f1b sends "
+     "micro-batches round the stages in groups of 2; use 4"),
 ])
 def test_bad_stage_setting_stops_with_one_line(tmp_path, framework, strategy, override, message):
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,

@@ -103,7 +103,7 @@ def main():
     work = load_workload(args.model, args.project, lambda seed=1234: make_model(seed, args.flatten_first), mlp_batch,
                          (["flat"] if args.flatten_first else []) + BLOCKS)
 
-    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp)
+    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
     tp_rank = dims.tensor_group.rank if dims.tensor_group else 0
     rng = np.random.default_rng(7)
     global_batch = args.batch * dims.replicas
@@ -145,7 +145,8 @@ def main():
     split_names = sorted(k for k, v in zip(names, held) if id(v) in splits)
     result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "tp_rank": tp_rank,
               "split_params": split_names,
-              "blocks": list(stage.plan.stage_names(dims.stage)), "ref_losses": ref_losses, "ref_accs": ref_accs,
+              "blocks": list(stage.plan.stage_names(dims.stage)),
+              "chunk_blocks": [[layer.name for layer in stage.chunk_layers(c)] for c in range(dims.chunks)], "ref_losses": ref_losses, "ref_accs": ref_accs,
               "ref_val_loss": ref_val, "update_err": update_err, "clipped": clipped, **run}
     write_results(hvd, result, args.out)
 
