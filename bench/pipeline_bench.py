@@ -3,8 +3,9 @@
     python bench/pipeline_bench.py            # writes docs/benchmarks-pipeline.md and docs/pipeline-timeline.png
 
 The driver launches `horovodrun -np 2 --gloo` running this file with --worker: a 2-stage pipeline
-of the model, one thread per rank, for GPipe, 1F1B and zero-bubble ZB-H1 at m = 1, 2, 4, 8 (the three
-schedules one after the other at each m, so they see the same load); before each pipeline step,
+of the model, one thread per rank, for GPipe, 1F1B, zero-bubble ZB-H1 and interleaved 1F1B (2 chunks a
+rank) at m = 1, 2, 4, 8 (the schedules one after the other at each m, so they see the same load; interleaved
+at even m only, its groups of p); before each pipeline step,
 rank 0 times one step of the unsplit model alone (one thread) as the baseline. Synthetic data; the model is a stack of
 equal Linear+ReLU blocks, so the two stages are balanced. Numbers are wall-clock on a shared
 machine: read them as shapes, not as constants.
@@ -13,6 +14,7 @@ machine: read them as shapes, not as constants.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,7 +33,8 @@ sys.path.insert(0, str(REPO))
 
 WIDTH, BLOCKS, BATCH, CLASSES = 1024, 8, 256, 10
 MICRO_BATCHES = [1, 2, 4, 8]
-SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
+CHUNKS = 2   # interleaved-1f1b: the model's chunks per rank
 
 
 def make_model() -> nn.Sequential:
@@ -62,17 +65,22 @@ class Baseline:
         return time.perf_counter() - start
 
 
-def worker(steps: int, out: Path) -> None:
+def worker(steps: int, out: Path, p2p: str) -> None:
     import horovod.torch as hvd
 
     from hvd_runtime.pipeline.timeline import COMPUTE, load_timeline, step_bubble
     from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
-    _, dims = init_pipeline(stages=2, threads_per_rank=1, p2p="torch")   # the link docs/benchmarks-pipeline.md was measured on
+    # a ring, for the interleaved schedule
+    _, ring = init_pipeline(stages=2, threads_per_rank=1, p2p=p2p, chunks=CHUNKS)
+    line = dataclasses.replace(ring, chunks=1)   # the other schedules: one chunk a rank, the same links
     base = Baseline() if hvd.rank() == 0 else None
     rows = []
     for m in MICRO_BATCHES:
         for schedule in SCHEDULES:
+            if schedule == "interleaved-1f1b" and m % 2:
+                continue
+            dims = ring if schedule == "interleaved-1f1b" else line
             stage = build_stage(make_model(), dims)
             engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, schedule=schedule, micro_batches=m,
                                     optimizer=torch.optim.SGD(stage.parameters(), lr=0.01), timeline=True)
@@ -107,7 +115,7 @@ def worker(steps: int, out: Path) -> None:
         Path(out).write_text(json.dumps(rows, indent=1))
 
 
-def write_report(rows: list[dict], load: tuple[float, float], pngs: tuple[str, str]) -> str:
+def write_report(rows: list[dict], load: tuple[float, float], pngs: tuple[str, ...], p2p: str) -> str:
     from hvd_runtime.pipeline.schedule import schedule_bubble, theory_peak_in_flight
 
     lines = [
@@ -118,14 +126,15 @@ def write_report(rows: list[dict], load: tuple[float, float], pngs: tuple[str, s
         f"{load[1]:.1f} after).",
         f"Model: {BLOCKS} Linear({WIDTH}, {WIDTH}) blocks with ReLU, batch {BATCH}, synthetic data, fp32, "
         "2 stages balanced by parameter count, `horovodrun -np 2 --gloo`, one thread per rank, "
-        "torch.distributed p2p, two warm-up steps dropped. The one-process baseline (the whole model, one "
+        f"the {p2p} link between the stages (`--p2p`), two warm-up steps dropped. The one-process baseline (the whole model, one "
         "thread, same batch) alternates step by step with the pipeline, so both see the same load. Other jobs "
         "keep the cores busy, so each number is given twice: *best* (the least disturbed step: fastest "
         "step of each, the smallest bubble), which estimates a quiet machine, and *median* (median of "
         "per-step bubbles and of per-step speed-ups), which is what this machine gave. The ideal speed-up of "
         "2 balanced stages with free messages is 2 x (1 - bubble). Theory: (p-1)/(m+p-1) for GPipe and 1F1B; "
         "(p-1)/(3m+p-1) for ZB-H1 from m = p on (forward, input and weight backward one unit each), below "
-        "that the schedule played on ideal hardware.",
+        f"that the schedule played on ideal hardware; (p-1)/(vm+p-1) for interleaved 1F1B with v = {CHUNKS} "
+        "chunks a rank (its peak counts micro-batch chunks, each half a stage's activations).",
         "",
         "| schedule | m | bubble, best / median | theory | peak micro-batches in flight (stage 0, 1) "
         "| theory max | fastest step, 1 process / pipeline | speed-up, best / median | ideal |",
@@ -133,9 +142,10 @@ def write_report(rows: list[dict], load: tuple[float, float], pngs: tuple[str, s
     ]
     rows = sorted(rows, key=lambda r: (SCHEDULES.index(r["schedule"]), r["m"]))
     for r in rows:
-        bubble = schedule_bubble(r["schedule"], 2, r["m"])
+        v = CHUNKS if r["schedule"] == "interleaved-1f1b" else 1
+        bubble = schedule_bubble(r["schedule"], 2, r["m"], v)
         lines.append(f"| {r['schedule']} | {r['m']} | {r['bubble_best']:.3f} / {r['bubble']:.3f} | {bubble:.3f} | "
-                     f"{', '.join(map(str, r['peaks']))} | {theory_peak_in_flight(r['schedule'], 2, r['m'])} | "
+                     f"{', '.join(map(str, r['peaks']))} | {theory_peak_in_flight(r['schedule'], 2, r['m'], chunks=v)} | "
                      f"{r['base_s'] * 1e3:.0f} / {r['step_s'] * 1e3:.0f} ms | "
                      f"{r['speedup_best']:.2f}x / {r['speedup']:.2f}x | {2 * (1 - bubble):.2f}x |")
     lines += [
@@ -155,11 +165,14 @@ def write_report(rows: list[dict], load: tuple[float, float], pngs: tuple[str, s
         f"Best: {best['schedule']} at m={best['m']}, **{best['speedup_best']:.2f}x** over one process "
         f"(fastest steps; median of per-step ratios {best['speedup']:.2f}x).",
         "",
-        "Timelines of the last step at m=4 (`hvdgen timeline`), 1F1B then ZB-H1:",
+        "Timelines of the last step at m=4 (`hvdgen timeline`), 1F1B, ZB-H1, then interleaved 1F1B "
+        "(boxes labelled micro-batch@chunk):",
         "",
         f"![1F1B, 2 stages, 4 micro-batches]({pngs[0]})",
         "",
         f"![ZB-H1, 2 stages, 4 micro-batches]({pngs[1]})",
+        "",
+        f"![Interleaved 1F1B, 2 stages x 2 chunks, 4 micro-batches]({pngs[2]})",
         "",
     ]
     return "\n".join(lines)
@@ -169,11 +182,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true", help="(internal) run as one horovodrun rank")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--p2p", default="socket", help="the link between stages: socket (the default of generated "
+                    "projects), torch, alltoall or broadcast")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--docs", type=Path, default=REPO / "docs")
     args = ap.parse_args()
     if args.worker:
-        worker(args.steps, args.out)
+        worker(args.steps, args.out, args.p2p)
         return
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,15 +196,16 @@ def main() -> None:
         horovodrun = Path(sys.executable).with_name("horovodrun")
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         subprocess.run([str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, __file__,
-                        "--worker", "--steps", str(args.steps), "--out", str(out)], check=True, env=env)
+                        "--worker", "--steps", str(args.steps), "--p2p", args.p2p, "--out", str(out)], check=True,
+                       env=env)
         rows = json.loads(out.read_text())
         from hvd_runtime.pipeline.timeline import load_timeline, plot_timeline
 
-        pngs = ("pipeline-timeline.png", "pipeline-timeline-zb-h1.png")
-        for schedule, png in zip(("1f1b", "zb-h1"), pngs):
+        pngs = ("pipeline-timeline.png", "pipeline-timeline-zb-h1.png", "pipeline-timeline-interleaved.png")
+        for schedule, png in zip(("1f1b", "zb-h1", "interleaved-1f1b"), pngs):
             run = next(r["run"] for r in rows if r["schedule"] == schedule and r["m"] == 4)
             plot_timeline(load_timeline(run), args.docs / png)
-    report = write_report(rows, (load_before, os.getloadavg()[0]), pngs)
+    report = write_report(rows, (load_before, os.getloadavg()[0]), pngs, args.p2p)
     (args.docs / "benchmarks-pipeline.md").write_text(report)
     print(report)
 

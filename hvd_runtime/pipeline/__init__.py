@@ -1,6 +1,6 @@
 """The framework-free half of pipeline parallelism, one concern a module.
 
-    schedule     GPipe, 1F1B and ZB-H1 as action lists per stage; bubble and memory theory; a simulator
+    schedule     GPipe, 1F1B, ZB-H1 and interleaved 1F1B as action lists per stage; bubble and memory theory; a simulator
     partition    contiguous stages by parameters, measured time or the user's split points
     grid         PipelineRank: this rank's stage, replica, neighbours and process sets
     engine       PipelineEngineBase: walks a stage's schedule (a step of hvd_runtime.loop)
