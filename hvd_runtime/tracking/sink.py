@@ -6,6 +6,8 @@ reaches a server through exactly the code a live one does.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import importlib
 from pathlib import Path
@@ -22,6 +24,21 @@ MODEL_ARGUMENT = {"pytorch": "pytorch_model", "tensorflow": "model"}
 PARAMS_PER_REQUEST = 100
 METRICS_PER_REQUEST = 1000
 
+
+
+@contextlib.contextmanager
+def _quiet_keras():
+    """Keras' progress bars off while a model is logged: MLflow checks a model by predicting its
+    input example, and Keras would draw a "1/1 ━━━━" bar into the job's output at every epoch."""
+    import keras
+
+    was_on = keras.config.is_interactive_logging_enabled()
+    keras.config.disable_interactive_logging()
+    try:
+        yield
+    finally:
+        if was_on:
+            keras.config.enable_interactive_logging()
 
 def _flavor(name: str):
     return importlib.import_module(f"mlflow.{name}")
@@ -140,6 +157,7 @@ class MlflowSink:
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(experiment_id=self.client.get_run(run_id).info.experiment_id)
         # At its step: MLflow links the run's metrics of that step (the epoch's, sent before) to it.
-        Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
-                  input_example=example, pip_requirements=_requirements(flavor), step=int(record.get("step", 0)),
-                  **{MODEL_ARGUMENT[record["flavor"]]: model})
+        with _quiet_keras() if record["flavor"] == "tensorflow" else contextlib.nullcontext():
+            Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
+                      input_example=example, pip_requirements=_requirements(flavor), step=int(record.get("step", 0)),
+                      **{MODEL_ARGUMENT[record["flavor"]]: model})
