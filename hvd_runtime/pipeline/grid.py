@@ -67,11 +67,6 @@ class PipelineRank:
         return self.dims.pp_ranks(self.rank)[(self.stage + 1) % self.stages]
 
     @property
-    def virtual_stages(self) -> list[int]:
-        """The model's pieces this rank holds, in order: its stage, and with chunks stage + p, stage + 2p, ..."""
-        return [c * self.stages + self.stage for c in range(self.chunks)]
-
-    @property
     def is_first(self) -> bool:
         return self.stage == 0
 
