@@ -66,3 +66,28 @@ def test_a_peer_that_went_away_is_an_error_not_a_hang(pair):
     first.close()
     with pytest.raises(ConnectionError, match="rank 0 closed its link to rank 1"):
         second.recv_bytes("act0")
+
+
+def test_small_messages_leave_at_once_and_big_ones_keep_their_place(pair):
+    """A small message goes from the calling thread (no wait for the sender thread to get the
+    GIL); one too big for the socket buffer leaves its rest to the thread, and every message
+    posted after it waits its turn behind it."""
+    first, second = pair
+    first.send_bytes("act0", [0] * 10, np.full(64, 7, np.uint8))
+    assert first._pending == []              # nothing left for the sender thread
+    sizes = [32 << 20, 3, 5000, 16 << 20, 1]
+    for i, n in enumerate(sizes, start=1):
+        first.send_bytes(f"act{i}", [i] + [0] * 9, np.full(n, i, np.uint8))
+    got = {}
+
+    def read():
+        for i in range(len(sizes) + 1):
+            header, body = second.recv_bytes(f"act{i}")
+            got[i] = (header[0], body.size, set(np.unique(body).tolist()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    first.wait_sends()
+    reader.join(timeout=60)
+    assert got[0] == (0, 64, {7})
+    assert [got[i] for i in range(1, len(sizes) + 1)] == [(i, n, {i % 256}) for i, n in enumerate(sizes, start=1)]
