@@ -17,8 +17,8 @@ from hvd_runtime.config import ConfigError
 
 def gather_stages(hvd, dims, model_state, optimizer_state, rng) -> tuple[dict[int, dict], list]:
     """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state)."""
-    mine = {"stage": dims.stage, "replica": dims.replica, "model": model_state, "optimizer": optimizer_state,
-            "rng": rng}
+    mine = {"stage": dims.stage, "replica": dims.replica, "chunks": dims.chunks, "model": model_state,
+            "optimizer": optimizer_state, "rng": rng}
     parts = hvd.allgather_object(mine, name="pp.gather_stages")
     return {p["stage"]: p for p in parts if p["replica"] == 0}, [p["rng"] for p in parts]
 
@@ -28,11 +28,24 @@ def checkpoint_payload(stages: dict[int, dict], rngs: list, state: TrainState) -
 
 
 def own_stage(payload: dict, dims, where: str) -> dict:
-    """This rank's stage part of a restored payload; refuses a checkpoint of another pipeline shape."""
+    """This rank's stage part of a restored payload; refuses a checkpoint of another pipeline shape.
+
+    The shape includes the chunks per rank: an interleaved stage holds other blocks (and its
+    optimizer other slots) than a stage of the same index without chunks.
+    """
     if "stages" not in payload or dims.stage not in payload["stages"]:
         raise ValueError(f"{where} was not written by a {dims.stages}-stage pipeline: "
                          "point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
-    return payload["stages"][dims.stage]
+    part = payload["stages"][dims.stage]
+    saved = part.get("chunks", 1)    # checkpoints from before interleaving: one chunk a stage
+    if saved != dims.chunks:
+        def shape(chunks: int) -> str:
+            return f"{chunks} chunks a stage (interleaved-1f1b)" if chunks > 1 else "one chunk a stage"
+
+        raise ValueError(f"{where} was written by a pipeline of {shape(saved)}, this one has {shape(dims.chunks)}: "
+                         "resume with the parallel.schedule and parallel.virtual_stages it was written with, point "
+                         "--checkpoint.dir elsewhere, or pass --checkpoint.resume false")
+    return part
 
 
 def own_rng(payload: dict, rank: int, size: int):

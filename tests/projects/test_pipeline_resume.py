@@ -56,6 +56,14 @@ def test_pipeline_resumes_exactly(tmp_path, framework, schedule):
     resumed, out = train(project, tmp_path / "resumed", 2, *choice, env=skip_digest)
     assert "resuming from checkpoints/ckpt-" in out and "from epoch 1" in out
     assert f"{schedule}, 4 micro-batches" in out
+    if schedule == "interleaved-1f1b":   # its stages hold other blocks: another schedule cannot take them
+        other = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project),
+                                str(tmp_path / "resumed"), "--train.epochs", "3"], cwd=project, env=skip_digest,
+                            timeout=400, check=False)
+        assert other.returncode != 0
+        # (train() raised it here: train.py's main would print it as one config-error line)
+        assert ("was written by a pipeline of 2 chunks a stage (interleaved-1f1b), this one has one chunk a "
+                "stage: resume with the parallel.schedule") in other.stderr
     assert resumed[-1]["epoch"] == 2
     assert_same(resumed[-1], straight[-1], ("train_loss", "val_loss", "val_accuracy"))
 
