@@ -70,7 +70,8 @@ def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None) 
 class Stage:
     """Layers [start, stop) of a model, called in order; the variables are the model's.
 
-    With chunks, the layers of each of the rank's pieces in turn; `chunks` holds how many layers each has.
+    With chunks, the layers of each of the rank's pieces in turn; `chunks` (kept as chunk_sizes)
+    says how many layers each piece has.
     """
 
     def __init__(self, layers: Sequence, index: int, plan: Partition, chunks: Sequence[int] | None = None):
