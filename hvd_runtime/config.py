@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES
+from hvd_runtime.pipeline.schedule import SCHEDULES, interleaved_misfit
 
 
 class ConfigError(ValueError):
@@ -215,11 +215,10 @@ def check_values(config) -> None:
     for key in ("data.workers", "optim.clip_norm"):
         if key in flat and flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more, got {flat[key]}")
-    if flat.get("parallel.schedule") in INTERLEAVED and flat["parallel.micro_batches"] % flat["parallel.stages"]:
-        stages, m = flat["parallel.stages"], flat["parallel.micro_batches"]
-        raise ConfigError(f"parallel.micro_batches {m} is not a multiple of parallel.stages {stages}: "
-                          f"{flat['parallel.schedule']} sends micro-batches round the stages in groups of {stages}; "
-                          f"use {m + stages - m % stages}")
+    if "parallel.schedule" in flat:
+        misfit = interleaved_misfit(flat["parallel.schedule"], flat["parallel.stages"], flat["parallel.micro_batches"])
+        if misfit:
+            raise ConfigError(misfit)
     if flat.get("data.source") in ("npz", "image_folder", "tokens") and not flat.get("data.path"):
         raise ConfigError(f"data.source {flat['data.source']} needs data.path: e.g. --data.path my_data.npz")
 

@@ -98,12 +98,10 @@ class ParallelDims:
         groups = [self.tp_ranks(r) for r in firsts]
         groups += [self.dp_ranks(self.rank_of(0, p, t)) for p in range(self.pp) for t in range(self.tp)]
         if pairs:
-            groups += [lane[s:s + 2] for lane in (self.pp_ranks(self.rank_of(d, 0, t))
-                                                  for d in range(self.dp) for t in range(self.tp))
-                       for s in range(self.pp - 1)]
+            lanes = [self.pp_ranks(self.rank_of(d, 0, t)) for d in range(self.dp) for t in range(self.tp)]
+            groups += [lane[s:s + 2] for lane in lanes for s in range(self.pp - 1)]
             if ring and self.pp > 2:
-                groups += [[lane[0], lane[-1]] for lane in (self.pp_ranks(self.rank_of(d, 0, t))
-                                                            for d in range(self.dp) for t in range(self.tp))]
+                groups += [[lane[0], lane[-1]] for lane in lanes]
         return [g for g in groups if 1 < len(g) < self.world]
 
     def describe(self) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
-from hvd_runtime.pipeline.schedule import INTERLEAVED, Op, build_schedule, schedule_bubble
+from hvd_runtime.pipeline.schedule import INTERLEAVED, Op, build_schedule, interleaved_misfit, schedule_bubble
 from hvd_runtime.pipeline.timeline import TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline
 
 
@@ -36,11 +36,9 @@ class PipelineEngineBase:
         if (schedule in INTERLEAVED) != (dims.chunks > 1):
             raise PipelineConfigError(f"schedule {schedule} with {dims.chunks} chunks per rank: interleaved-1f1b needs "
                                       "init_pipeline(..., chunks=2 or more), every other schedule chunks=1")
-        if schedule in INTERLEAVED and micro_batches % dims.stages:
-            fits = micro_batches + dims.stages - micro_batches % dims.stages
-            raise PipelineConfigError(f"parallel.micro_batches {micro_batches} is not a multiple of the {dims.stages} "
-                                      f"stages: {schedule} sends micro-batches round the stages in groups of "
-                                      f"{dims.stages}; use {fits}")
+        misfit = interleaved_misfit(schedule, dims.stages, micro_batches)
+        if misfit:
+            raise PipelineConfigError(misfit)
         self._schedules: dict[int, tuple[list, list]] = {}
         self._actions_for(micro_batches)   # built up front: a schedule that cannot be made fails at start-up
         self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline)

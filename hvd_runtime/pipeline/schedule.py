@@ -216,6 +216,15 @@ SPLIT_BACKWARD_TORCH_ONLY = ("runs on PyTorch only: Keras layers inside a block 
                              "so TensorFlow's weight half would redo each block's backward")
 
 
+def interleaved_misfit(name: str, stages: int, micro_batches: int) -> str | None:
+    """Why schedule `name` cannot take `micro_batches` per batch, or None: an interleaved schedule
+    sends micro-batches round the stages in groups of `stages`, so m must be a multiple of them."""
+    if name not in INTERLEAVED or micro_batches % stages == 0:
+        return None
+    return (f"parallel.micro_batches {micro_batches} is not a multiple of parallel.stages {stages}: {name} sends "
+            f"micro-batches round the stages in groups of {stages}; use {micro_batches + stages - micro_batches % stages}")
+
+
 def _check_name(name: str) -> None:
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} (e.g. '1f1b')")

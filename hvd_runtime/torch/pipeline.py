@@ -52,9 +52,6 @@ def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
     group = dims.tensor_group
     if group is None:
         return stage
-    if dims.chunks > 1:
-        raise PipelineConfigError("the interleaved-1f1b schedule does not split stages over tensor-parallel ranks: "
-                                  "use parallel.tp 1, or schedule 1f1b")
     # Horovod: one model for the whole group, from its first rank
     _broadcast_state(stage, dims.dims.tp_ranks(dims.rank)[0], group.process_set, "tp.init")
     return split_model(stage, group)

@@ -7,7 +7,6 @@ reaches a server through exactly the code a live one does.
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import importlib
 from pathlib import Path
@@ -25,7 +24,6 @@ PARAMS_PER_REQUEST = 100
 METRICS_PER_REQUEST = 1000
 
 
-
 @contextlib.contextmanager
 def _quiet_keras():
     """Keras' progress bars off while a model is logged: MLflow checks a model by predicting its
@@ -39,6 +37,7 @@ def _quiet_keras():
     finally:
         if was_on:
             keras.config.enable_interactive_logging()
+
 
 def _flavor(name: str):
     return importlib.import_module(f"mlflow.{name}")
