@@ -26,6 +26,9 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
         tl = load_timeline(run_dir)
     except (FileNotFoundError, ValueError) as e:
         raise HvdgenError(str(e)) from None
+    if not tl.steps:   # a run that resumed after its last epoch trains, and records, nothing
+        raise HvdgenError(f"{run_dir} recorded no training step (did the run resume after its last epoch?): "
+                          "train further, e.g. --train.epochs with a higher number, then draw it again")
     if step is not None and step not in tl.steps:
         raise HvdgenError(f"--step {step} was not recorded: recorded steps are {tl.steps[0]}..{tl.steps[-1]}")
     meta = tl.meta

@@ -121,6 +121,20 @@ def test_cli_errors_are_one_line(tmp_path):
     assert result.exit_code == 1 and "is not a timeline file" in result.output
 
 
+
+def test_cli_on_a_run_that_trained_no_step_says_so_in_one_line_and_draws_nothing(tmp_path):
+    """A job restarted after its last epoch saves an empty timeline (what `make train` twice leaves)."""
+    save_timeline(tmp_path, [{"rank": r, "stage": r, "replica": 0, "events": []} for r in range(2)],
+                  {"schedule": "1f1b", "stages": 2, "micro_batches": 4})
+    before = sorted(tmp_path.iterdir())
+    for extra in ([], ["--step", "0"]):
+        result = CliRunner().invoke(main, ["timeline", str(tmp_path), *extra])
+        assert result.exit_code == 1, result.output
+        assert result.output.startswith("Error: ") and len(result.output.strip().splitlines()) == 1
+        assert "recorded no training step (did the run resume after its last epoch?)" in result.output
+    assert sorted(tmp_path.iterdir()) == before
+
+
 def test_step_bubble_of_a_missing_step(tmp_path):
     save_timeline(tmp_path, simulated_records("gpipe", 2, 2, steps=1), {})
     with pytest.raises(ValueError, match="no events in step 5"):
