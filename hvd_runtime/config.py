@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from hvd_runtime.pipeline.schedule import SCHEDULES, interleaved_misfit
+from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, interleaved_misfit
 
 
 class ConfigError(ValueError):
@@ -219,6 +219,9 @@ def check_values(config) -> None:
         misfit = interleaved_misfit(flat["parallel.schedule"], flat["parallel.stages"], flat["parallel.micro_batches"])
         if misfit:
             raise ConfigError(misfit)
+        if flat["parallel.schedule"] in INTERLEAVED and flat["parallel.virtual_stages"] < 2:
+            raise ConfigError(f"parallel.virtual_stages {flat['parallel.virtual_stages']} gives each rank one chunk: "
+                              f"{flat['parallel.schedule']} needs 2 or more (with one, use schedule 1f1b)")
     if flat.get("data.source") in ("npz", "image_folder", "tokens") and not flat.get("data.path"):
         raise ConfigError(f"data.source {flat['data.source']} needs data.path: e.g. --data.path my_data.npz")
 

@@ -30,6 +30,12 @@ def test_ints_are_accepted_for_floats_and_lists_are_typed():
     (["--data.source", "csv"], "data.source is 'csv': choose one of"),
     (["--data.source", "npz"], "data.source npz needs data.path"),
     (["--train.batch_size", "0"], "train.batch_size must be at least 1"),
+    (["--parallel.schedule", "interleaved-1f1b", "--parallel.micro_batches", "3"],
+     "parallel.micro_batches 3 is not a multiple of parallel.stages 2: interleaved-1f1b sends micro-batches round "
+     "the stages in groups of 2; use 4"),
+    (["--parallel.schedule", "interleaved-1f1b", "--parallel.virtual_stages", "1"],
+     "parallel.virtual_stages 1 gives each rank one chunk: interleaved-1f1b needs 2 or more"),
+    (["--parallel.virtual_stages", "0"], "parallel.virtual_stages must be at least 1"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
