@@ -7,6 +7,8 @@ progress, throughput, `log_every` points, `Every` hooks (checkpoints, elastic co
 metrics averaged over the job. A step offers:
 
     batches_per_update: int        batches whose gradients make one optimizer step (k)
+    reports_loss: bool             does this rank's loss count in the job's means? (a pipeline
+                                   stage before the last computes none: its batches count 0)
     train_batch(x, y, apply, step) -> (mean loss, {metric: sum over the batch})
                                    `apply`: the k-th batch, update the weights; `step`: the
                                    job's batch count so far (a learning-rate schedule reads it)
@@ -33,6 +35,7 @@ class Step(Protocol):
     """What the loop drives: see the module's docstring."""
 
     batches_per_update: int
+    reports_loss: bool
 
     def train_batch(self, x, y, apply: bool, step: int) -> tuple[object, Mapping[str, object]]: ...
 
@@ -86,7 +89,7 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
             break
         apply = (i + 1) % k == 0
         loss, metric_sums = step.train_batch(x, y, apply, state.step)
-        n = int(y.shape[0])
+        n = int(y.shape[0]) if step.reports_loss else 0
         sums["loss"] = sums["loss"] + loss * n
         for key, value in metric_sums.items():
             sums[key] = sums.get(key, 0.0) + value
@@ -97,7 +100,8 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
         speed.step()
         if log_every and on_log is not None and state.step % log_every == 0:
             # Horovod: the batch loss averaged over the job (every rank calls, at the same step)
-            point = means_over_ranks({"step_train_loss": loss}, 1, step.sum_over_ranks, "metrics.step")
+            point = means_over_ranks({"step_train_loss": loss}, int(step.reports_loss), step.sum_over_ranks,
+                                     "metrics.step")
             point |= speed.since_last()
             if hasattr(batch_iter, "set_postfix_str"):
                 batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)

@@ -79,7 +79,7 @@ class PipelineEngineBase:
     # -- framework hooks ----------------------------------------------------------------------------
     def _forward(self, c: int, i: int, inp, y, weight: float, train: bool):
         """Run chunk c (the stage, without chunks: c = 0) on micro-batch i; at the model's end also
-        the loss. Returns (output, mean loss or None).
+        the loss. Returns (output, mean loss or None: a framework scalar, not read on the host).
 
         When training, keep what `_backward(c, i, ...)` needs; the last chunk backpropagates
         `weight x loss` so the micro-batches add up to the whole batch's mean.
@@ -142,9 +142,10 @@ class PipelineEngineBase:
 
     # -- one pass over the schedule ---------------------------------------------------------------
     def _run(self, actions, xs, ys, sizes, total: int, train: bool) -> np.ndarray:
-        """Walk this stage's actions; return [loss sum, samples, metric sums...] (zeros off the last stage).
+        """Walk this stage's actions; return [loss sum, samples, metric sums...] (None off the last stage).
 
-        Everything in flight is keyed by (chunk, micro-batch): without chunks, the chunk is 0.
+        Everything in flight is keyed by (chunk, micro-batch): without chunks, the chunk is 0. The
+        sums stay the framework's values where they are: no host sync per micro-batch.
         """
         dims, rec, p = self.dims, self.recorder, self.dims.stages
         inputs: dict[tuple, object] = {}
@@ -166,7 +167,7 @@ class PipelineEngineBase:
                     out, loss = self._forward(c, i, inp, y, sizes[i] / total, train)
                     if last:
                         stats = self._stats(loss, out, y, sizes[i])
-                        sums = stats if sums is None else sums + stats
+                        sums = stats if sums is None else [a + b for a, b in zip(sums, stats)]
                     else:
                         outputs[key] = out
                     if train or not last:
@@ -198,19 +199,17 @@ class PipelineEngineBase:
         self._wait_sends()
         if train:
             self.peak_in_flight = peak
-        return sums if sums is not None else self._zero_sums()
+        return sums
 
-    def _zero_sums(self) -> np.ndarray:
-        return np.zeros(2 + len(self._metric_names or []), dtype=np.float64)
-
-    def _stats(self, loss, out, y, n: int) -> np.ndarray:
-        values = [float(loss) * n, float(n)]
+    def _stats(self, loss, out, y, n: int) -> list:
+        """[loss x n, n, metric x n...] for one micro-batch: floats or the framework's scalars."""
+        values = [loss * n, float(n)]
         if self.metrics_fn is not None:
             metrics = self._metrics(out, y)
             if self._metric_names is None:
                 self._metric_names = sorted(metrics)
-            values += [float(metrics[k]) * n for k in self._metric_names]
-        return np.asarray(values, dtype=np.float64)
+            values += [metrics[k] * n for k in self._metric_names]
+        return values
 
     def _metrics(self, out, y) -> dict[str, float]:
         return self.metrics_fn(out, y)
@@ -228,22 +227,26 @@ class PipelineEngineBase:
         ys = self._split_batch(y, sizes) if y is not None else None
         return xs, ys, sizes, n
 
-    def _report(self, sums: np.ndarray, name: str) -> tuple[float, dict[str, float]]:
-        """Sample-weighted means over the last stage's replicas, delivered to every rank."""
+    def _sync_metric_names(self) -> None:
+        """Only the last stage has seen the metrics; every rank needs their names, once (a collective)."""
         if not self._names_synced:
-            # only the last stage has seen the metrics; every rank needs their names once
             names = self._metric_names if self.dims.is_last else None
             self._metric_names = self.hvd.broadcast_object(names or [], root_rank=self.dims.last_stage_root,
                                                            name="pp.metric_names")
             self._names_synced = True
-            sums = np.concatenate([sums, np.zeros(2 + len(self._metric_names) - len(sums))])
-        total = self.sum_over_ranks(sums, name)
+
+    def _report(self, sums: list | None, name: str) -> tuple[float, dict[str, float]]:
+        """Sample-weighted means over the last stage's replicas, delivered to every rank."""
+        self._sync_metric_names()
+        width = 2 + len(self._metric_names)
+        values = np.array([float(v) for v in sums] if sums is not None else np.zeros(width), dtype=np.float64)
+        total = self.sum_over_ranks(values, name)
         n = total[1]
         return float(total[0] / n), {k: float(total[2 + j] / n) for j, k in enumerate(self._metric_names)}
 
     # -- public -------------------------------------------------------------------------------------
-    def train_step(self, x=None, y=None, batch_size: int | None = None) -> tuple[float, dict[str, float]]:
-        """One optimizer step over the batch; returns (loss, metrics) averaged over dp, on every rank."""
+    def _train(self, x, y, batch_size: int | None = None) -> list | None:
+        """One optimizer step over the batch; this stage's sums as `_run` returns them."""
         xs, ys, sizes, n = self._split(x, y, batch_size)
         self._set_training(True)
         self._begin_step()
@@ -252,14 +255,30 @@ class PipelineEngineBase:
         sums = self._run(self._actions_for(len(sizes))[0], xs, ys, sizes, n, train=True)
         self._finish_step()
         self.steps += 1
-        return self._report(sums, "pp.train_report")
+        return sums
 
-    def train_batch(self, x, y, apply: bool, step: int) -> tuple[float, dict[str, float]]:
-        """hvd_runtime.loop's call: one step; its loss, and its metrics (averaged over dp) as sums."""
+    def train_step(self, x=None, y=None, batch_size: int | None = None) -> tuple[float, dict[str, float]]:
+        """One optimizer step over the batch; returns (loss, metrics) averaged over dp, on every rank."""
+        return self._report(self._train(x, y, batch_size), "pp.train_report")
+
+    @property
+    def reports_loss(self) -> bool:
+        """hvd_runtime.loop: only the last stage computes the loss; the other stages' batches count 0."""
+        return self.dims.is_last
+
+    def train_batch(self, x, y, apply: bool, step: int) -> tuple[object, dict[str, object]]:
+        """hvd_runtime.loop's call: one step; this stage's mean loss and metric sums, as they are.
+
+        No collective: the loop sums them over the job at its log points and the epoch's end, so a
+        step costs no Horovod cycle beyond its gradients'. Stages before the last report zeros.
+        """
         self._before_step(step)
-        loss, metrics = self.train_step(x, y)
-        n = self._count(y if y is not None else x)
-        return loss, {key: value * n for key, value in metrics.items()}
+        sums = self._train(x, y)
+        self._sync_metric_names()
+        if sums is None:
+            return 0.0, {key: 0.0 for key in self._metric_names}
+        n = sums[1]
+        return sums[0] / n, {key: sums[2 + j] for j, key in enumerate(self._metric_names)}
 
     def evaluate(self, batches) -> tuple[float, dict[str, float]]:
         """Forward-only passes over (x, y) batches; sample-weighted (loss, metrics) over dp, on every rank."""
@@ -270,10 +289,11 @@ class PipelineEngineBase:
             for x, y in batches:
                 xs, ys, sizes, n = self._split(x, y, None)
                 s = self._run(self._actions_for(len(sizes))[1], xs, ys, sizes, n, train=False)
-                sums = s if sums is None else sums + s
+                if s is not None:   # the last stage
+                    sums = s if sums is None else [a + b for a, b in zip(sums, s)]
         finally:
             self.recorder.enabled = recording
-        return self._report(sums if sums is not None else self._zero_sums(), "pp.eval_report")
+        return self._report(sums, "pp.eval_report")
 
     def save_timeline(self, run_dir) -> None:
         """Gather every rank's timeline to rank 0, which writes run_dir/timeline.json. Call on every rank."""

@@ -200,7 +200,7 @@ class PipelineEngine(PipelineEngineBase):
         if not train:
             out = self._chunk_fns[c](inp, False)
             loss = self.loss_fn(y, out) if last else None
-            return out, (float(loss) if loss is not None else None)
+            return out, loss
         with tf.GradientTape() as tape:
             tape.watch(inp)
             out = self._chunk_fns[c](inp, True)
@@ -213,7 +213,7 @@ class PipelineEngine(PipelineEngineBase):
             else:
                 target = out
         self._saved[(c, i)] = (tape, inp, target)
-        return out, (float(loss) if loss is not None else None)
+        return out, loss
 
     def _backward(self, c, i, grad):
         tape, inp, target = self._saved.pop((c, i))

@@ -39,6 +39,7 @@ class TrainStep:
     """
 
     metric_names = ("accuracy",)
+    reports_loss = True   # every rank's batch is part of the job's loss
 
     def __init__(self, model, optimizer, loss_fn, sync: GradientSync, backward_passes_per_step: int = 1,
                  clip_norm: float = 0.0, grad_norm=None, accuracy_fn=accuracy_sum):

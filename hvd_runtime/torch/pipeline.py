@@ -110,7 +110,7 @@ class PipelineEngine(PipelineEngineBase):
             loss = self.loss_fn(out, y.to(self.device)) if last else None
         if train:
             self._saved[(c, i)] = (inp, loss * weight if loss is not None else out, calls)
-        return out, (loss.item() if loss is not None else None)
+        return out, (loss.detach() if loss is not None else None)
 
     def _backward(self, c, i, grad):
         inp, out, _ = self._saved.pop((c, i))

@@ -38,6 +38,7 @@ class TrainStep:
     """
 
     metric_names = ("accuracy",)
+    reports_loss = True   # every rank's batch is part of the job's loss
 
     def __init__(self, model: nn.Module, optimizer, schedule: WarmupSchedule, loss_fn, ctx: Context,
                  backward_passes_per_step: int = 1, precision: Precision | None = None, accuracy_fn=accuracy_sum):

@@ -67,6 +67,6 @@ class VocabObjective(VocabularyShare):
         hits = (first == target.to(first.device)).float()
         return hits.reshape(len(target), -1).mean(dim=1).sum()
 
-    def accuracy(self, logits: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
-        """A pipeline engine's metrics_fn: the batch's mean accuracy."""
-        return {"accuracy": self.accuracy_sum(logits, target).item() / len(target)}
+    def accuracy(self, logits: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A pipeline engine's metrics_fn: the batch's mean accuracy, left where it was computed."""
+        return {"accuracy": self.accuracy_sum(logits, target) / len(target)}

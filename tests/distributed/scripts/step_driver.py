@@ -41,13 +41,29 @@ def parse_args(pipeline: bool, p2p: str = "torch") -> argparse.Namespace:
     return args
 
 
+def loop_step(engine, x, y, step: int) -> tuple[float, dict[str, float]]:
+    """One step as hvd_runtime.loop takes it: `train_batch` with no collective, then the loop's
+    sums over the job, where only ranks that report a loss count their batch."""
+    from hvd_runtime.loop import means_over_ranks
+
+    loss, sums = engine.train_batch(x, y, True, step)
+    n = int(y.shape[0]) if engine.reports_loss else 0
+    means = means_over_ranks({"loss": loss * n, **sums}, n, engine.sum_over_ranks, "test.loop_step")
+    return means.pop("loss"), means
+
+
 def drive_pipeline(engine, dims, xs, ys, x_val, y_val, args) -> dict:
-    """Train on every global batch and evaluate; return losses, accuracies, peak in flight, val loss."""
+    """Train on every global batch and evaluate; return losses, accuracies, peak in flight, val loss.
+
+    The last batch goes the way hvd_runtime.loop drives an engine (every rank given x and y), the
+    others through `train_step`, whose loss and metrics come back averaged over the job."""
     shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
     losses, accs, peaks = [], [], []
-    for x, y in zip(xs, ys):
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        if k == len(xs) - 1:
+            loss, metrics = loop_step(engine, x[shard], y[shard], k)
         # a middle stage needs neither inputs nor targets, only the batch size
-        if dims.is_first or dims.is_last:
+        elif dims.is_first or dims.is_last:
             loss, metrics = engine.train_step(x[shard] if dims.is_first else None, y[shard] if dims.is_last else None)
         else:
             loss, metrics = engine.train_step(batch_size=args.batch)
