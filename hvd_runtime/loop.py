@@ -7,8 +7,9 @@ progress, throughput, `log_every` points, `Every` hooks (checkpoints, elastic co
 metrics averaged over the job. A step offers:
 
     batches_per_update: int        batches whose gradients make one optimizer step (k)
-    reports_loss: bool             does this rank's loss count in the job's means? (a pipeline
-                                   stage before the last computes none: its batches count 0)
+    reports_loss: bool             does this rank's batch count in the job's means? (a pipeline
+                                   stage before the last computes no data loss: its batches count
+                                   0, and its loss, its layers' penalty terms, only adds in)
     train_batch(x, y, apply, step) -> (mean loss, {metric: sum over the batch})
                                    `apply`: the k-th batch, update the weights; `step`: the
                                    job's batch count so far (a learning-rate schedule reads it)
@@ -89,11 +90,11 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
             break
         apply = (i + 1) % k == 0
         loss, metric_sums = step.train_batch(x, y, apply, state.step)
-        n = int(y.shape[0]) if step.reports_loss else 0
+        n = int(y.shape[0])
         sums["loss"] = sums["loss"] + loss * n
         for key, value in metric_sums.items():
             sums[key] = sums.get(key, 0.0) + value
-        seen += n
+        seen += n if step.reports_loss else 0
         state.step += 1
         state.samples_in_epoch += batches.samples_per_step
         speed.tokens_per_sample = int(np.prod(y.shape[1:]))  # a language model's targets: one per token

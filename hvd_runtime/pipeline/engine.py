@@ -49,6 +49,9 @@ class PipelineEngineBase:
         self._act_sent: set[tuple] = set()          # (chunk, micro-batch size) whose shape the next stage knows
         self._metric_names: list[str] | None = None
         self._names_synced = False
+        # this stage's regularisation terms in the step's loss (a framework scalar; 0.0 where none):
+        # Keras adds its layers' terms to the loss, and a stage's layers are on this rank only
+        self.penalty = 0.0
 
     def _actions_for(self, m: int) -> tuple[list, list]:
         """This stage's training and forward-only actions for a batch of m micro-batches.
@@ -235,50 +238,58 @@ class PipelineEngineBase:
                                                            name="pp.metric_names")
             self._names_synced = True
 
-    def _report(self, sums: list | None, name: str) -> tuple[float, dict[str, float]]:
-        """Sample-weighted means over the last stage's replicas, delivered to every rank."""
+    def _report(self, sums: list | None, name: str, batch: int = 0) -> tuple[float, dict[str, float]]:
+        """Sample-weighted means over the last stage's replicas, delivered to every rank.
+
+        Each stage adds its penalty once per sample of its `batch` (training), so the loss is the
+        whole model's: the last stage's data loss plus every stage's regularisation terms.
+        """
         self._sync_metric_names()
         width = 2 + len(self._metric_names)
         values = np.array([float(v) for v in sums] if sums is not None else np.zeros(width), dtype=np.float64)
+        values[0] += float(self.penalty) * batch
         total = self.sum_over_ranks(values, name)
         n = total[1]
         return float(total[0] / n), {k: float(total[2 + j] / n) for j, k in enumerate(self._metric_names)}
 
     # -- public -------------------------------------------------------------------------------------
-    def _train(self, x, y, batch_size: int | None = None) -> list | None:
-        """One optimizer step over the batch; this stage's sums as `_run` returns them."""
+    def _train(self, x, y, batch_size: int | None = None) -> tuple[list | None, int]:
+        """One optimizer step over the batch; this stage's sums as `_run` returns them, and the batch size."""
         xs, ys, sizes, n = self._split(x, y, batch_size)
         self._set_training(True)
+        self.penalty = 0.0
         self._begin_step()
         self.recorder.step = self.steps
         self.recorder.enabled = self.timeline and self.steps < self.timeline_steps
         sums = self._run(self._actions_for(len(sizes))[0], xs, ys, sizes, n, train=True)
         self._finish_step()
         self.steps += 1
-        return sums
+        return sums, n
 
     def train_step(self, x=None, y=None, batch_size: int | None = None) -> tuple[float, dict[str, float]]:
         """One optimizer step over the batch; returns (loss, metrics) averaged over dp, on every rank."""
-        return self._report(self._train(x, y, batch_size), "pp.train_report")
+        sums, n = self._train(x, y, batch_size)
+        return self._report(sums, "pp.train_report", batch=n)
 
     @property
     def reports_loss(self) -> bool:
-        """hvd_runtime.loop: only the last stage computes the loss; the other stages' batches count 0."""
+        """hvd_runtime.loop: only the last stage's batches count; the others add just their penalty."""
         return self.dims.is_last
 
     def train_batch(self, x, y, apply: bool, step: int) -> tuple[object, dict[str, object]]:
         """hvd_runtime.loop's call: one step; this stage's mean loss and metric sums, as they are.
 
         No collective: the loop sums them over the job at its log points and the epoch's end, so a
-        step costs no Horovod cycle beyond its gradients'. Stages before the last report zeros.
+        step costs no Horovod cycle beyond its gradients'. The loss is this stage's part of the
+        model's: its penalty, plus the data loss on the last stage; the other stages' metrics are zeros.
         """
         self._before_step(step)
-        sums = self._train(x, y)
+        sums, _ = self._train(x, y)
         self._sync_metric_names()
         if sums is None:
-            return 0.0, {key: 0.0 for key in self._metric_names}
+            return self.penalty, {key: 0.0 for key in self._metric_names}
         n = sums[1]
-        return sums[0] / n, {key: sums[2 + j] for j, key in enumerate(self._metric_names)}
+        return sums[0] / n + self.penalty, {key: sums[2 + j] for j, key in enumerate(self._metric_names)}
 
     def evaluate(self, batches) -> tuple[float, dict[str, float]]:
         """Forward-only passes over (x, y) batches; sample-weighted (loss, metrics) over dp, on every rank."""

@@ -174,7 +174,7 @@ class PipelineEngine(PipelineEngineBase):
         self._whole_share = [1.0 if id(v) in split else 1.0 / dims.dims.tp for v in self.variables]
         if not optimizer.built:
             optimizer.build(self.variables)
-        self._saved: dict[tuple, tuple] = {}  # (chunk, micro-batch) -> (tape, input, output to backpropagate)
+        self._saved: dict[tuple, tuple] = {}  # (chunk, micro-batch) -> (tape, input, [output or loss, penalty?])
         self._grads: list = []
         # each chunk's trainable variables, and where they sit in self.variables (whose gradients add up)
         at = {id(v): k for k, v in enumerate(self.variables)}
@@ -204,14 +204,14 @@ class PipelineEngine(PipelineEngineBase):
         with tf.GradientTape() as tape:
             tape.watch(inp)
             out = self._chunk_fns[c](inp, True)
-            loss = None
-            if last:
-                loss = self.loss_fn(y, out)
-                if self.stage.losses:      # regularisation terms, as Keras adds them to the loss
-                    loss = loss + tf.add_n(self.stage.losses)
-                target = loss * weight
-            else:
-                target = out
+            # the chunk's regularisation terms, as Keras adds them to the loss: each micro-batch
+            # carries its share (weight), so a step adds them once, whichever stage holds the layers
+            terms = [term for layer in self.stage.chunk_layers(c) for term in layer.losses]
+            penalty = [tf.add_n(terms) * weight] if terms else []
+            loss = self.loss_fn(y, out) if last else None
+            target = [loss * weight if last else out, *penalty]   # on the tape: what the backward differentiates
+        if penalty:
+            self.penalty = self.penalty + tf.stop_gradient(penalty[0])
         self._saved[(c, i)] = (tape, inp, target)
         return out, loss
 
@@ -219,7 +219,9 @@ class PipelineEngine(PipelineEngineBase):
         tape, inp, target = self._saved.pop((c, i))
         first, variables = self._is_first(c), self._chunk_variables[c]
         sources = variables if first else [inp, *variables]
-        grads = tape.gradient(target, sources, output_gradients=None if grad is None else grad)
+        # the output's gradient from the next stage (none at the model's end), and 1 for a penalty
+        seeds = [grad if grad is not None else tf.ones_like(target[0])] + [tf.ones_like(t) for t in target[1:]]
+        grads = tape.gradient(target, sources, output_gradients=seeds)
         # dense: an embedding's IndexedSlices neither add up over micro-batches nor give a true norm
         # (a token's row counts once per occurrence)
         for slot, g in zip(self._chunk_slots[c], grads if first else grads[1:]):

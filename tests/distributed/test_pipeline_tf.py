@@ -114,22 +114,23 @@ def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
 # -- real horovodrun jobs -----------------------------------------------------------------------
 
 PIPELINE_CASES = [
-    # (np, stages, schedule, micro-batches, link, what it covers)
-    (2, 2, "gpipe", 4, "alltoall", "pp=2 dp=1, GPipe, uneven micro-batches 3,3,2,2, over hvd.alltoall"),
-    (2, 2, "1f1b", 4, "socket", "pp=2 dp=1, 1F1B"),
-    (4, 2, "1f1b", 2, "socket", "pp=2 dp=2: replicas start from replica 0, gradients averaged per stage"),
-    (4, 2, "gpipe", 2, "alltoall", "pp=2 dp=2 over hvd.alltoall in the pairs' process sets"),
-    (4, 4, "1f1b", 4, "socket", "pp=4 dp=1: middle stages get only the batch size"),
+    # (np, stages, schedule, micro-batches, link, extra flags, what it covers)
+    (2, 2, "gpipe", 4, "alltoall", [], "pp=2 dp=1, GPipe, uneven micro-batches 3,3,2,2, over hvd.alltoall"),
+    (2, 2, "1f1b", 4, "socket", [], "pp=2 dp=1, 1F1B"),
+    (4, 2, "1f1b", 2, "socket", [], "pp=2 dp=2: replicas start from replica 0, gradients averaged per stage"),
+    (4, 2, "gpipe", 2, "alltoall", [], "pp=2 dp=2 over hvd.alltoall in the pairs' process sets"),
+    (4, 4, "1f1b", 4, "socket", ["--regularize"],
+     "pp=4 dp=1: middle stages get only the batch size; every stage's L2 terms in its gradients and the loss"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("np_,stages,schedule,m,p2p,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
-def test_tf_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, p2p, what):
+@pytest.mark.parametrize("np_,stages,schedule,m,p2p,extra,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
+def test_tf_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, p2p, extra, what):
     out = tmp_path / "result.json"
     run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages),
-                      "--schedule", schedule, "--micro-batches", str(m), "--p2p", p2p, "--out", str(out)],
+                      "--schedule", schedule, "--micro-batches", str(m), "--p2p", p2p, *extra, "--out", str(out)],
                 cwd=tmp_path, timeout=280)
     check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m, BLOCKS)
 
@@ -164,7 +165,7 @@ def test_generated_keras_models_split_into_a_pipeline_match_single_process(tmp_p
 
 INTERLEAVED_CASES = [
     # (np, stages, chunks, micro-batches, link, model, clip norm, batch, what it covers)
-    (2, 2, 2, 4, "socket", "mlp", 0.0, 10, "pp=2, 2 chunks a rank, round the ring over two sockets"),
+    (2, 2, 2, 4, "socket", "mlp", 0.0, 10, "pp=2, 2 chunks a rank, round the ring over two sockets; L2 terms per chunk"),
     (3, 3, 2, 3, "alltoall", "mlp", 0.0, 10, "pp=3, 2 chunks over hvd.alltoall: the ring's last-to-first pair set"),
     (2, 2, 2, 2, "socket", "gpt", 0.1, 8, "GPT pp=2 x 2 chunks (a block each), clipped by the whole model's norm"),
 ]
@@ -178,7 +179,8 @@ def test_tf_interleaved_pipeline_matches_single_process(tmp_path, tf_workload_pr
                                                         model, clip, batch, what):
     """Interleaved 1F1B: each rank holds `chunks` pieces of the model, each under its own tape and tf.function."""
     out = tmp_path / "result.json"
-    project = [] if model == "mlp" else ["--model", model, "--project", str(tf_workload_projects[model])]
+    # the MLP with L2 kernel regularizers: each chunk's terms under its own tape
+    project = ["--regularize"] if model == "mlp" else ["--model", model, "--project", str(tf_workload_projects[model])]
     run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages), "--schedule",
                       "interleaved-1f1b", "--chunks", str(chunks), "--micro-batches", str(m), "--p2p", p2p,
                       "--clip-norm", str(clip), "--batch", str(batch), *project, "--out", str(out)],

@@ -34,6 +34,8 @@ def parse_args(pipeline: bool, p2p: str = "torch") -> argparse.Namespace:
         ap.add_argument("--hvd-init-first", action="store_true", help="torch only: hvd.init() before init_pipeline")
         ap.add_argument("--flatten-first", action="store_true",
                         help="the model starts with a weight-free block (a flatten)")
+        ap.add_argument("--regularize", action="store_true",
+                        help="TensorFlow: L2 kernel regularizers on the MLP's Dense layers, on every stage")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if pipeline and args.partition not in ("params", "time"):
@@ -43,12 +45,13 @@ def parse_args(pipeline: bool, p2p: str = "torch") -> argparse.Namespace:
 
 def loop_step(engine, x, y, step: int) -> tuple[float, dict[str, float]]:
     """One step as hvd_runtime.loop takes it: `train_batch` with no collective, then the loop's
-    sums over the job, where only ranks that report a loss count their batch."""
+    sums over the job: every rank's loss adds in, only ranks that report a loss count their batch."""
     from hvd_runtime.loop import means_over_ranks
 
     loss, sums = engine.train_batch(x, y, True, step)
-    n = int(y.shape[0]) if engine.reports_loss else 0
-    means = means_over_ranks({"loss": loss * n, **sums}, n, engine.sum_over_ranks, "test.loop_step")
+    n = int(y.shape[0])
+    means = means_over_ranks({"loss": loss * n, **sums}, n if engine.reports_loss else 0, engine.sum_over_ranks,
+                             "test.loop_step")
     return means.pop("loss"), means
 
 

@@ -36,16 +36,18 @@ BLOCKS = [f"b{i}" for i in range(7)]
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def make_model(seed: int = 1234, flatten_first: bool = False) -> keras.Sequential:
+def make_model(seed: int = 1234, flatten_first: bool = False, regularize: bool = False) -> keras.Sequential:
     """Seven blocks: Dense and tanh in turn, named b0..b6; with flatten_first, a weight-free
-    Flatten named "flat" before them (a stage may hold only it)."""
+    Flatten named "flat" before them (a stage may hold only it); with regularize, each Dense's
+    kernel has an L2 penalty, which Keras adds to the loss."""
     keras.utils.set_random_seed(seed)
     layers = [keras.Input((FEATURES,)), *([keras.layers.Flatten(name="flat")] if flatten_first else [])]
     for i in range(7):
         if i % 2:
             layers.append(keras.layers.Activation("tanh", name=f"b{i}"))
         else:
-            layers.append(keras.layers.Dense(CLASSES if i == 6 else WIDTH, name=f"b{i}"))
+            layers.append(keras.layers.Dense(CLASSES if i == 6 else WIDTH, name=f"b{i}",
+                                             kernel_regularizer=keras.regularizers.L2(0.05) if regularize else None))
     return keras.Sequential(layers)
 
 
@@ -87,6 +89,8 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, piec
         with tf.GradientTape() as tape:
             outs = [ref(xc, training=True) for xc, _, _ in parts]
             loss = tf.add_n([LOSS(yc, out) * w for (_, yc, w), out in zip(parts, outs)])
+            if ref.losses:   # kernel regularizers, as model.fit adds them: once a step
+                loss = loss + tf.add_n(ref.losses)
         # dense, as the allreduce makes them: an embedding's IndexedSlices repeat a token's row, and a
         # global norm taken over those rows would count it once per occurrence
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, ref.trainable_variables)]
@@ -100,7 +104,7 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, piec
 
 def main():
     args = parse_args(pipeline=True, p2p="socket")
-    work = load_workload(args.model, args.project, lambda seed=1234: make_model(seed, args.flatten_first), mlp_batch,
+    work = load_workload(args.model, args.project, lambda seed=1234: make_model(seed, args.flatten_first, args.regularize), mlp_batch,
                          (["flat"] if args.flatten_first else []) + BLOCKS)
 
     ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
