@@ -7,7 +7,7 @@ of its parameters' update, its blocks, and the most micro-batches it held at onc
 
 import pytest
 
-from hvd_runtime.pipeline.schedule import theory_peak_in_flight
+from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD, theory_peak_in_flight
 
 TOL = 1e-5   # relative, fp32
 
@@ -18,7 +18,10 @@ def check_against_reference(results, np, stages, schedule, m, all_blocks, tp=1, 
         # activations held at once: GPipe all m, 1F1B at most p - stage, ZB-H1 p on every stage
         assert r["peak_in_flight"] == theory_peak_in_flight(schedule, stages, m, r["stage"], chunks)
         if r.get("weights_put_off") is not None:   # zero bubble: every weight waited for the second half
-            assert schedule == "zb-h1" and r["weights_put_off"] == r["weights"], (r["rank"], r["weights_put_off"])
+            assert schedule in SPLIT_BACKWARD and r["weights_put_off"] == r["weights"], (r["rank"], r["weights_put_off"])
+        if schedule == "1f1b-batched-w" and r.get("linears_batched") is not None and m > 1:
+            # every plain Linear's weight gradient went as one product over the step's micro-batches
+            assert r["linears_batched"] == r["linears"], (r["rank"], r["linears_batched"], r["linears"])
         for got, want in zip(r["losses"], r["ref_losses"]):
             assert abs(got - want) <= TOL * abs(want), (r["rank"], r["losses"], r["ref_losses"])
         assert r["accs"] == pytest.approx(r["ref_accs"], abs=1e-6)

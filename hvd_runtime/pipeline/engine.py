@@ -102,6 +102,12 @@ class PipelineEngineBase:
         """Zero-bubble schedules: add micro-batch i's weight gradients, then free what it kept."""
         raise NotImplementedError
 
+    def _backward_weights(self, c: int, micro_batches: list[int]) -> None:
+        """Weight gradients of several micro-batches of chunk c, due one after another: a framework
+        may compute them together (a layer's product over all their samples at once)."""
+        for i in micro_batches:
+            self._backward_weight(c, i)
+
     def _split_batch(self, t, sizes: list[int]) -> list:
         raise NotImplementedError
 
@@ -155,8 +161,9 @@ class PipelineEngineBase:
         outputs: dict[tuple, object] = {}
         grads: dict[tuple, object] = {}
         in_flight: set[tuple] = set()
+        due: list[int] = []   # weight backwards of the current run (consecutive actions of one chunk)
         sums, peak = None, 0
-        for a in actions:
+        for k, a in enumerate(actions):
             i, c, op = a.micro_batch, a.chunk, a.op
             key, virtual = (c, i), c * p + dims.stage
             if op is Op.RECV_ACT:
@@ -193,9 +200,14 @@ class PipelineEngineBase:
                 with rec.span("backward_input", i, c):
                     grads[key] = self._backward_input(c, i, grads.pop(key, None))
             elif op is Op.BACKWARD_WEIGHT:
-                with rec.span("backward_weight", i, c):
-                    self._backward_weight(c, i)
-                    in_flight.discard(key)
+                due.append(i)
+                following = actions[k + 1] if k + 1 < len(actions) else None
+                if following is None or following.op is not Op.BACKWARD_WEIGHT or following.chunk != c:
+                    # a run of weight backwards goes as one pass (1f1b-batched-w's end of step, ZB-H1's last)
+                    with rec.spans("backward_weight", due, c):
+                        self._backward_weights(c, due)
+                    in_flight.difference_update((c, j) for j in due)
+                    due = []
             elif op is Op.SEND_GRAD:
                 with rec.span("send", i, c):
                     dims.prev.send(grads.pop(key), self._tag("grad", i, virtual - 1), shape_known=True)

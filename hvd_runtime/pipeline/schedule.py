@@ -28,6 +28,18 @@ runs 1F1B's forwards and input backwards, with its weight backwards s micro-batc
 With forward, input backward and weight backward each costing one unit, the idle time falls
 from 1F1B's 3(p-1) units to p-1, for the memory of 1F1B's first stage: p micro-batches on every stage.
 
+1F1B with batched weight gradients (`1f1b-batched-w`) splits the backward the same way but puts
+the weight backwards off and runs them in batches: a layer's weight gradient for many micro-batches
+becomes one matrix product over all their rows instead of one thin product each, each writing the
+whole weight-sized gradient again (the cost that makes small micro-batches slow). The first stage
+runs one batch while it would wait for its drain's gradients, the rest at the end; every other
+stage runs all of them at the end of the step. The previous stage still waits only for input
+gradients. Counted in units (forward, input and weight backward one each, as if unbatched) two
+stages idle as little as ZB-H1, (p-1)/(3m+p-1) from m = 2 on; more stages idle more than ZB-H1 and
+less than 1F1B, and batching makes the weight units cheaper than that count. A stage holds its
+micro-batches until their weight pass, up to m as GPipe does, though only what the weight products
+need (each layer's input and its output's gradient), not the whole graph.
+
 Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters", 2021; Megatron-LM's virtual pipeline) gives each of the p ranks v chunks of the model
 instead of one contiguous stage: the model is cut into p x v virtual stages, and rank r holds
@@ -161,6 +173,30 @@ def zero_bubble_h1_stage(stage: int, stages: int, micro_batches: int) -> list[Ac
     return acts
 
 
+def one_f_one_b_batched_w_stage(stage: int, stages: int, micro_batches: int) -> list[Action]:
+    """1F1B's order of forwards and input backwards, the weight backwards put off and run in batches.
+
+    Every stage but the first runs all its weight backwards at the end of the step. The first
+    stage, which no stage waits on once its forwards are out, runs the ones it has (every
+    micro-batch whose input backward is done) while it would wait for its drain's gradients,
+    then the rest at the end. Consecutive weight backwards are one batched pass in the engines
+    (PipelineEngineBase._run).
+    """
+    _check(stages, micro_batches)
+    warmup = min(stages - 1 - stage, micro_batches)
+    acts: list[Action] = []
+    for i in range(warmup):
+        acts += _forward(stage, stages, i)
+    for j in range(micro_batches - warmup):
+        acts += _forward(stage, stages, warmup + j)
+        acts += _backward(stage, stages, j, Op.BACKWARD_INPUT)
+    early = micro_batches - warmup if stage == 0 and warmup else 0
+    acts += [Action(Op.BACKWARD_WEIGHT, i) for i in range(early)]
+    for i in range(micro_batches - warmup, micro_batches):
+        acts += _backward(stage, stages, i, Op.BACKWARD_INPUT)
+    return acts + [Action(Op.BACKWARD_WEIGHT, i) for i in range(early, micro_batches)]
+
+
 def interleaved_1f1b_stage(stage: int, stages: int, micro_batches: int, chunks: int = 2) -> list[Action]:
     """1F1B over the rank's `chunks` chunks in Megatron's order: micro-batches go round in groups of p.
 
@@ -207,9 +243,10 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "1f1b": one_f_one_b_stage,
     "zb-h1": zero_bubble_h1_stage,
     "interleaved-1f1b": interleaved_1f1b_stage,
+    "1f1b-batched-w": one_f_one_b_batched_w_stage,
 }
 INTERLEAVED = ("interleaved-1f1b",)   # schedules that give each rank several chunks (parallel.virtual_stages)
-SPLIT_BACKWARD = ("zb-h1",)   # schedules whose engine runs input and weight gradients apart
+SPLIT_BACKWARD = ("zb-h1", "1f1b-batched-w")   # schedules whose engine runs input and weight gradients apart
 # Why those run on PyTorch only: said by the generator and by the TensorFlow engine at start-up.
 # (hvdgen.catalog offers TensorFlow projects the others only; hvd_runtime.config takes every name.)
 SPLIT_BACKWARD_TORCH_ONLY = ("runs on PyTorch only: Keras layers inside a block have no hook to catch their outputs, "
@@ -231,8 +268,9 @@ def _check_name(name: str) -> None:
 
 
 def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Action]]:
-    """Every stage's action list for the schedule called `name` ("gpipe", "1f1b", "zb-h1" or
-    "interleaved-1f1b"); `chunks` per rank for interleaved-1f1b (and gpipe, which runs them in turn)."""
+    """Every stage's action list for the schedule called `name` ("gpipe", "1f1b", "zb-h1",
+    "interleaved-1f1b" or "1f1b-batched-w"); `chunks` per rank for interleaved-1f1b (and gpipe,
+    which runs them in turn)."""
     _check_name(name)
     _check(stages, micro_batches, chunks)
     if name in INTERLEAVED or (name == "gpipe" and chunks > 1):
@@ -256,7 +294,8 @@ def schedule_bubble(name: str, stages: int, micro_batches: int, chunks: int = 1)
     with fewer micro-batches than stages there is not enough weight work to put off, and the
     answer is the schedule played on ideal hardware. Interleaved 1F1B with v chunks:
     (p-1)/(vm+p-1) where m is a multiple of p; otherwise its chunk-by-chunk fallback played on
-    ideal hardware.
+    ideal hardware. 1F1B with batched weight gradients: played on ideal hardware with unit
+    costs, the weight units counted as if unbatched (batching makes them cheaper in practice).
     """
     _check_name(name)
     _check(stages, micro_batches, chunks)
@@ -266,7 +305,7 @@ def schedule_bubble(name: str, stages: int, micro_batches: int, chunks: int = 1)
         return simulated_bubble(simulate(build_schedule(name, stages, micro_batches, chunks)))
     if name not in SPLIT_BACKWARD:
         return bubble_fraction(stages, micro_batches)
-    if micro_batches >= stages:
+    if name == "zb-h1" and micro_batches >= stages:
         return (stages - 1) / (3 * micro_batches + stages - 1)
     return simulated_bubble(simulate(build_schedule(name, stages, micro_batches), 1.0, 1.0, 1.0))
 
@@ -287,14 +326,15 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
 
 
 def theory_peak_in_flight(name: str, stages: int, micro_batches: int, stage: int = 0, chunks: int = 1) -> int:
-    """Micro-batches stage `stage` holds at most: GPipe all m; 1F1B p - stage; ZB-H1 p on every stage.
+    """Micro-batches stage `stage` holds at most: GPipe all m; 1F1B p - stage; ZB-H1 p on every stage;
+    1F1B with batched weight gradients all m (each until the weight pass at the end).
 
     Interleaved 1F1B: its warm-up plus one, 2 (p-1-stage) + (v-1) p + 1 micro-batch chunks, each
     1/v of a stage's activations (m a multiple of p; else GPipe's mv). The first stage (the
     default) holds the most in each schedule: that is the job's peak.
     """
     _check(stages, micro_batches, chunks)
-    if name == "gpipe" or (name in INTERLEAVED and micro_batches % stages):
+    if name in ("gpipe", "1f1b-batched-w") or (name in INTERLEAVED and micro_batches % stages):
         return micro_batches * chunks
     if name in INTERLEAVED:
         return min(2 * (stages - 1 - stage) + (chunks - 1) * stages + 1, micro_batches * chunks)

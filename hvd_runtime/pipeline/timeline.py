@@ -54,6 +54,20 @@ class TimelineRecorder:
         finally:
             self.add(kind, micro_batch, start, time.time(), chunk)
 
+    @contextmanager
+    def spans(self, kind: str, micro_batches: list[int], chunk: int = 0):
+        """One pass over several micro-batches (a batched weight backward), recorded as a span
+        each: the pass's time split evenly between them, in order. The sum is what was measured;
+        how one pass divides between its micro-batches is not, and the picture shows equal boxes."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            end = time.time()
+            share = (end - start) / max(len(micro_batches), 1)
+            for j, i in enumerate(micro_batches):
+                self.add(kind, i, start + j * share, start + (j + 1) * share, chunk)
+
     def record(self) -> dict:
         return {"rank": self.rank, "stage": self.stage, "replica": self.replica, "events": list(self.events)}
 

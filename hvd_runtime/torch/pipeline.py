@@ -31,7 +31,7 @@ from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD
 from hvd_runtime.pipeline.grid import chunks_per_rank
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.precision import Precision
-from hvd_runtime.torch.split_backward import SplitBackward
+from hvd_runtime.torch.split_backward import SplitBackward, WeightWork
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
@@ -91,6 +91,7 @@ class PipelineEngine(PipelineEngineBase):
         self._saved: dict[tuple, tuple] = {}   # (chunk, micro-batch) -> (input, output to backpropagate, module calls)
         self.split_backward = SplitBackward(stage) if schedule in SPLIT_BACKWARD else None
         self._weight_work: dict[tuple, object] = {}   # zero-bubble: (chunk, micro-batch) -> its weight gradients, still to do
+        self.linears_batched = 0   # the last step's Linear calls whose weight gradients went as one product
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
@@ -136,6 +137,11 @@ class PipelineEngine(PipelineEngineBase):
         if work is not None:
             work.run()
 
+    def _backward_weights(self, c, micro_batches):
+        works = [w for w in (self._weight_work.pop((c, i), None) for i in micro_batches) if w is not None]
+        if works:
+            self.linears_batched += WeightWork.run_together(works)
+
     def _metrics(self, out, y):
         return self.metrics_fn(out.detach(), y.to(out.device))
 
@@ -147,6 +153,7 @@ class PipelineEngine(PipelineEngineBase):
 
     def _begin_step(self):
         self.optimizer.zero_grad(set_to_none=False)
+        self.linears_batched = 0
 
     def _finish_step(self):
         params = [p for p in self.stage.parameters() if p.requires_grad]

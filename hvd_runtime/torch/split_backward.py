@@ -8,6 +8,11 @@ The second half starts from each such output with the gradient the first half fo
 asks only for that module's own weights: the module's few nodes run again, the chain through
 the rest of the stage does not.
 
+Several micro-batches' second halves may run together (`WeightWork.run_together`): a plain
+`nn.Linear`'s weight gradient is then one product over all their rows, G^T X, added straight into
+`.grad`, instead of one thin product per micro-batch, each writing a weight-sized result that is
+then added again. Any other module runs its micro-batches one after another, as before.
+
 That is exact only if a weight is used nowhere but inside its module's one call. A weight tied
 elsewhere (a head reusing the embedding's matrix), a module called twice, or a module whose
 output is not one tensor keeps its weights in the first half, which then differentiates them
@@ -32,14 +37,80 @@ class _Call:
 
 
 @dataclass
-class WeightWork:
-    """What the second half needs for one micro-batch: each module output, its gradient, its weights."""
+class WeightPart:
+    """One module call's weight half: its output, the output's gradient, the weights, and its input."""
 
-    parts: list[tuple[torch.Tensor, torch.Tensor, list[torch.nn.Parameter]]]
+    output: torch.Tensor
+    grad: torch.Tensor
+    weights: list[torch.nn.Parameter]
+    module: torch.nn.Module
+    input: object
 
     def run(self) -> None:
-        for output, grad, weights in self.parts:
-            torch.autograd.backward(output, grad, inputs=weights)   # adds into each weight's .grad
+        torch.autograd.backward(self.output, self.grad, inputs=self.weights)   # adds into each weight's .grad
+
+
+@dataclass
+class WeightWork:
+    """What the second half needs for one micro-batch: a part per module call whose weights wait."""
+
+    parts: list[WeightPart]
+
+    def run(self) -> None:
+        for part in self.parts:
+            part.run()
+
+    @staticmethod
+    def run_together(works: list["WeightWork"]) -> int:
+        """Several micro-batches' second halves: each Linear's once over all their rows, the rest in turn.
+
+        The parts line up when every micro-batch deferred the same module calls in the same order
+        (one stage, one chunk: the same code ran); otherwise each micro-batch runs alone. Returns
+        how many Linear calls went as one product.
+        """
+        lined_up = all(len(w.parts) == len(works[0].parts) and
+                       all(a.module is b.module for a, b in zip(w.parts, works[0].parts)) for w in works)
+        if not lined_up:
+            for work in works:
+                work.run()
+            return 0
+        batched = 0
+        for parts in zip(*(w.parts for w in works)):
+            if _batchable_linear(parts):
+                _linear_weight_grads(parts)
+                batched += 1
+            else:
+                for part in parts:
+                    part.run()
+        return batched
+
+
+def _batchable_linear(parts: tuple[WeightPart, ...]) -> bool:
+    """Plain nn.Linear calls whose input, output gradient and weight share one dtype (no autocast)."""
+    module = parts[0].module
+    if type(module).forward is not torch.nn.Linear.forward or len(parts) < 2:
+        return False
+    return all(isinstance(p.input, torch.Tensor) and p.input.dtype == p.grad.dtype == module.weight.dtype
+               for p in parts)
+
+
+def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+def _linear_weight_grads(parts: tuple[WeightPart, ...]) -> None:
+    """dW += G^T X and db += sum(G) over every micro-batch's rows: one product for the lot."""
+    module = parts[0].module
+    rows = torch.cat([p.input.detach().reshape(-1, p.input.shape[-1]) for p in parts])
+    grads = torch.cat([p.grad.reshape(-1, p.grad.shape[-1]) for p in parts])
+    wanted = {id(w) for w in parts[0].weights}
+    if id(module.weight) in wanted:
+        if module.weight.grad is None:
+            module.weight.grad = grads.t() @ rows
+        else:
+            module.weight.grad.addmm_(grads.t(), rows)
+    if module.bias is not None and id(module.bias) in wanted:
+        _accumulate(module.bias, grads.sum(0))
 
 
 class SplitBackward:
@@ -79,7 +150,7 @@ class SplitBackward:
         later = {id(p) for _, weights in deferred for p in weights}
         self.weights_put_off = len(later)
         now = [p for p in self._params if id(p) not in later]
-        sources = ([inp] if inp is not None else []) + now + [output for output, _ in deferred]
+        sources = ([inp] if inp is not None else []) + now + [call.output for call, _ in deferred]
         if not sources:
             return None, WeightWork([])
         grads = torch.autograd.grad(target, sources, grad, retain_graph=bool(deferred), allow_unused=True)
@@ -87,12 +158,13 @@ class SplitBackward:
         rest = grads[1 if inp is not None else 0:]
         for p, g in zip(now, rest[:len(now)]):
             if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
-        parts = [(output, g, weights) for (output, weights), g in zip(deferred, rest[len(now):]) if g is not None]
+                _accumulate(p, g)
+        parts = [WeightPart(call.output, g, weights, call.module, call.inputs[0] if call.inputs else None)
+                 for (call, weights), g in zip(deferred, rest[len(now):]) if g is not None]
         return input_grad, WeightWork(parts)
 
-    def _deferred(self, target: torch.Tensor, calls: list[_Call]) -> list[tuple[torch.Tensor, list]]:
-        """The module outputs whose weights' gradients can wait, with those weights."""
+    def _deferred(self, target: torch.Tensor, calls: list[_Call]) -> list[tuple[_Call, list]]:
+        """The module calls whose weights' gradients can wait, with those weights."""
         once = Counter(call.module for call in calls)
         uses = _weight_uses(target.grad_fn, None)
         deferred = []
@@ -104,7 +176,7 @@ class SplitBackward:
             inside = _weight_uses(out.grad_fn, stops)
             weights = [p for p in self._owners[call.module] if uses[id(p)] and inside[id(p)] == uses[id(p)]]
             if weights:
-                deferred.append((out, weights))
+                deferred.append((call, weights))
         return deferred
 
 

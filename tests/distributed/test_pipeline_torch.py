@@ -146,6 +146,8 @@ PIPELINE_CASES = [
     (4, 2, "gpipe", 4, "alltoall", "pp=2 dp=2 with pair process sets"),
     (4, 4, "1f1b", 4, "torch", "pp=4 dp=1: middle stages get only the batch size"),
     (4, 4, "zb-h1", 4, "socket", "pp=4 dp=1, zero bubble: each stage's weight halves 0-3 micro-batches late"),
+    (4, 2, "1f1b-batched-w", 3, "socket",
+     "pp=2 dp=2, batched weight gradients: one product per Linear over uneven micro-batches 4,3,3"),
 ]
 # The generated models, split: (model, np, stages, schedule, micro-batches, clip norm, what it covers)
 WORKLOAD_CASES = [
@@ -154,6 +156,8 @@ WORKLOAD_CASES = [
     ("gpt", 4, 2, "1f1b", 2, 0.1, 2, "GPT pp=2 x tp=2: each stage's blocks split over 2 ranks, clipped"),
     ("resnet18", 2, 2, "zb-h1", 4, 0.0, 1, "ResNet-18 pp=2, zero bubble: BatchNorm, in-place ReLU and sums in halves"),
     ("gpt", 4, 2, "zb-h1", 2, 0.1, 2, "GPT pp=2 x tp=2, zero bubble: the split layers' collectives in the input half"),
+    ("resnet18", 2, 2, "1f1b-batched-w", 4, 0.0, 1,
+     "ResNet-18 pp=2, batched weight gradients: convolutions and norms a micro-batch at a time, the head's Linear as one"),
 ]
 WORKLOAD_BLOCKS = {"resnet18": [str(i) for i in range(10)], "gpt": [str(i) for i in range(4)]}
 

@@ -6,16 +6,18 @@ import pytest
 
 from hvd_runtime.pipeline.schedule import (Action, Op, build_schedule, bubble_fraction, gpipe_stage, one_f_one_b_stage,
                                            peak_in_flight, schedule_bubble, simulate, simulated_bubble,
-                                           theory_peak_in_flight, zero_bubble_h1_stage)
+                                           theory_peak_in_flight, zero_bubble_h1_stage, one_f_one_b_batched_w_stage)
 
 CASES = list(itertools.product(["gpipe", "1f1b"], [1, 2, 3, 4], [1, 2, 3, 4, 8]))
 ZB_CASES = list(itertools.product(["zb-h1"], [1, 2, 3, 4, 8], [1, 2, 3, 4, 8, 16]))
+BW_CASES = list(itertools.product(["1f1b-batched-w"], [1, 2, 3, 4, 8], [1, 2, 3, 4, 8, 16]))
 # what each schedule computes per micro-batch, in the order it must
 COMPUTE_ORDER = {"gpipe": [Op.FORWARD, Op.BACKWARD], "1f1b": [Op.FORWARD, Op.BACKWARD],
-                 "zb-h1": [Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT]}
+                 "zb-h1": [Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT],
+                 "1f1b-batched-w": [Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT]}
 
 
-@pytest.mark.parametrize("name,p,m", CASES + ZB_CASES)
+@pytest.mark.parametrize("name,p,m", CASES + ZB_CASES + BW_CASES)
 def test_every_micro_batch_runs_forward_then_backward_once_per_stage(name, p, m):
     for s, acts in enumerate(build_schedule(name, p, m)):
         for op in Op:
@@ -64,7 +66,25 @@ def test_zero_bubble_runs_without_deadlock_and_idles_a_third_of_one_f_one_b(name
     assert simulated_bubble(slow_weights) <= simulated_bubble(simulate(build_schedule("1f1b", p, m), 1.0, 0.5, 1.5))
 
 
-@pytest.mark.parametrize("name,p,m", CASES + ZB_CASES)
+@pytest.mark.parametrize("name,p,m", BW_CASES)
+def test_batched_weight_gradients_run_without_deadlock_and_idle_less_than_one_f_one_b(name, p, m):
+    """Input halves in 1F1B's order; weight halves in at most two runs on the first stage (before its
+    drain, at the end) and one run at the end elsewhere. Counted in units as if unbatched, two
+    stages idle exactly as ZB-H1 does; any number idle less than 1F1B."""
+    batched = simulate(build_schedule(name, p, m), 1.0, 1.0, 1.0)
+    assert simulated_bubble(batched) == pytest.approx(schedule_bubble(name, p, m))
+    one = simulated_bubble(simulate(build_schedule("1f1b", p, m), 1.0, 1.0, 1.0))
+    assert simulated_bubble(batched) < one or p == 1
+    if p == 2 and m >= 2:
+        assert simulated_bubble(batched) == pytest.approx((p - 1) / (3 * m + p - 1))
+    for s, acts in enumerate(build_schedule(name, p, m)):
+        ops = [a.op for a in acts]
+        runs = sum(1 for k, op in enumerate(ops) if op is Op.BACKWARD_WEIGHT and (k == 0 or ops[k - 1] is not op))
+        assert ops[-1] is Op.BACKWARD_WEIGHT
+        assert runs == (2 if s == 0 and 1 < p <= m else 1), (s, ops)
+
+
+@pytest.mark.parametrize("name,p,m", CASES + ZB_CASES + BW_CASES)
 def test_peak_activations_in_flight(name, p, m):
     peaks = [peak_in_flight(acts) for acts in build_schedule(name, p, m)]
     assert max(peaks) == theory_peak_in_flight(name, p, m)
@@ -94,6 +114,15 @@ def test_zero_bubble_two_stages_four_micro_batches_reads_like_the_paper():
     assert last == [(f, 0), (b, 0), (f, 1), (b, 1), (w, 0), (f, 2), (b, 2), (w, 1), (f, 3), (b, 3), (w, 2), (w, 3)]
 
 
+def test_batched_weight_gradients_two_stages_four_micro_batches():
+    f, b, w = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    first = [(a.op, a.micro_batch) for a in one_f_one_b_batched_w_stage(0, 2, 4) if a.op in (f, b, w)]
+    last = [(a.op, a.micro_batch) for a in one_f_one_b_batched_w_stage(1, 2, 4) if a.op in (f, b, w)]
+    # stage 0 runs the weights of micro-batches 0-2 while stage 1 works on micro-batch 3
+    assert first == [(f, 0), (f, 1), (b, 0), (f, 2), (b, 1), (f, 3), (b, 2), (w, 0), (w, 1), (w, 2), (b, 3), (w, 3)]
+    assert last == [(f, 0), (b, 0), (f, 1), (b, 1), (f, 2), (b, 2), (f, 3), (b, 3), (w, 0), (w, 1), (w, 2), (w, 3)]
+
+
 def test_gpipe_fills_then_drains():
     ops = [a.op for a in gpipe_stage(0, 2, 3) if a.op in (Op.FORWARD, Op.BACKWARD)]
     assert ops == [Op.FORWARD] * 3 + [Op.BACKWARD] * 3
@@ -111,7 +140,7 @@ def test_bubble_formula_and_errors():
     assert bubble_fraction(2, 1) == pytest.approx(0.5)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
     assert bubble_fraction(1, 5) == 0.0
-    with pytest.raises(ValueError, match="unknown schedule .zigzag.*gpipe, 1f1b, zb-h1, interleaved-1f1b"):
+    with pytest.raises(ValueError, match="unknown schedule .zigzag.*gpipe, 1f1b, zb-h1, interleaved-1f1b, 1f1b-batched-w"):
         build_schedule("zigzag", 2, 4)
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         schedule_bubble("zigzag", 2, 4)

@@ -125,7 +125,9 @@ def main():
               "chunk_blocks": stage.chunk_names,
               "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err,
               "clipped": clipped, "weights": sum(1 for p in stage.parameters() if p.requires_grad),
-              "weights_put_off": engine.split_backward.weights_put_off if engine.split_backward else None, **run}
+              "weights_put_off": engine.split_backward.weights_put_off if engine.split_backward else None,
+              "linears": sum(1 for m in stage.modules() if type(m) is torch.nn.Linear),
+              "linears_batched": engine.linears_batched, **run}
     write_results(hvd, result, args.out)
 
 
