@@ -14,7 +14,7 @@ CONFLICT_STYLES = ("inline", "rej")       # hvdgen update: clashing lines marked
 
 
 def schedules(framework: str) -> tuple[str, ...]:
-    """The schedules a project of `framework` can use: TensorFlow has no split backward (zb-h1)."""
+    """The schedules a project of `framework` can use: TensorFlow has no split backward (zb-h1, 1f1b-batched-w)."""
     return tuple(s for s in SCHEDULES if framework == "torch" or s not in SPLIT_BACKWARD)
 
 

@@ -97,7 +97,7 @@ ANSWERS = ("framework", "strategy", "model", "stages", "micro_batches", "schedul
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
 @click.option("--micro-batches", type=int, default=None, help="model-split / pipeline: micro-batches per batch [4].")
 @click.option("--schedule", type=click.Choice(catalog.SCHEDULES), default=None,
-              help="pipeline: zb-h1 is zero bubble, torch only [1f1b].")
+              help="pipeline: zb-h1 is zero bubble, 1f1b-batched-w batches weight gradients; both torch only [1f1b].")
 @click.option("--tp", type=int, default=None,
               help="tensor: ranks per tensor-parallel group [2]; pipeline: each stage split over tp ranks [1].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")

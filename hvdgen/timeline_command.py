@@ -45,8 +45,11 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
                    else "its chunk-by-chunk fallback (m not a multiple of p) on ideal hardware")
     elif name not in SPLIT_BACKWARD:
         formula = "(p-1)/(m+p-1)"
+    elif name == "zb-h1" and m >= p:
+        formula = "(p-1)/(3m+p-1)"
     else:
-        formula = "(p-1)/(3m+p-1)" if m >= p else "the schedule on ideal hardware"
+        formula = ("the schedule on ideal hardware, weight halves one unit each" if name == "zb-h1" else
+                   "the schedule on ideal hardware, weight halves one unit each as if not batched")
     click.echo(f"theory   bubble {schedule_bubble(name, p, m, v):.3f} = {formula}")
     shown_step = step if step is not None else tl.steps[-1]
     peaks = peak_in_flight(tl, shown_step)

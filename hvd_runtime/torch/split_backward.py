@@ -34,17 +34,24 @@ class _Call:
     module: torch.nn.Module
     inputs: tuple
     output: object
+    version: int = 0   # the output's version counter when the module returned it (in-place ops raise it)
 
 
 @dataclass
 class WeightPart:
-    """One module call's weight half: its output, the output's gradient, the weights, and its input."""
+    """One module call's weight half: its output, the output's gradient, the weights, and its input.
+
+    `changed`: an in-place op (a ReLU(inplace=True)) rewrote the output after the module returned
+    it, so the gradient found for it is the gradient after that op, and only autograd, going back
+    through it, gets the module's own.
+    """
 
     output: torch.Tensor
     grad: torch.Tensor
     weights: list[torch.nn.Parameter]
     module: torch.nn.Module
     input: object
+    changed: bool = False
 
     def run(self) -> None:
         torch.autograd.backward(self.output, self.grad, inputs=self.weights)   # adds into each weight's .grad
@@ -86,11 +93,12 @@ class WeightWork:
 
 
 def _batchable_linear(parts: tuple[WeightPart, ...]) -> bool:
-    """Plain nn.Linear calls whose input, output gradient and weight share one dtype (no autocast)."""
+    """Plain nn.Linear calls, outputs untouched since, whose input, output gradient and weight share
+    one dtype (no autocast)."""
     module = parts[0].module
     if type(module).forward is not torch.nn.Linear.forward or len(parts) < 2:
         return False
-    return all(isinstance(p.input, torch.Tensor) and p.input.dtype == p.grad.dtype == module.weight.dtype
+    return all(not p.changed and isinstance(p.input, torch.Tensor) and p.input.dtype == p.grad.dtype == module.weight.dtype
                for p in parts)
 
 
@@ -129,7 +137,7 @@ class SplitBackward:
 
     def _caught(self, module, inputs, output) -> None:
         if self._calls is not None:
-            self._calls.append(_Call(module, inputs, output))
+            self._calls.append(_Call(module, inputs, output, getattr(output, "_version", 0)))
 
     @contextmanager
     def catching(self):
@@ -159,7 +167,8 @@ class SplitBackward:
         for p, g in zip(now, rest[:len(now)]):
             if g is not None:
                 _accumulate(p, g)
-        parts = [WeightPart(call.output, g, weights, call.module, call.inputs[0] if call.inputs else None)
+        parts = [WeightPart(call.output, g, weights, call.module, call.inputs[0] if call.inputs else None,
+                            changed=call.output._version != call.version)
                  for (call, weights), g in zip(deferred, rest[len(now):]) if g is not None]
         return input_grad, WeightWork(parts)
 

@@ -124,7 +124,7 @@ def test_version():
     (["--strategy", "pipeline", "--stages", "1"], "--stages must be an integer of at least 2"),
     (["--strategy", "pipeline", "--micro-batches", "0"], "--micro-batches must be a positive integer"),
     (["--strategy", "pipeline", "--schedule", "zigzag"],
-     "'zigzag' is not one of 'gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b'."),
+     "'zigzag' is not one of 'gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b', '1f1b-batched-w'."),
     (["--strategy", "pipeline", "--schedule", "interleaved-1f1b", "--micro-batches", "3"],
      "--micro-batches 3 is not a multiple of --stages 2: --schedule interleaved-1f1b sends micro-batches round the "
      "stages in groups of 2; use --micro-batches 4"),
@@ -134,6 +134,8 @@ def test_version():
      "--schedule interleaved-1f1b does not split stages over tensor-parallel ranks: drop --tp"),
     (["--strategy", "pipeline", "--framework", "tensorflow", "--schedule", "zb-h1"],
      "--schedule zb-h1 runs on PyTorch only: Keras layers inside a block have no hook"),
+    (["--strategy", "pipeline", "--framework", "tensorflow", "--schedule", "1f1b-batched-w"],
+     "--schedule 1f1b-batched-w runs on PyTorch only: Keras layers inside a block have no hook"),
     (["--strategy", "pipeline", "--elastic"], "--elastic works with the data and model-split"),
 ])
 def test_stage_options_are_validated(tmp_path, args, fragment):
@@ -155,7 +157,7 @@ def test_elastic_projects_run_under_hvd_elastic(tmp_path, framework):
     assert (project / "discover_hosts.sh").stat().st_mode & 0o111
 
 
-@pytest.mark.parametrize("schedule, stages", [("gpipe", 3), ("zb-h1", 3), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("schedule, stages", [("gpipe", 3), ("zb-h1", 3), ("interleaved-1f1b", 2), ("1f1b-batched-w", 2)])
 def test_stage_options_reach_the_config(tmp_path, schedule, stages):
     result = run("new", "proj", "--output", str(tmp_path), "--strategy", "pipeline", "--stages", str(stages),
                  "--micro-batches", "8", "--schedule", schedule)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvd_runtime.torch.split_backward import SplitBackward
+from hvd_runtime.torch.split_backward import SplitBackward, WeightWork
 
 
 class Block(nn.Module):
@@ -89,7 +89,7 @@ def test_two_halves_give_the_gradients_of_one_backward(case):
     input_grad, later = halves.input_half(out, upstream, inp if needs_input else None, calls)
 
     names = {id(p): n for n, p in twin.named_parameters()}
-    deferred = sorted(names[id(p)] for _, _, weights in later.parts for p in weights)
+    deferred = sorted(names[id(p)] for part in later.parts for p in part.weights)
     expected = sorted(names.values()) if put_off == "all" else sorted(put_off)
     assert deferred == expected and halves.weights_put_off == len(expected)
     for name, p in twin.named_parameters():   # the first half left the put-off weights alone
@@ -122,6 +122,51 @@ def test_a_second_micro_batch_adds_to_the_first():
         w.run()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("case", ["mlp", "residual-batchnorm", "called-twice"])
+def test_weight_halves_run_together_give_the_gradients_of_one_backward_per_micro_batch(case):
+    """1f1b-batched-w: several micro-batches' weight halves at once, each plain Linear as one product
+    over all their rows (added to gradients already there), the other modules one by one."""
+    build, _, _, _ = CASES[case]
+    torch.manual_seed(0)
+    model, twin = build(), build()
+    twin.load_state_dict(model.state_dict())
+    for p, q in zip(model.parameters(), twin.parameters()):   # gradients already there are added to
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    xs = [torch.randn(n, 6) for n in (4, 3, 3)]               # uneven micro-batches
+    ups = [torch.randn(n, 6 if case != "mlp" else 3) for n in (4, 3, 3)]
+    if case == "residual-batchnorm":
+        model.eval(), twin.eval()     # BatchNorm on its running statistics: each micro-batch alone is then exact
+    for x, up in zip(xs, ups):
+        model(x).backward(up)
+    halves, works = SplitBackward(twin), []
+    for x, up in zip(xs, ups):
+        inp = x.clone().requires_grad_(True)
+        with halves.catching() as calls:
+            out = twin(inp)
+        works.append(halves.input_half(out, up, inp, calls)[1])
+    # a Linear whose output an in-place ReLU rewrote (the MLP's first) goes through autograd instead
+    linears = sum(1 for part in works[0].parts if type(part.module) is nn.Linear and not part.changed)
+    assert linears == {"mlp": 2, "residual-batchnorm": 2, "called-twice": 1}[case]
+    assert WeightWork.run_together(works) == linears
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_weight_halves_that_do_not_line_up_run_one_by_one():
+    """Micro-batches that deferred different module calls (another code path ran) are not batched."""
+    torch.manual_seed(0)
+    model = mlp()
+    halves, works = SplitBackward(model), []
+    for n in (4, 3):
+        inp = torch.randn(n, 6, requires_grad=True)
+        with halves.catching() as calls:
+            out = model(inp)
+        works.append(halves.input_half(out, torch.randn(n, 3), inp, calls)[1])
+    works[1].parts.pop()
+    assert WeightWork.run_together(works) == 0
 
 
 def test_nothing_is_caught_outside_a_training_forward():

@@ -187,11 +187,12 @@ def test_train_step_matches_a_plain_keras_step_with_regularization(one_rank):
         assert np.allclose(a, b, atol=1e-6)
 
 
-def test_the_tensorflow_pipeline_refuses_the_zero_bubble_schedule_in_one_line():
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b-batched-w"])
+def test_the_tensorflow_pipeline_refuses_split_backward_schedules_in_one_line(schedule):
     """Before anything is built: the weight half would redo each block's backward (docs/pipeline.md)."""
     from hvd_runtime.config import ConfigError
     from hvd_runtime.tf.pipeline import PipelineEngine
 
-    with pytest.raises(ConfigError, match=r"^parallel.schedule zb-h1 runs on PyTorch only: Keras layers inside a "
-                                          r"block have no hook.*: use 1f1b$"):
-        PipelineEngine(stage=None, dims=None, loss_fn=None, optimizer=None, schedule="zb-h1")
+    with pytest.raises(ConfigError, match=rf"^parallel.schedule {schedule} runs on PyTorch only: Keras layers inside "
+                                          r"a block have no hook.*: use 1f1b$"):
+        PipelineEngine(stage=None, dims=None, loss_fn=None, optimizer=None, schedule=schedule)
