@@ -98,8 +98,9 @@ def _batchable_linear(parts: tuple[WeightPart, ...]) -> bool:
     module = parts[0].module
     if type(module).forward is not torch.nn.Linear.forward or len(parts) < 2:
         return False
-    return all(not p.changed and isinstance(p.input, torch.Tensor) and p.input.dtype == p.grad.dtype == module.weight.dtype
-               for p in parts)
+    weights = [id(w) for w in parts[0].weights]
+    return all(not p.changed and [id(w) for w in p.weights] == weights and isinstance(p.input, torch.Tensor)
+               and p.input.dtype == p.grad.dtype == module.weight.dtype for p in parts)
 
 
 def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
