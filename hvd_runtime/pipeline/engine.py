@@ -150,7 +150,7 @@ class PipelineEngineBase:
                 link.wait_sends()
 
     # -- one pass over the schedule ---------------------------------------------------------------
-    def _run(self, actions, xs, ys, sizes, total: int, train: bool) -> np.ndarray:
+    def _run(self, actions, xs, ys, sizes, total: int, train: bool) -> list | None:
         """Walk this stage's actions; return [loss sum, samples, metric sums...] (None off the last stage).
 
         Everything in flight is keyed by (chunk, micro-batch): without chunks, the chunk is 0. The
