@@ -327,7 +327,7 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
 
 def theory_peak_in_flight(name: str, stages: int, micro_batches: int, stage: int = 0, chunks: int = 1) -> int:
     """Micro-batches stage `stage` holds at most: GPipe all m; 1F1B p - stage; ZB-H1 p on every stage;
-    1F1B with batched weight gradients all m (each until the weight pass at the end).
+    1F1B with batched weight gradients all m (each until its weight pass: every forward comes first).
 
     Interleaved 1F1B: its warm-up plus one, 2 (p-1-stage) + (v-1) p + 1 micro-batch chunks, each
     1/v of a stage's activations (m a multiple of p; else GPipe's mv). The first stage (the
