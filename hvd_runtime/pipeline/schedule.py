@@ -182,18 +182,13 @@ def one_f_one_b_batched_w_stage(stage: int, stages: int, micro_batches: int) -> 
     then the rest at the end. Consecutive weight backwards are one batched pass in the engines
     (PipelineEngineBase._run).
     """
-    _check(stages, micro_batches)
+    acts = [Action(Op.BACKWARD_INPUT, a.micro_batch) if a.op is Op.BACKWARD else a
+            for a in one_f_one_b_stage(stage, stages, micro_batches)]
     warmup = min(stages - 1 - stage, micro_batches)
-    acts: list[Action] = []
-    for i in range(warmup):
-        acts += _forward(stage, stages, i)
-    for j in range(micro_batches - warmup):
-        acts += _forward(stage, stages, warmup + j)
-        acts += _backward(stage, stages, j, Op.BACKWARD_INPUT)
     early = micro_batches - warmup if stage == 0 and warmup else 0
-    acts += [Action(Op.BACKWARD_WEIGHT, i) for i in range(early)]
-    for i in range(micro_batches - warmup, micro_batches):
-        acts += _backward(stage, stages, i, Op.BACKWARD_INPUT)
+    if early:   # the drain starts by waiting for micro-batch `early`'s gradient
+        drain = acts.index(Action(Op.RECV_GRAD, early))
+        acts[drain:drain] = [Action(Op.BACKWARD_WEIGHT, i) for i in range(early)]
     return acts + [Action(Op.BACKWARD_WEIGHT, i) for i in range(early, micro_batches)]
 
 
