@@ -86,8 +86,8 @@ class ParallelConfig:
     stages: int = 2                 # model-split: devices per worker; pipeline: ranks per replica (-np = stages x replicas)
     micro_batches: int = 4          # each batch is cut into this many (a smaller batch: one per sample)
     schedule: str = "1f1b"          # pipeline: gpipe | 1f1b | zb-h1 (torch: a third of 1f1b's bubble, same memory)
-    #                                 | interleaved-1f1b | 1f1b-batched-w (torch: weight gradients in batches)
-                                    # | interleaved-1f1b (1f1b's bubble / virtual_stages; micro_batches a multiple of stages)
+    #                                 | interleaved-1f1b (1f1b's bubble / virtual_stages; micro_batches a multiple of stages)
+    #                                 | 1f1b-batched-w (torch: weight gradients in batches)
     virtual_stages: int = 2         # interleaved-1f1b: the model's chunks per rank (Megatron's virtual pipeline)
     partition: str = "params"       # params | time | block names or indices where stages 2.. start, e.g. "3" or "2,4"
     tp: int = 1                     # tensor: ranks per tensor-parallel group (-np = tp x replicas)
