@@ -124,10 +124,11 @@ class RunConfig:
 
 
 def _check_type(key: str, value, annotation):
-    """Coerce ints to floats where a float is wanted; reject anything else of the wrong type."""
+    """Coerce ints to floats where a float is wanted, and to text where text is wanted (YAML and the
+    command line read `--parallel.partition 3` as the number 3); reject anything else of the wrong type."""
     origin = typing.get_origin(annotation)
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if annotation in (float, str) and isinstance(value, int) and not isinstance(value, bool):
+        return annotation(value)
     if origin is list:
         (item_type,) = typing.get_args(annotation)
         if not isinstance(value, list):

@@ -19,6 +19,16 @@ def test_ints_are_accepted_for_floats_and_lists_are_typed():
     assert cfg.model.hidden == [32, 16]
 
 
+def test_a_number_is_accepted_where_text_is_wanted(tmp_path):
+    """`--parallel.partition 3` (where stage 2 starts), as the config's comment shows it, in a file too."""
+    assert load_config(None, ["--parallel.partition", "3"]).parallel.partition == "3"
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel:\n  partition: 2\n")
+    assert load_config(path).parallel.partition == "2"
+    with pytest.raises(ConfigError, match="parallel.partition must be str, got True"):
+        load_config(None, ["--parallel.partition", "true"])
+
+
 @pytest.mark.parametrize("override, fragment", [
     (["--train.epoch", "3"], "unknown config key train.epoch"),
     (["--train.epochs", "three"], "train.epochs must be int"),
