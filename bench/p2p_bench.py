@@ -31,15 +31,17 @@ def main() -> None:
     init_torch_distributed()
     me, peer = hvd.rank(), 1 - hvd.rank()
     prev, next_ = connect_neighbours(hvd, 0 if me == 1 else None, 1 if me == 0 else None)
+    tcp_prev, tcp_next = connect_neighbours(hvd, 0 if me == 1 else None, 1 if me == 0 else None, unix=False)
     links = {"hvd.alltoall": AlltoallLink(me, peer, hvd.global_process_set),
              "hvd.broadcast": BroadcastLink(me, peer, hvd.global_process_set),
              "torch.distributed": TorchDistLink(me, peer),
-             "socket": SocketTensorLink(prev or next_)}
+             "socket (Unix, one host)": SocketTensorLink(prev or next_),
+             "socket (TCP)": SocketTensorLink(tcp_prev or tcp_next)}
     rows = []
     for nbytes in SIZES:
         x = torch.randn(nbytes // 4)
         for name, link in links.items():
-            for known in ([False] if name in ("hvd.alltoall", "socket") else [False, True]):
+            for known in ([False] if name == "hvd.alltoall" or name.startswith("socket") else [False, True]):
                 t = pingpong(link, x, me, iterations(nbytes, args.quick), known)
                 rows.append((name, "known" if known else "header", nbytes, t))
     hvd.barrier()

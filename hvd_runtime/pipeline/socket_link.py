@@ -1,11 +1,15 @@
-"""Point-to-point messages between two neighbouring pipeline stages over one TCP connection.
+"""Point-to-point messages between two neighbouring pipeline stages over one connection of their own.
 
 Horovod has collectives only. Carried by a Horovod collective, a message waits for Horovod's
 background loop and its coordinator's negotiation: milliseconds each on a busy host, and a
-pipeline sends 2m of them per stage per step. Here each neighbour pair instead keeps one TCP
+pipeline sends 2m of them per stage per step. Here each neighbour pair instead keeps one socket
 connection of its own, set up once through Horovod's object collectives: every rank announces an
 address, a random key comes from rank 0, each stage connects to the next, and
-`multiprocessing.connection`'s HMAC handshake proves the key. From then on a message is a
+`multiprocessing.connection`'s HMAC handshake proves the key. Two stages in one network namespace
+of one running kernel (the ranks of one host, the usual case: a node's GPUs) connect through a
+Unix-domain socket in Linux's abstract namespace, which skips TCP/IP: half the time of loopback
+TCP for a small message (`bench/p2p_bench.py`), and it leaves no file behind. Stages on different
+hosts, or in different network namespaces of one, connect over TCP. From then on a message is a
 fixed-size frame (header words, body length, tag length), the tag, and the body's raw bytes
 received straight into their final buffer; nothing is ever unpickled.
 
@@ -22,6 +26,7 @@ import re
 import socket
 import struct
 import threading
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Client, Connection, Listener
 
@@ -42,7 +47,8 @@ class SocketLink:
 
     def __init__(self, rank: int, peer: int, sock: socket.socket):
         self.rank, self.peer, self._sock = rank, peer, sock
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a small frame goes at once
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a small frame goes at once
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"p2p-{rank}>{peer}")
         self._pending: list[Future] = []
 
@@ -128,6 +134,18 @@ def reachable_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def same_kernel_key() -> str | None:
+    """Equal on two ranks exactly when they can reach each other's abstract Unix sockets: one boot of
+    one kernel, one network namespace (a container or a test's namespace is another host here).
+    None where there is no /proc to tell (not Linux): such ranks always use TCP."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        netns = os.stat("/proc/self/ns/net")
+    except OSError:
+        return None
+    return f"{boot}:{netns.st_dev}:{netns.st_ino}"
+
+
 def _socket_of(conn: Connection) -> socket.socket:
     """The connection's socket, to be read and written directly: the handshake is all it was for."""
     sock = socket.socket(fileno=os.dup(conn.fileno()))
@@ -135,8 +153,10 @@ def _socket_of(conn: Connection) -> socket.socket:
     return sock
 
 
-def connect_neighbours(hvd, prev: int | None, next_: int | None) -> tuple[SocketLink | None, SocketLink | None]:
+def connect_neighbours(hvd, prev: int | None, next_: int | None,
+                       unix: bool = True) -> tuple[SocketLink | None, SocketLink | None]:
     """Links to the previous and next stage's ranks (None where there is none). Every rank must call it.
+    unix=False: TCP even between the ranks of one host (bench/p2p_bench.py compares the two).
 
     `hvd` is horovod.torch or horovod.tensorflow (initialised): their object collectives carry the
     addresses and the key. A rank listens for its previous stage and connects to its next; the
@@ -145,9 +165,15 @@ def connect_neighbours(hvd, prev: int | None, next_: int | None) -> tuple[Socket
     """
     rank = hvd.rank()
     key = hvd.broadcast_object(os.urandom(32) if rank == 0 else None, root_rank=0, name="p2p.key")
-    listener = Listener(("", 0), authkey=key) if prev is not None else None
-    address = (reachable_address(), listener.address[1]) if listener else None
-    addresses = hvd.allgather_object(address, name="p2p.addresses")
+    kernels = hvd.allgather_object(same_kernel_key(), name="p2p.kernels")
+    listener = address = None
+    if prev is not None and unix and kernels[rank] is not None and kernels[rank] == kernels[prev]:
+        address = f"\0hvdgen-p2p-{os.urandom(12).hex()}"   # Linux's abstract namespace: no file to clean up
+        listener = Listener(address, "AF_UNIX", authkey=key)
+    elif prev is not None:
+        listener = Listener(("", 0), authkey=key)
+        address = (reachable_address(), listener.address[1])
+    addresses = hvd.allgather_object(address, name="p2p.addresses")   # a str: Unix, a pair: TCP
 
     accepted: list = []
 
@@ -166,7 +192,8 @@ def connect_neighbours(hvd, prev: int | None, next_: int | None) -> tuple[Socket
         acceptor.start()
     next_link = None
     if next_ is not None:
-        conn = Client(tuple(addresses[next_]), authkey=key)
+        peer_address = addresses[next_]
+        conn = Client(peer_address if isinstance(peer_address, str) else tuple(peer_address), authkey=key)
         conn.send_bytes(struct.pack("<q", rank))
         next_link = SocketLink(rank, next_, _socket_of(conn))
     prev_link = None

@@ -2,7 +2,8 @@
 
 Two links, one interface (`send` non-blocking, `recv` blocking, `wait_sends` once a step):
 
-- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.pipeline.socket_link);
+- `SocketTensorLink` (the default): a connection of the pair's own, Unix-domain on one host and TCP
+  across hosts (hvd_runtime.pipeline.socket_link);
   a tensor goes as its header words and its host bytes. No Horovod on the way: measured 6-17x
   faster per message than the collective below at activation sizes (bench/p2p_bench_tf.py,
   docs/pipeline.md).

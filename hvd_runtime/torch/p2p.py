@@ -12,7 +12,8 @@ a non-blocking `send` and a blocking `recv`. Three ways to build one are kept si
   must allocate the exact shape first, so an unknown shape costs a header broadcast first.
 - `TorchDistLink`: torch.distributed (gloo) `isend`/`recv`, a second communicator beside Horovod's.
   Real p2p, but torch only and one more rendezvous to set up.
-- `SocketTensorLink` (the default): a TCP connection of the pair's own (hvd_runtime.pipeline.socket_link),
+- `SocketTensorLink` (the default): a connection of the pair's own, Unix-domain on one host and TCP
+  across hosts (hvd_runtime.pipeline.socket_link),
   the link the TensorFlow pipeline uses too: a tensor goes as its header words and its host bytes.
 
 Messages are matched by tag, so a pair may exchange activations and gradients in either order:

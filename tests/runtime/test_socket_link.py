@@ -1,22 +1,29 @@
-"""The pipeline's socket link on real TCP connections, without Horovod: what a stage relies on."""
+"""The pipeline's socket link on real TCP and Unix-domain connections, without Horovod: what a stage relies on."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
-from hvd_runtime.pipeline.socket_link import MessageOrderError, SocketLink
+from hvd_runtime.pipeline.socket_link import MessageOrderError, SocketLink, same_kernel_key
 
 
-@pytest.fixture
-def pair():
-    """Two linked ends over loopback TCP, as two neighbouring stages hold them."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        a = socket.create_connection(server.getsockname())
-        b, _ = server.accept()
+@pytest.fixture(params=["tcp", "unix"])
+def pair(request):
+    """Two linked ends, as two neighbouring stages hold them: over loopback TCP (stages on two hosts)
+    and over a Unix-domain socket (stages on one host)."""
+    if request.param == "tcp":
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            a = socket.create_connection(server.getsockname())
+            b, _ = server.accept()
+    else:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     first, second = SocketLink(0, 1, a), SocketLink(1, 0, b)
     yield first, second
     first.close()
@@ -91,3 +98,20 @@ def test_small_messages_leave_at_once_and_big_ones_keep_their_place(pair):
     reader.join(timeout=60)
     assert got[0] == (0, 64, {7})
     assert [got[i] for i in range(1, len(sizes) + 1)] == [(i, n, {i % 256}) for i, n in enumerate(sizes, start=1)]
+
+
+KEY_OF_A_CHILD = [sys.executable, "-c", "from hvd_runtime.pipeline.socket_link import same_kernel_key as k; print(k())"]
+
+
+def test_ranks_share_a_kernel_key_exactly_where_a_unix_socket_reaches():
+    """Same host and network namespace: the same key (the stages link over a Unix socket). Another
+    network namespace, as a container or the multi-host tests' hosts have: another key (TCP)."""
+    here = same_kernel_key()
+    assert here is not None
+    assert subprocess.run(KEY_OF_A_CHILD, capture_output=True, text=True, check=True).stdout.strip() == here
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare to make a network namespace")
+    other = subprocess.run(["unshare", "--net", *KEY_OF_A_CHILD], capture_output=True, text=True)
+    if other.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {other.stderr.strip()}")
+    assert other.stdout.strip() not in ("", "None", here)
