@@ -8,8 +8,8 @@ address, a random key comes from rank 0, each stage connects to the next, and
 `multiprocessing.connection`'s HMAC handshake proves the key. Two stages in one network namespace
 of one running kernel (the ranks of one host, the usual case: a node's GPUs) connect through a
 Unix-domain socket in Linux's abstract namespace, which skips TCP/IP (`bench/p2p_bench.py`: a
-few µs less per small message, up to half the time for 16 MiB) and leaves no file behind. Stages on different
-hosts, or in different network namespaces of one, connect over TCP. From then on a message is a
+few µs less per small message, up to half the time for 16 MiB) and leaves no file behind. Stages
+on different hosts, or in different network namespaces of one, connect over TCP. From then on a message is a
 fixed-size frame (header words, body length, tag length), the tag, and the body's raw bytes
 received straight into their final buffer; nothing is ever unpickled.
 

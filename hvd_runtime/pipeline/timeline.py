@@ -46,13 +46,9 @@ class TimelineRecorder:
                 event["chunk"] = chunk
             self.events.append(event)
 
-    @contextmanager
     def span(self, kind: str, micro_batch: int, chunk: int = 0):
-        start = time.time()
-        try:
-            yield
-        finally:
-            self.add(kind, micro_batch, start, time.time(), chunk)
+        """One action on one micro-batch, timed."""
+        return self.spans(kind, [micro_batch], chunk)
 
     @contextmanager
     def spans(self, kind: str, micro_batches: list[int], chunk: int = 0):
@@ -66,7 +62,8 @@ class TimelineRecorder:
             end = time.time()
             share = (end - start) / max(len(micro_batches), 1)
             for j, i in enumerate(micro_batches):
-                self.add(kind, i, start + j * share, start + (j + 1) * share, chunk)
+                last = j == len(micro_batches) - 1
+                self.add(kind, i, start + j * share, end if last else start + (j + 1) * share, chunk)
 
     def record(self) -> dict:
         return {"rank": self.rank, "stage": self.stage, "replica": self.replica, "events": list(self.events)}

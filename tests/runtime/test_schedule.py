@@ -97,10 +97,17 @@ def test_peak_activations_in_flight(name, p, m):
         assert peaks == [m] * p
 
 
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+
+def computes(stage_schedule, stage: int, stages: int = 2, micro_batches: int = 4) -> list[tuple[Op, int]]:
+    """A stage's compute actions in order, as (op, micro-batch): its sends and receives left out."""
+    return [(a.op, a.micro_batch) for a in stage_schedule(stage, stages, micro_batches) if a.op in COMPUTE]
+
+
 def test_one_f_one_b_two_stages_four_micro_batches_reads_like_the_diagram():
     f, b = Op.FORWARD, Op.BACKWARD
-    first = [(a.op, a.micro_batch) for a in one_f_one_b_stage(0, 2, 4) if a.op in (f, b)]
-    last = [(a.op, a.micro_batch) for a in one_f_one_b_stage(1, 2, 4) if a.op in (f, b)]
+    first, last = computes(one_f_one_b_stage, 0), computes(one_f_one_b_stage, 1)
     assert first == [(f, 0), (f, 1), (b, 0), (f, 2), (b, 1), (f, 3), (b, 2), (b, 3)]
     assert last == [(f, 0), (b, 0), (f, 1), (b, 1), (f, 2), (b, 2), (f, 3), (b, 3)]
 
@@ -108,16 +115,14 @@ def test_one_f_one_b_two_stages_four_micro_batches_reads_like_the_diagram():
 def test_zero_bubble_two_stages_four_micro_batches_reads_like_the_paper():
     """Stage 0 runs each weight half right after its input half; the last stage one micro-batch late."""
     f, b, w = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
-    first = [(a.op, a.micro_batch) for a in zero_bubble_h1_stage(0, 2, 4) if a.op in (f, b, w)]
-    last = [(a.op, a.micro_batch) for a in zero_bubble_h1_stage(1, 2, 4) if a.op in (f, b, w)]
+    first, last = computes(zero_bubble_h1_stage, 0), computes(zero_bubble_h1_stage, 1)
     assert first == [(f, 0), (f, 1), (b, 0), (w, 0), (f, 2), (b, 1), (w, 1), (f, 3), (b, 2), (w, 2), (b, 3), (w, 3)]
     assert last == [(f, 0), (b, 0), (f, 1), (b, 1), (w, 0), (f, 2), (b, 2), (w, 1), (f, 3), (b, 3), (w, 2), (w, 3)]
 
 
 def test_batched_weight_gradients_two_stages_four_micro_batches():
     f, b, w = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
-    first = [(a.op, a.micro_batch) for a in one_f_one_b_batched_w_stage(0, 2, 4) if a.op in (f, b, w)]
-    last = [(a.op, a.micro_batch) for a in one_f_one_b_batched_w_stage(1, 2, 4) if a.op in (f, b, w)]
+    first, last = computes(one_f_one_b_batched_w_stage, 0), computes(one_f_one_b_batched_w_stage, 1)
     # stage 0 runs the weights of micro-batches 0-2 while stage 1 works on micro-batch 3
     assert first == [(f, 0), (f, 1), (b, 0), (f, 2), (b, 1), (f, 3), (b, 2), (w, 0), (w, 1), (w, 2), (b, 3), (w, 3)]
     assert last == [(f, 0), (b, 0), (f, 1), (b, 1), (f, 2), (b, 2), (f, 3), (b, 3), (w, 0), (w, 1), (w, 2), (w, 3)]

@@ -104,7 +104,8 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, piec
 
 def main():
     args = parse_args(pipeline=True, p2p="socket")
-    work = load_workload(args.model, args.project, lambda seed=1234: make_model(seed, args.flatten_first, args.regularize), mlp_batch,
+    work = load_workload(args.model, args.project,
+                         lambda seed=1234: make_model(seed, args.flatten_first, args.regularize), mlp_batch,
                          (["flat"] if args.flatten_first else []) + BLOCKS)
 
     ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
