@@ -18,25 +18,46 @@ def cpu_threads(local_size: int, requested: int = 0) -> int:
 
 # Horovod's cycle on CPU ranks, as measured by bench/cycle_time_bench.py (docs/benchmarks-cycle-time.md).
 CPU_CYCLE_TIME_MS = 5.0
+# With the wake-up (below) the cycle is only the longest idle wait: work no longer waits for it.
+WAKING_CPU_CYCLE_TIME_MS = 100.0
+
+
+def horovod_wakes_on_enqueue() -> bool:
+    """True for the Horovod hvdgen builds: its background loop can wake when a tensor is queued
+    (HOROVOD_WAKE_ON_ENQUEUE, hvdgen.horovod_patches). Another Horovod sleeps whole cycles."""
+    try:
+        from horovod.common import basics
+    except ImportError:
+        return False
+    return bool(getattr(basics, "WAKES_ON_ENQUEUE", False))
 
 
 def set_cycle_time(cycle_time_ms: float, gpu: bool) -> None:
     """Horovod's background loop wakes every HOROVOD_CYCLE_TIME ms to negotiate and launch
-    collectives, idle or not; a step's allreduce waits for the next wake-up. Read at hvd.init, so
-    this must come first. An explicit HOROVOD_CYCLE_TIME in the environment wins.
+    collectives, idle or not, and each negotiation is a collective of every rank's loop. Read at
+    hvd.init, so this must come first. Explicit HOROVOD_* settings in the environment win.
 
-    0 picks by where the ranks compute. With GPUs, Horovod's own 1 ms: the loop runs on cores the
-    training does not use. On CPU ranks the loop's thread competes with the training threads for
-    the same cores, a negotiation across processes every ms, so CPU_CYCLE_TIME_MS: fewer, fuller
-    negotiations per step. Measured at np=2 on 2 cores: ResNet-18 and GPT 1.01-1.24x as fast as
-    at 1 ms (three runs), a large MLP 0.99-1.30x, a 4-stage pipeline (np=4) about twice as fast;
-    a model whose step takes a few ms (a tiny MLP) about half as fast, its step waiting for the
-    cycle (set cycle_time_ms: 1 there).
+    With GPUs: Horovod's own 1 ms (0 here); the loop runs on cores the training does not use.
+
+    On CPU ranks the loop's thread shares the cores with the training threads. Where Horovod
+    wakes on enqueue (hvdgen's build), the loop sleeps until a tensor is queued, so a step's
+    allreduce starts at once and idle cycles stop waking every rank; the cycle is then only the
+    longest idle wait (WAKING_CPU_CYCLE_TIME_MS by default). With the step's gradients in one
+    grouped allreduce (hvd_runtime.torch.optim.gradient_groups; TF's step already groups them),
+    measured at np=2 on 2 cores against torch DDP: ResNet-18 0.9-1.0x, GPT 1.0x, up from 0.80 and
+    0.79 (docs/benchmarks-workloads.md). Without the wake-up, CPU_CYCLE_TIME_MS: fewer, fuller
+    negotiations per step than at 1 ms (docs/benchmarks-cycle-time.md).
     """
+    if gpu:
+        if cycle_time_ms > 0:
+            os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{cycle_time_ms:g}")
+        return
+    waking = horovod_wakes_on_enqueue() and os.environ.get("HOROVOD_WAKE_ON_ENQUEUE", "1") not in ("", "0")
+    if waking:
+        os.environ.setdefault("HOROVOD_WAKE_ON_ENQUEUE", "1")
     if cycle_time_ms <= 0:
-        cycle_time_ms = 0.0 if gpu else CPU_CYCLE_TIME_MS
-    if cycle_time_ms > 0:
-        os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{cycle_time_ms:g}")
+        cycle_time_ms = WAKING_CPU_CYCLE_TIME_MS if waking else CPU_CYCLE_TIME_MS
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{cycle_time_ms:g}")
 
 
 def lr_scaler(size: int, local_size: int, scale_lr: bool, adasum: bool, gpu_allreduce: bool) -> float:

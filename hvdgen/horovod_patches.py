@@ -239,6 +239,181 @@ _COMPILED_FLAGS = (
     "\n"
 )
 
+# Horovod's background loop sleeps a fixed cycle between negotiations, and every negotiation is a
+# collective of all ranks' loops. On CPU ranks those loops share the cores with training, so a
+# step's few allreduces each wait for the cycle, and each idle cycle wakes every rank. With
+# HOROVOD_WAKE_ON_ENQUEUE=1 (hvd_runtime sets it where it groups a step's gradients into a few
+# allreduces) the loop sleeps until a tensor is queued, or until the cycle time at the longest; a
+# tensor another rank has not queued yet goes back on the queue and the next negotiation starts at
+# once, blocking (not spinning) in the collective until that rank's loop joins it.
+_WAKE_DECLARATION = (
+    "namespace horovod {\n"
+    "namespace common {\n"
+    "\n"
+    "// hvdgen: the background loop's wait between two cycles, at most `longest`. With\n"
+    "// HOROVOD_WAKE_ON_ENQUEUE=1 a tensor queued (or put back on the queue) meanwhile ends it,\n"
+    "// as does WakeBackgroundLoop (shutdown).\n"
+    "void WaitForQueuedTensor(std::chrono::steady_clock::duration longest);\n"
+    "void WakeBackgroundLoop();\n"
+    "\n"
+    "class TensorQueue {\n"
+)
+
+_WAKE_DEFINITION = (
+    "namespace horovod {\n"
+    "namespace common {\n"
+    "\n"
+    "namespace {\n"
+    "std::mutex queued_mutex;\n"
+    "std::condition_variable queued_cv;\n"
+    "bool queued = false;  // a tensor arrived since the loop last woke\n"
+    "\n"
+    "bool WakeOnEnqueue() {\n"
+    "  static const bool enabled = [] {\n"
+    "    const char* value = std::getenv(\"HOROVOD_WAKE_ON_ENQUEUE\");\n"
+    "    return value != nullptr && std::string(value) != \"\" && std::string(value) != \"0\";\n"
+    "  }();\n"
+    "  return enabled;\n"
+    "}\n"
+    "\n"
+    "} // namespace\n"
+    "\n"
+    "void WakeBackgroundLoop() {\n"
+    "  if (!WakeOnEnqueue()) {\n"
+    "    return;\n"
+    "  }\n"
+    "  {\n"
+    "    std::lock_guard<std::mutex> lock(queued_mutex);\n"
+    "    queued = true;\n"
+    "  }\n"
+    "  queued_cv.notify_one();\n"
+    "}\n"
+    "\n"
+    "void WaitForQueuedTensor(std::chrono::steady_clock::duration longest) {\n"
+    "  bool positive = longest > std::chrono::steady_clock::duration::zero();\n"
+    "  if (!WakeOnEnqueue()) {\n"
+    "    if (positive) {\n"
+    "      std::this_thread::sleep_for(longest);\n"
+    "    }\n"
+    "    return;\n"
+    "  }\n"
+    "  std::unique_lock<std::mutex> lock(queued_mutex);\n"
+    "  if (positive) {\n"
+    "    queued_cv.wait_for(lock, longest, [] { return queued; });\n"
+    "  }\n"
+    "  queued = false;\n"
+    "}\n"
+    "\n"
+)
+
+PERFORMANCE_PATCHES = (
+    Patch("horovod/common/tensor_queue.h", "#include <iostream>\n",
+          "#include <chrono>\n#include <iostream>\n", "the wake-up's declaration names a duration"),
+    Patch("horovod/common/tensor_queue.h", "namespace horovod {\nnamespace common {\n\nclass TensorQueue {\n",
+          _WAKE_DECLARATION, "CPU ranks: the background loop wakes when a tensor is queued"),
+    Patch("horovod/common/tensor_queue.cc", "#include <assert.h>\n",
+          "#include <assert.h>\n#include <condition_variable>\n#include <cstdlib>\n#include <string>\n"
+          "#include <thread>\n", "the wake-up's definition"),
+    Patch("horovod/common/tensor_queue.cc", "namespace horovod {\nnamespace common {\n\n",
+          _WAKE_DEFINITION, "CPU ranks: the background loop wakes when a tensor is queued"),
+    Patch("horovod/common/tensor_queue.cc",
+          "  tensor_table_.emplace(e.tensor_name, std::move(e));\n"
+          "  message_queue_.push(std::move(message));\n"
+          "  return Status::OK();\n",
+          "  tensor_table_.emplace(e.tensor_name, std::move(e));\n"
+          "  message_queue_.push(std::move(message));\n"
+          "  WakeBackgroundLoop();\n"
+          "  return Status::OK();\n",
+          "a queued tensor wakes the background loop"),
+    Patch("horovod/common/tensor_queue.cc",
+          "    message_queue_.push(std::move(messages[i]));\n"
+          "  }\n"
+          "  return Status::OK();\n",
+          "    message_queue_.push(std::move(messages[i]));\n"
+          "  }\n"
+          "  WakeBackgroundLoop();\n"
+          "  return Status::OK();\n",
+          "a queued group of tensors wakes the background loop"),
+    Patch("horovod/common/tensor_queue.cc",
+          "    messages.pop_front();\n"
+          "  }\n"
+          "}\n",
+          "    messages.pop_front();\n"
+          "    WakeBackgroundLoop();  // hvdgen: another rank lacks it yet: negotiate again once that rank joins\n"
+          "  }\n"
+          "}\n",
+          "a tensor put back waits in the next negotiation for the rank that lacks it, not for a cycle"),
+    Patch("horovod/common/operations.cc",
+          "  if (sleep_duration > std::chrono::steady_clock::duration::zero()) {\n"
+          "    std::this_thread::sleep_for(sleep_duration);\n"
+          "  }\n"
+          "  state.last_cycle_start = std::chrono::steady_clock::now();\n",
+          "  WaitForQueuedTensor(sleep_duration);  // hvdgen: the cycle, or less once a tensor is queued\n"
+          "  state.last_cycle_start = std::chrono::steady_clock::now();\n",
+          "CPU ranks: the background loop wakes when a tensor is queued"),
+    Patch("horovod/common/operations.cc",
+          "    horovod_global.shut_down = true;\n"
+          "    horovod_global.background_thread.join();\n",
+          "    horovod_global.shut_down = true;\n"
+          "    WakeBackgroundLoop();  // hvdgen: a loop waiting for tensors would see it a cycle late\n"
+          "    horovod_global.background_thread.join();\n",
+          "shutdown wakes a background loop that waits for tensors"),
+    Patch("horovod/torch/handle_manager.h", "#include <atomic>\n",
+          "#include <atomic>\n#include <condition_variable>\n", "synchronize() sleeps until its result is ready"),
+    Patch("horovod/torch/handle_manager.h", "  bool PollHandle(int handle);\n",
+          "  bool PollHandle(int handle);\n"
+          "  // hvdgen: sleep until the handle is done (or cleared), rather than poll it.\n"
+          "  void WaitForHandle(int handle);\n", "synchronize() sleeps until its result is ready"),
+    Patch("horovod/torch/handle_manager.h", "  std::mutex mutex_;\n",
+          "  std::mutex mutex_;\n  std::condition_variable done_;\n", "synchronize() sleeps until its result is ready"),
+    Patch("horovod/torch/handle_manager.cc",
+          "  results_[handle] = std::make_shared<Status>(status);\n}\n",
+          "  results_[handle] = std::make_shared<Status>(status);\n  done_.notify_all();\n}\n\n"
+          "void HandleManager::WaitForHandle(int handle) {\n"
+          "  std::unique_lock<std::mutex> lock(mutex_);\n"
+          "  done_.wait(lock, [&] {\n"
+          "    auto found = results_.find(handle);\n"
+          "    return found == results_.end() || found->second != nullptr;\n"
+          "  });\n"
+          "}\n",
+          "synchronize() sleeps until its result is ready"),
+    Patch("horovod/torch/handle_manager.cc", "  results_.clear();\n  last_handle_ = 0;\n",
+          "  results_.clear();\n  last_handle_ = 0;\n  done_.notify_all();\n",
+          "a reset ends every wait"),
+    Patch("horovod/torch/mpi_ops_v2.cc",
+          "void WaitAndClear(int handle) {\n"
+          "  while (true) {\n"
+          "    if (handle_manager.PollHandle(handle)) break;\n"
+          "    {\n"
+          "      py::gil_scoped_release release_python_gil;\n"
+          "      std::this_thread::yield();\n"
+          "    }\n"
+          "  }\n",
+          "void WaitAndClear(int handle) {\n"
+          "  // hvdgen: with HOROVOD_WAKE_ON_ENQUEUE=1 (CPU ranks) the caller sleeps until the result is\n"
+          "  // ready: polling kept the training thread runnable, taking the core the allreduce needed.\n"
+          "  static const bool sleeps = [] {\n"
+          "    const char* value = std::getenv(\"HOROVOD_WAKE_ON_ENQUEUE\");\n"
+          "    return value != nullptr && std::string(value) != \"\" && std::string(value) != \"0\";\n"
+          "  }();\n"
+          "  if (sleeps) {\n"
+          "    py::gil_scoped_release release_python_gil;\n"
+          "    handle_manager.WaitForHandle(handle);\n"
+          "  }\n"
+          "  while (true) {\n"
+          "    if (handle_manager.PollHandle(handle)) break;\n"
+          "    {\n"
+          "      py::gil_scoped_release release_python_gil;\n"
+          "      std::this_thread::yield();\n"
+          "    }\n"
+          "  }\n",
+          "CPU ranks: synchronize() polled its handle in a loop, taking a core from the allreduce"),
+    Patch("horovod/common/basics.py", "class HorovodBasics(object):\n",
+          "# hvdgen: this build's background loop can wake when a tensor is queued (HOROVOD_WAKE_ON_ENQUEUE=1).\n"
+          "WAKES_ON_ENQUEUE = True\n\n\nclass HorovodBasics(object):\n",
+          "hvd_runtime turns the wake-up on only where Horovod has it"),
+)
+
 LAUNCHER_PATCHES = (
     Patch("horovod/common/util.py",
           "def _check_extension_lambda(ext_base_name, fn, fn_desc, verbose):\n",
@@ -276,7 +451,7 @@ LAUNCHER_PATCHES = (
           "every failed launch ended in a traceback of horovodrun's internals"),
 )
 
-PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + LAUNCHER_PATCHES
+PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + PERFORMANCE_PATCHES + LAUNCHER_PATCHES
 
 
 def patches_digest() -> str:

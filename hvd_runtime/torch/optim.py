@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,36 @@ def plain_optimizer(params, optim_cfg, lr: float):
     return OPTIMIZERS[optim_cfg.name](params, optim_cfg, lr)
 
 
+# Horovod's fusion buffer, HOROVOD_FUSION_THRESHOLD (bytes): a group larger than it would not fuse.
+DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+
+
+def gradient_groups(model: nn.Module, device: torch.device, adasum: bool) -> list[list[torch.Tensor]] | None:
+    """On CPU ranks, the step's gradients as a few grouped allreduces; elsewhere None (one each).
+
+    Why: a CPU rank's Horovod loop shares the cores with training, and every negotiation is a
+    collective of all ranks' loops. Tensor by tensor, a step's gradients went out in several
+    allreduces as backward produced them, each waking every rank mid-backward; as one group they
+    go out once, when backward ends (the loop wakes on it: hvd_runtime.scaling.set_cycle_time).
+    Groups hold at most one fusion buffer of gradients each, in the model's order. GPUs keep
+    Horovod's overlap of allreduce with backward (its loop runs on cores the training leaves
+    free), and Adasum its own per-tensor reduction.
+    """
+    if device.type != "cpu" or adasum:
+        return None
+    limit = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)) or DEFAULT_FUSION_THRESHOLD
+    groups: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for param in (p for p in model.parameters() if p.requires_grad):
+        nbytes = param.numel() * param.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(param)
+        size += nbytes
+    return groups if groups[0] else None
+
+
 def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int):
     """Build the optimizer, wrap it for Horovod, and return it with its LR schedule.
 
@@ -88,5 +119,6 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         backward_passes_per_step=hvd_cfg.backward_passes_per_step,
         op=hvd.Adasum if hvd_cfg.adasum else hvd.Average,
         process_set=ctx.dp_set,  # tensor parallel: the replicas holding the same slices
+        groups=gradient_groups(model, ctx.device, hvd_cfg.adasum),  # CPU: the step's gradients at once
     )
     return optimizer, schedule
