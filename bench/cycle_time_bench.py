@@ -3,8 +3,9 @@
     python bench/cycle_time_bench.py               # 2 rounds, about 12 minutes on 2 CPU cores
     python bench/cycle_time_bench.py --rounds 3
 
-The measurement behind hvd_runtime.scaling.CPU_CYCLE_TIME_MS, the cycle a generated project runs
-with on CPU ranks (`horovod.cycle_time_ms: 0`, its default). Our loop at np=2 on four workloads: the MLP of
+The measurement behind hvd_runtime.scaling.CPU_CYCLE_TIME_MS, the cycle CPU ranks run with where
+Horovod's loop cannot wake when a tensor is queued: these runs turn the wake-up off
+(HOROVOD_WAKE_ON_ENQUEUE=0), so each cycle time is a wait in every step. Our loop at np=2 on four workloads: the MLP of
 bench/run.py, small (a step of a few ms) and large, and ResNet-18 and GPT from generated projects
 on files on disk (bench/workload_bench.py); torch DDP (gloo) on the same ResNet-18 and GPT as the
 yardstick. Rounds alternate the order of the cycle times; ratios are taken within a round. Writes
@@ -44,13 +45,14 @@ def measure(workload: str, cycle: Cycle, setup: dict) -> float:
     if cycle is None:
         return workload_bench.run("ddp", 2, workload, *setup[workload])
     os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle:g}"
+    os.environ["HOROVOD_WAKE_ON_ENQUEUE"] = "0"
     try:
         if workload.startswith("mlp-"):
             width, batch = mlp_bench.WORKLOADS[workload.removeprefix("mlp-")]
             return mlp_bench.horovod_bench(2, "ours", 2, width, batch)
         return workload_bench.run("ours", 2, workload, *setup[workload])
     finally:
-        del os.environ["HOROVOD_CYCLE_TIME"]
+        del os.environ["HOROVOD_CYCLE_TIME"], os.environ["HOROVOD_WAKE_ON_ENQUEUE"]
 
 
 def plot(relative: dict[str, list[float]], path: Path) -> None:

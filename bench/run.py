@@ -45,6 +45,15 @@ def generated_cycle_time_ms() -> float:
         return load_config(Path(tmp) / "config.yaml").horovod.cycle_time_ms
 
 
+def cycle_described(cycle_time_ms: float) -> str:
+    if cycle_time_ms > 0:
+        return f"{cycle_time_ms:g} ms"
+    from hvd_runtime.scaling import WAKING_CPU_CYCLE_TIME_MS
+
+    return (f"0: on CPU ranks the loop sleeps until a tensor is queued, at most {WAKING_CPU_CYCLE_TIME_MS:g} ms, "
+            "and a step's gradients go out as one grouped allreduce")
+
+
 def horovod_bench(np: int, loop: str, epochs: int, width: int, batch: int, cycle_time_ms: float) -> float:
     cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable,
            str(REPO / "bench" / "dp_worker.py"), "--loop", loop, "--epochs", str(epochs),
@@ -204,8 +213,8 @@ def main() -> None:
         + ". The reference loop is "
         "written the way Horovod's PyTorch example is (DataLoader + DistributedSampler + "
         "DistributedOptimizer); ours is what generated projects run (hvd_runtime.torch), with the Horovod "
-        f"cycle time a generated MLP project's config.yaml sets ({cycle_time_ms:g} ms; the reference runs "
-        "Horovod's default, 1 ms; the large workload is the same MLP made wider, config unchanged).",
+        f"cycle time a generated MLP project's config.yaml sets ({cycle_described(cycle_time_ms)}; the reference "
+        "runs Horovod's default, 1 ms; the large workload is the same MLP made wider, config unchanged).",
         "",
         *table,
         "",

@@ -63,15 +63,3 @@ def test_config_file_sets_every_runtime_field(tmp_path, framework, strategy, mod
     data = yaml.safe_load((tmp_path / "config.yaml").read_text())
 
     assert keys(data) == applicable_keys(framework, strategy, model)
-
-
-@pytest.mark.parametrize("framework, strategy, model", SHAPES)
-def test_cycle_time_suits_the_model(tmp_path, framework, strategy, model):
-    """Horovod's cycle is a wait in every step that allreduces: the small MLP's step is ~2 ms on a
-    CPU rank, so it gets 1 ms (measured 1.4-2x its throughput at the CPU default of 5 ms, both
-    frameworks, data and model-split); larger models keep the by-device default
-    (docs/benchmarks-cycle-time.md), and so does the pipeline, whose step is mostly messages between
-    stages and measured faster at 5 ms than at 1 ms (1.3-1.7x)."""
-    render_tree(ProjectSpec(name="proj", framework=framework, strategy=strategy, model=model), tmp_path)
-    cycle = load_config(tmp_path / "config.yaml").horovod.cycle_time_ms
-    assert cycle == (1.0 if model == "mlp" and strategy != "pipeline" else 0.0)

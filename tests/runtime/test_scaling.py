@@ -6,27 +6,57 @@ import os
 
 import pytest
 
-from hvd_runtime.scaling import CPU_CYCLE_TIME_MS, set_cycle_time
+from hvd_runtime import scaling
+from hvd_runtime.scaling import CPU_CYCLE_TIME_MS, WAKING_CPU_CYCLE_TIME_MS, set_cycle_time
+
+SETTINGS = ("HOROVOD_CYCLE_TIME", "HOROVOD_WAKE_ON_ENQUEUE")
 
 
 @pytest.fixture
 def env(monkeypatch):
-    """os.environ without HOROVOD_CYCLE_TIME, as it was again afterwards (set_cycle_time writes to it)."""
-    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "")  # recorded first, so undoing restores the original
-    monkeypatch.delenv("HOROVOD_CYCLE_TIME")
+    """os.environ without Horovod's cycle settings, as it was again afterwards (set_cycle_time
+    writes to it)."""
+    for name in SETTINGS:
+        monkeypatch.setenv(name, "")  # recorded first, so undoing restores the original
+        monkeypatch.delenv(name)
     return os.environ
 
 
-def test_cpu_ranks_get_the_measured_cpu_cycle_and_gpu_ranks_keep_horovods_default(env):
+@pytest.fixture(params=[True, False], ids=["waking-horovod", "other-horovod"])
+def waking(request, monkeypatch):
+    """Whether the installed Horovod can wake on enqueue: hvdgen's build can, another cannot."""
+    monkeypatch.setattr(scaling, "horovod_wakes_on_enqueue", lambda: request.param)
+    return request.param
+
+
+def test_the_installed_horovod_wakes_on_enqueue():
+    assert scaling.horovod_wakes_on_enqueue(), "run `hvdgen install-horovod --force`: this Horovod lacks the patch"
+
+
+def test_cpu_ranks_sleep_until_a_tensor_is_queued_where_horovod_can(env, waking):
     set_cycle_time(0.0, gpu=False)
-    assert env["HOROVOD_CYCLE_TIME"] == f"{CPU_CYCLE_TIME_MS:g}"
-    del env["HOROVOD_CYCLE_TIME"]
+    if waking:
+        assert env["HOROVOD_WAKE_ON_ENQUEUE"] == "1"
+        assert env["HOROVOD_CYCLE_TIME"] == f"{WAKING_CPU_CYCLE_TIME_MS:g}"
+    else:  # a Horovod that sleeps whole cycles keeps the short cycle measured for it
+        assert "HOROVOD_WAKE_ON_ENQUEUE" not in env
+        assert env["HOROVOD_CYCLE_TIME"] == f"{CPU_CYCLE_TIME_MS:g}"
+
+
+def test_gpu_ranks_keep_horovods_own_loop(env, waking):
     set_cycle_time(0.0, gpu=True)
-    assert "HOROVOD_CYCLE_TIME" not in env
+    assert not set(SETTINGS) & set(env)
+
+
+def test_the_wake_up_can_be_turned_off(env, waking):
+    env["HOROVOD_WAKE_ON_ENQUEUE"] = "0"
+    set_cycle_time(0.0, gpu=False)
+    assert env["HOROVOD_WAKE_ON_ENQUEUE"] == "0"
+    assert env["HOROVOD_CYCLE_TIME"] == f"{CPU_CYCLE_TIME_MS:g}"
 
 
 @pytest.mark.parametrize("gpu", [False, True])
-def test_a_configured_cycle_time_is_used_on_any_device(env, gpu):
+def test_a_configured_cycle_time_is_used_on_any_device(env, waking, gpu):
     set_cycle_time(2.5, gpu=gpu)
     assert env["HOROVOD_CYCLE_TIME"] == "2.5"
 
