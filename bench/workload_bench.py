@@ -26,7 +26,7 @@ LOOPS = ("ours", "reference", "ddp")
 MODELS = {"resnet18": "images/s", "gpt": "tokens/s"}
 
 
-def write_images(root: Path, per_class: int = 240, classes: int = 4, size: int = 32) -> None:
+def write_images(root: Path, per_class: int = 480, classes: int = 4, size: int = 32) -> None:
     import numpy as np
     from PIL import Image
 
@@ -96,6 +96,14 @@ def main() -> None:
             ratio_ddp = statistics.median(o / d for o, d in zip(ours, ddp))
             lines.append(f"| {model} ({unit}) | {np_} | {statistics.median(ours):,.0f} | {statistics.median(ref):,.0f} "
                          f"| {statistics.median(ddp):,.0f} | {ratio_ref:.2f} | {ratio_ddp:.2f} |")
+    lines += ["", "Scaling efficiency np=1 to 2: items/s at np=2 / (2 x items/s at np=1), median over rounds.", "",
+              "| model | ours | Horovod example | DDP (torchrun) |", "| --- | ---: | ---: | ---: |"]
+    for model in MODELS:
+        cells = []
+        for loop in LOOPS:
+            one, two = results[(model, 1, loop)], results[(model, 2, loop)]
+            cells.append(f"{statistics.median(b / (2 * a) for a, b in zip(one, two)):.2f}")
+        lines.append(f"| {model} | {' | '.join(cells)} |")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
