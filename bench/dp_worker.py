@@ -2,10 +2,12 @@
 
     horovodrun -np 2 -H localhost:2 --gloo python bench/dp_worker.py --loop ours
     horovodrun -np 2 -H localhost:2 --gloo python bench/dp_worker.py --loop reference
+    torchrun --standalone --nproc-per-node 2 bench/dp_worker.py --loop ddp
 
 `ours` is the generated project's loop (hvd_runtime.torch); `reference` is written the way
 Horovod's official PyTorch example is: a DataLoader over a TensorDataset with a
-DistributedSampler, hvd.DistributedOptimizer, and parameters broadcast from rank 0. Both train
+DistributedSampler, hvd.DistributedOptimizer, and parameters broadcast from rank 0; `ddp` is the
+same loop over torch's DistributedDataParallel (gloo), as torchrun users write it. All three train
 the same MLP on the same synthetic data with the same per-rank batch size and one thread per
 rank. The first epoch warms up; the rest are timed between barriers. Rank 0 prints one
 `BENCH {...}` JSON line.
@@ -41,7 +43,7 @@ def barrier() -> None:
     hvd.allreduce(torch.zeros(1), name="barrier")
 
 
-def run_ours(dataset, model, args) -> float:
+def run_ours(dataset, model, args) -> tuple[float, int, int]:
     from hvd_runtime.loop import train_epoch
     from hvd_runtime.torch import ShardedBatches, TrainState, TrainStep, init_horovod, make_optimizer
 
@@ -58,19 +60,16 @@ def run_ours(dataset, model, args) -> float:
     for _ in range(args.epochs):
         train_epoch(step, batches, state, is_root=ctx.is_root)
     barrier()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, ctx.rank, ctx.size
 
 
-def run_reference(dataset, model, args) -> float:
-    hvd.init()
+def loader_loop(dataset, model, optimizer, size: int, rank: int, barrier_fn, args) -> float:
+    """The Horovod example's epoch (and DDP's): a DataLoader over a TensorDataset with a
+    DistributedSampler; only the model's and optimizer's wrappers differ."""
     torch.set_num_threads(1)
     train_set = torch.utils.data.TensorDataset(torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y))
-    sampler = torch.utils.data.distributed.DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank())
+    sampler = torch.utils.data.distributed.DistributedSampler(train_set, num_replicas=size, rank=rank)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     def epoch(number: int) -> None:
         model.train()
@@ -82,17 +81,39 @@ def run_reference(dataset, model, args) -> float:
             optimizer.step()
 
     epoch(0)  # warm-up
-    barrier()
+    barrier_fn()
     started = time.perf_counter()
     for number in range(1, args.epochs + 1):
         epoch(number)
-    barrier()
+    barrier_fn()
     return time.perf_counter() - started
+
+
+def run_reference(dataset, model, args) -> tuple[float, int, int]:
+    hvd.init()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    return loader_loop(dataset, model, optimizer, hvd.size(), hvd.rank(), barrier, args), hvd.rank(), hvd.size()
+
+
+def run_ddp(dataset, model, args) -> tuple[float, int, int]:
+    """torch DDP (gloo) as torchrun users write it: the same loop over DistributedDataParallel."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
+    seconds = loader_loop(dataset, model, optimizer, size, rank, dist.barrier, args)
+    dist.destroy_process_group()
+    return seconds, rank, size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--loop", choices=["ours", "reference"], required=True)
+    parser.add_argument("--loop", choices=["ours", "reference", "ddp"], required=True)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--samples", type=int, default=20000)
@@ -102,10 +123,11 @@ def main() -> None:
     dataset = load_dataset(DataConfig(source="synthetic", synthetic_samples=args.samples, synthetic_features=64,
                                       synthetic_classes=10, val_fraction=0.05))
     model = make_model(64, 10, args.width)
-    seconds = (run_ours if args.loop == "ours" else run_reference)(dataset, model, args)
-    if hvd.rank() == 0:
+    run = {"ours": run_ours, "reference": run_reference, "ddp": run_ddp}[args.loop]
+    seconds, rank, size = run(dataset, model, args)
+    if rank == 0:
         samples = args.epochs * len(dataset.train)
-        print("BENCH " + json.dumps({"loop": args.loop, "np": hvd.size(), "seconds": seconds,
+        print("BENCH " + json.dumps({"loop": args.loop, "np": size, "seconds": seconds,
                                      "samples_per_s": samples / seconds}), flush=True)
 
 

@@ -3,8 +3,9 @@
     python bench/run.py                 # about 5-10 minutes on 2 CPU cores
     python bench/run.py --rounds 5      # more rounds, steadier medians
 
-(a) our training loop against one written like Horovod's official PyTorch example, -np 2;
-(b) scaling efficiency of our loop, np=1 against np=2, one thread per rank;
+(a) our training loop against one written like Horovod's official PyTorch example, and against
+    torch DDP (torchrun, gloo) on the same loop, -np 2;
+(b) scaling efficiency of each loop, np=1 against np=2, one thread per rank;
 (c) the pipeline benchmark (bench/pipeline_bench.py): bubble, activations in flight, speed-up;
 (d) wall time of `hvdgen --help` and `hvdgen new`.
 Every figure is the median of several rounds, and every ratio is taken within one round (the
@@ -54,10 +55,17 @@ def cycle_described(cycle_time_ms: float) -> str:
             "and a step's gradients go out as one grouped allreduce")
 
 
+LOOPS = ("ours", "reference", "ddp")
+
+
 def horovod_bench(np: int, loop: str, epochs: int, width: int, batch: int, cycle_time_ms: float) -> float:
-    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable,
-           str(REPO / "bench" / "dp_worker.py"), "--loop", loop, "--epochs", str(epochs),
-           "--width", str(width), "--batch-size", str(batch)]
+    """Samples/s of one loop of bench/dp_worker.py: under horovodrun, or torchrun for DDP."""
+    worker = [str(REPO / "bench" / "dp_worker.py"), "--loop", loop, "--epochs", str(epochs),
+              "--width", str(width), "--batch-size", str(batch)]
+    if loop == "ddp":
+        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={np}", *worker]
+    else:
+        cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", sys.executable, *worker]
     if loop == "ours":
         cmd += ["--cycle-time-ms", str(cycle_time_ms)]
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
@@ -150,23 +158,24 @@ def main() -> None:
     print(described, flush=True)
 
     cycle_time_ms = generated_cycle_time_ms()
-    results = {w: {"ours": {1: [], 2: []}, "reference": {1: [], 2: []}} for w in WORKLOADS}
-    ratios = {w: [] for w in WORKLOADS}
-    scaling = {w: {"ours": [], "reference": []} for w in WORKLOADS}
+    results = {w: {loop: {1: [], 2: []} for loop in LOOPS} for w in WORKLOADS}
+    ratios = {w: {"reference": [], "ddp": []} for w in WORKLOADS}
+    scaling = {w: {loop: [] for loop in LOOPS} for w in WORKLOADS}
     for r in range(args.rounds):
         for workload, (width, batch) in WORKLOADS.items():
             row = {}
-            order = [(2, "ours"), (2, "reference"), (1, "ours"), (1, "reference")]
-            if r % 2:  # alternate who goes first, so neither loop always runs on a just-woken machine
-                order = [order[1], order[0], order[3], order[2]]
-            for np, loop in order:
+            # alternate who goes first, so no loop always runs on a just-woken machine
+            loops = LOOPS[r % len(LOOPS):] + LOOPS[:r % len(LOOPS)]
+            for np, loop in [(np, loop) for np in (2, 1) for loop in loops]:
                 row[(np, loop)] = horovod_bench(np, loop, args.epochs, width, batch, cycle_time_ms)
                 results[workload][loop][np].append(row[(np, loop)])
-            ratios[workload].append(row[(2, "ours")] / row[(2, "reference")])
-            for loop in ("ours", "reference"):
+            for other in ratios[workload]:
+                ratios[workload][other].append(row[(2, "ours")] / row[(2, other)])
+            for loop in LOOPS:
                 scaling[workload][loop].append(row[(2, loop)] / (2 * row[(1, loop)]))
-            print(f"round {r + 1} {workload}: ours/reference at np=2 {ratios[workload][-1]:.2f}, scaling ours "
-                  f"{scaling[workload]['ours'][-1]:.2f}, reference {scaling[workload]['reference'][-1]:.2f}", flush=True)
+            print(f"round {r + 1} {workload}: ours/reference at np=2 {ratios[workload]['reference'][-1]:.2f}, "
+                  f"ours/DDP {ratios[workload]['ddp'][-1]:.2f}, scaling "
+                  + ", ".join(f"{loop} {scaling[workload][loop][-1]:.2f}" for loop in LOOPS), flush=True)
     plot_throughput(results, DOCS / "throughput.png")
 
     hvdgen = str(BIN / "hvdgen")
@@ -194,11 +203,14 @@ def main() -> None:
     table = ["| measure | workload | median | rounds |", "| --- | --- | --- | --- |"]
     for w in WORKLOADS:
         table += [
-            f"| (a) ours / Horovod-example loop, samples/s at np=2 | {w} | {cells(ratios[w])} |",
+            f"| (a) ours / Horovod-example loop, samples/s at np=2 | {w} | {cells(ratios[w]['reference'])} |",
+            f"| (a) ours / torch DDP, samples/s at np=2 | {w} | {cells(ratios[w]['ddp'])} |",
             f"| ours, samples/s at np=2 | {w} | {cells(results[w]['ours'][2], '{:.0f}')} |",
             f"| Horovod-example loop, samples/s at np=2 | {w} | {cells(results[w]['reference'][2], '{:.0f}')} |",
+            f"| torch DDP, samples/s at np=2 | {w} | {cells(results[w]['ddp'][2], '{:.0f}')} |",
             f"| (b) scaling efficiency np=1 -> 2, ours | {w} | {cells(scaling[w]['ours'])} |",
             f"| scaling efficiency np=1 -> 2, Horovod-example loop | {w} | {cells(scaling[w]['reference'])} |",
+            f"| scaling efficiency np=1 -> 2, torch DDP | {w} | {cells(scaling[w]['ddp'])} |",
         ]
     table += [f"| (d) `hvdgen --help` wall time | | {help_s * 1000:.0f} ms | median of 5 |",
               f"| (d) `hvdgen new` wall time | | {new_s * 1000:.0f} ms | median of 5 |"]
@@ -212,7 +224,7 @@ def main() -> None:
         + ", ".join(f"{w} = width {wd}, batch {b} per rank" for w, (wd, b) in WORKLOADS.items())
         + ". The reference loop is "
         "written the way Horovod's PyTorch example is (DataLoader + DistributedSampler + "
-        "DistributedOptimizer); ours is what generated projects run (hvd_runtime.torch), with the Horovod "
+        "DistributedOptimizer), and DDP is that loop over torch's DistributedDataParallel (torchrun, gloo); ours is what generated projects run (hvd_runtime.torch), with the Horovod "
         f"cycle time a generated MLP project's config.yaml sets ({cycle_described(cycle_time_ms)}; the reference "
         "runs Horovod's default, 1 ms; the large workload is the same MLP made wider, config unchanged).",
         "",

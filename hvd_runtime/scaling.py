@@ -45,8 +45,8 @@ def set_cycle_time(cycle_time_ms: float, gpu: bool) -> None:
     longest idle wait (WAKING_CPU_CYCLE_TIME_MS by default). With the step's gradients in one
     grouped allreduce (hvd_runtime.torch.optim.gradient_groups; TF's step already groups them),
     measured at np=2 on 2 cores against torch DDP: ResNet-18 0.90-0.99x, GPT 0.98-1.05x, up from
-    0.80-0.89x and 0.79-0.83x (docs/horovod-on-cpu.md). Without the wake-up, CPU_CYCLE_TIME_MS: fewer, fuller
-    negotiations per step than at 1 ms (docs/benchmarks-cycle-time.md).
+    0.80-0.89x and 0.79-0.83x (docs/horovod-on-cpu.md). Without the wake-up, CPU_CYCLE_TIME_MS:
+    fewer, fuller negotiations per step than at 1 ms (docs/benchmarks-cycle-time.md).
     """
     if gpu:
         if cycle_time_ms > 0:
