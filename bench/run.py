@@ -224,7 +224,8 @@ def main() -> None:
         + ", ".join(f"{w} = width {wd}, batch {b} per rank" for w, (wd, b) in WORKLOADS.items())
         + ". The reference loop is "
         "written the way Horovod's PyTorch example is (DataLoader + DistributedSampler + "
-        "DistributedOptimizer), and DDP is that loop over torch's DistributedDataParallel (torchrun, gloo); ours is what generated projects run (hvd_runtime.torch), with the Horovod "
+        "DistributedOptimizer), and DDP is that loop over torch's DistributedDataParallel (torchrun, gloo); "
+        "ours is what generated projects run (hvd_runtime.torch), with the Horovod "
         f"cycle time a generated MLP project's config.yaml sets ({cycle_described(cycle_time_ms)}; the reference "
         "runs Horovod's default, 1 ms; the large workload is the same MLP made wider, config unchanged).",
         "",
