@@ -76,9 +76,11 @@ def gradient_groups(model: nn.Module, device: torch.device, adasum: bool) -> lis
     go out once, when backward ends (the loop wakes on it: hvd_runtime.scaling.set_cycle_time).
     Groups hold at most one fusion buffer of gradients each, in the model's order. GPUs keep
     Horovod's overlap of allreduce with backward (its loop runs on cores the training leaves
-    free), and Adasum its own per-tensor reduction.
+    free), and Adasum its own per-tensor reduction. So do elastic jobs: given groups, Horovod's
+    optimizer broadcasts the parameter order from rank 0 when it is built, and a worker that
+    joins a running job builds it while the others wait in the state's sync: the job would hang.
     """
-    if device.type != "cpu" or adasum:
+    if device.type != "cpu" or adasum or os.environ.get("HOROVOD_ELASTIC") == "1":
         return None
     limit = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)) or DEFAULT_FUSION_THRESHOLD
     groups: list[list[torch.Tensor]] = [[]]

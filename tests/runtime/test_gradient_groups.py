@@ -16,6 +16,11 @@ def model():
     return torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
 
 
+@pytest.fixture(autouse=True)
+def not_elastic(monkeypatch):
+    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+
+
 def test_a_small_model_sends_all_its_gradients_as_one_group(monkeypatch):
     monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD", raising=False)
     net = model()
@@ -53,3 +58,9 @@ def test_no_groups_without_trainable_parameters():
                          ids=["gpu: Horovod overlaps allreduce with backward", "adasum: per tensor"])
 def test_gpus_and_adasum_keep_one_allreduce_per_tensor(device, adasum):
     assert gradient_groups(model(), device, adasum=adasum) is None
+
+
+def test_elastic_jobs_keep_one_allreduce_per_tensor(monkeypatch):
+    """With groups Horovod's optimizer holds a collective when built: a joining worker would hang."""
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert gradient_groups(model(), CPU, adasum=False) is None
