@@ -121,6 +121,8 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         backward_passes_per_step=hvd_cfg.backward_passes_per_step,
         op=hvd.Adasum if hvd_cfg.adasum else hvd.Average,
         process_set=ctx.dp_set,  # tensor parallel: the replicas holding the same slices
-        groups=gradient_groups(model, ctx.device, hvd_cfg.adasum),  # CPU: the step's gradients at once
+        # CPU: the step's gradients at once. Not across tensor-parallel replicas: given groups,
+        # Horovod's optimizer broadcasts from rank 0 in the process set, which may not hold it.
+        groups=gradient_groups(model, ctx.device, hvd_cfg.adasum) if ctx.dp_set is hvd.global_process_set else None,
     )
     return optimizer, schedule
