@@ -306,6 +306,17 @@ _WAKE_DEFINITION = (
     "\n"
 )
 
+# torch's WaitAndClear as Horovod wrote it: poll the handle, yielding the core between polls.
+_POLL_HANDLE = (
+    "  while (true) {\n"
+    "    if (handle_manager.PollHandle(handle)) break;\n"
+    "    {\n"
+    "      py::gil_scoped_release release_python_gil;\n"
+    "      std::this_thread::yield();\n"
+    "    }\n"
+    "  }\n"
+)
+
 PERFORMANCE_PATCHES = (
     Patch("horovod/common/tensor_queue.h", "#include <iostream>\n",
           "#include <chrono>\n#include <iostream>\n", "the wake-up's declaration names a duration"),
@@ -381,14 +392,7 @@ PERFORMANCE_PATCHES = (
           "  results_.clear();\n  last_handle_ = 0;\n  done_.notify_all();\n",
           "a reset ends every wait"),
     Patch("horovod/torch/mpi_ops_v2.cc",
-          "void WaitAndClear(int handle) {\n"
-          "  while (true) {\n"
-          "    if (handle_manager.PollHandle(handle)) break;\n"
-          "    {\n"
-          "      py::gil_scoped_release release_python_gil;\n"
-          "      std::this_thread::yield();\n"
-          "    }\n"
-          "  }\n",
+          "void WaitAndClear(int handle) {\n" + _POLL_HANDLE,
           "void WaitAndClear(int handle) {\n"
           "  // hvdgen: with HOROVOD_WAKE_ON_ENQUEUE=1 (CPU ranks) the caller sleeps until the result is\n"
           "  // ready: polling kept the training thread runnable, taking the core the allreduce needed.\n"
@@ -399,14 +403,7 @@ PERFORMANCE_PATCHES = (
           "  if (sleeps) {\n"
           "    py::gil_scoped_release release_python_gil;\n"
           "    handle_manager.WaitForHandle(handle);\n"
-          "  }\n"
-          "  while (true) {\n"
-          "    if (handle_manager.PollHandle(handle)) break;\n"
-          "    {\n"
-          "      py::gil_scoped_release release_python_gil;\n"
-          "      std::this_thread::yield();\n"
-          "    }\n"
-          "  }\n",
+          "  }\n" + _POLL_HANDLE,
           "CPU ranks: synchronize() polled its handle in a loop, taking a core from the allreduce"),
     Patch("horovod/common/basics.py", "class HorovodBasics(object):\n",
           "# hvdgen: this build's background loop can wake when a tensor is queued (HOROVOD_WAKE_ON_ENQUEUE=1).\n"
