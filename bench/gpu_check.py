@@ -3,6 +3,7 @@
     python bench/gpu_check.py --out gpu-report                 # build Horovod with NCCL, then every check
     python bench/gpu_check.py --out R --find-links DIR         # offline: the horovod sdist from DIR, no index
     python bench/gpu_check.py --out R --projects DIR           # projects generated elsewhere (DIR/{mlp,resnet18,gpt})
+    python bench/gpu_check.py --out R --wheel-cache DIR        # a wheel built elsewhere for this stack: no build
 
 No CI machine has a GPU, so this runs by hand where one is at hand; docs/gpu.md holds what it
 reported. Steps, in order of what matters most, each under its own time limit and recorded
@@ -16,7 +17,8 @@ whatever its outcome (one failure does not hide the rest), within one overall de
    ResNet-18 on an image folder streamed by loader workers and the GPT on a token file, in bf16,
    fp16 (loss-scaled) and fp32; the train loss must fall; samples/s from metrics.jsonl;
 4. bench: bench/workload_worker.py on the GPU in bf16, ResNet-18 (images held in memory) and the
-   GPT: the generated loop against Horovod's example loop and torch DDP over NCCL.
+   GPT: the generated loop against Horovod's example loop and torch DDP over NCCL, and the
+   generated loop once more with Horovod's background loop woken on enqueue (hvdgen's patch).
 
 Writes OUT/REPORT.md (a table per step), OUT/results.json and OUT/log.txt (every command's output).
 """
@@ -51,6 +53,11 @@ SMOKE_SIZES = {
     "gpt": ["--train.epochs", "2", "--model.width", "16", "--model.heads", "2", "--model.layers", "1",
             "--model.context", "16"],
 }
+
+
+# The workload bench's loops, and ours once more with the background loop woken on enqueue: on CPU
+# ranks hvd_runtime turns that on (docs/horovod-on-cpu.md); GPU ranks keep Horovod's timed cycle.
+BENCH_LOOPS = (("ours", {}), ("reference", {}), ("ddp", {}), ("ours", {"HOROVOD_WAKE_ON_ENQUEUE": "1"}))
 
 
 class Checks:
@@ -123,8 +130,10 @@ def tagged(output: str, tag: str) -> list[dict]:
 def build(checks: Checks, args) -> bool:
     import torch
 
-    arch = "".join(map(str, torch.cuda.get_device_capability(0)))
-    env = {"HVDGEN_CACHE_DIR": str(args.work / "cache")}
+    # --smoke on a machine without a GPU: the H100's and H200's, to try the build step too
+    arch = "".join(map(str, torch.cuda.get_device_capability(0))) if torch.cuda.is_available() else "90"
+    cache = args.wheel_cache.resolve() if args.wheel_cache else args.work / "cache"
+    env = {"HVDGEN_CACHE_DIR": str(cache)}
     if args.find_links:
         # pip reads an sdist's metadata with the build tools at hand: nothing to fetch for an isolated build
         env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(args.find_links.resolve()), PIP_NO_BUILD_ISOLATION="0")
@@ -132,7 +141,7 @@ def build(checks: Checks, args) -> bool:
                         [PY, "-m", "hvdgen", "install-horovod", "--cuda-arch", arch, "--jobs", str(os.cpu_count())],
                         timeout=420, env=env)
     if result["status"] != "ok":
-        for log in (args.work / "cache").glob("horovod-wheels/*.build.log"):
+        for log in cache.glob("horovod-wheels/*.build.log"):
             checks.log.write(f"\n===== {log.name}\n{log.read_text(errors='replace')}\n")
         return False
     built = checks.run("build", "horovodrun --check-build", [str(BIN / "horovodrun"), "--check-build"], timeout=60)
@@ -204,13 +213,14 @@ def bench(checks: Checks, args) -> None:
     np.savez(images, x=x, y=y)
     worker = REPO / "bench" / "workload_worker.py"
     for model, data, batch in (("resnet18", images, 256), ("gpt", args.work / "tokens", 32)):
-        for loop in ("ours", "reference", "ddp"):
+        for loop, env in BENCH_LOOPS:
             command = [str(worker), "--loop", loop, "--model", model, "--project", str(args.projects / model),
                        "--data", str(data), "--batch-size", str(batch), "--precision", "bf16",
                        *(["--device", "cpu", "--size", "cpu"] if args.smoke else ["--device", "cuda", "--size", "gpu"])]
             cmd = ([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=1", *command] if loop == "ddp"
                    else horovodrun(1, PY, *command))
-            result = checks.run("bench", f"{model} {loop} bf16 np=1", cmd, timeout=120)
+            label = f"{loop} woken" if env else loop
+            result = checks.run("bench", f"{model} {label} bf16 np=1", cmd, timeout=120, env=env)
             found = tagged(result["output"], "BENCH ")
             if found:
                 checks.note(result, items_per_s=round(found[0]["items_per_s"], 1))
@@ -327,6 +337,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu-report"))
     parser.add_argument("--find-links", type=Path, help="a folder holding the horovod sdist (offline build)")
     parser.add_argument("--projects", type=Path, help="generated projects DIR/mlp, DIR/resnet18, DIR/gpt")
+    parser.add_argument("--wheel-cache", type=Path,
+                        help="hvdgen's cache holding a Horovod wheel built elsewhere for this GPU's stack "
+                             "(horovod-wheels/KEY/): installed if its key matches, else built as usual")
     parser.add_argument("--skip-build", action="store_true", help="Horovod with NCCL is already installed")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: try the script, no GPU")
     parser.add_argument("--deadline-s", type=float, default=540.0, help="stop starting steps after this long")
