@@ -15,7 +15,7 @@ def templates_dir() -> Path:
 def cache_dir() -> Path:
     """The user's cache dir (XDG), overridable with HVDGEN_CACHE_DIR."""
     explicit = os.environ.get("HVDGEN_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
+    if explicit:  # absolute: pip records a wheel in it by file:// URL, which a relative path has none of
+        return Path(os.path.abspath(os.path.expanduser(explicit)))
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hvdgen"
+    return Path(os.path.abspath(os.path.expanduser(base))) / "hvdgen"

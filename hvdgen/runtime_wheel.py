@@ -13,8 +13,10 @@ project twice, or `--force` over an unchanged one, changes nothing.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import shutil
+import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 
 from hvdgen import __version__
+from hvdgen.errors import HvdgenError
 from hvdgen.paths import cache_dir, templates_dir
 
 WHEEL_DIR = "wheels"
@@ -59,7 +62,12 @@ def package_files() -> list[tuple[str, Path]]:
 
 def _dist_info() -> dict[str, bytes]:
     """METADATA and entry points as installed (the same whether installed from a wheel or editable)."""
-    dist = metadata.distribution(DIST)
+    try:
+        dist = metadata.distribution(DIST)
+    except metadata.PackageNotFoundError:  # `python -m hvdgen` from a source tree on PYTHONPATH
+        raise HvdgenError(f"{DIST} is not installed in this Python ({sys.executable}), so the project's "
+                          f"runtime wheel has no metadata to copy: pip install -e {Path(__file__).resolve().parent.parent} "
+                          "(or pip install hvdgen), then rerun") from None
     info = f"{DIST}-{__version__}.dist-info"
     files = {f"{info}/METADATA": (dist.read_text("METADATA") or "").encode(),
              f"{info}/WHEEL": _WHEEL_FILE.encode()}
@@ -102,10 +110,11 @@ def copy_wheel_into(dest_dir: Path) -> Path:
         try:
             cached.parent.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cached.parent.parent))
-            build_wheel(staging, files)
             try:
-                staging.rename(cached.parent)  # atomic: a half-written wheel is never taken as cached
-            except OSError:  # another `new` cached the same wheel first
+                build_wheel(staging, files)
+                with contextlib.suppress(OSError):  # another `new` cached the same wheel first
+                    staging.rename(cached.parent)  # atomic: a half-written wheel is never taken as cached
+            finally:  # gone once renamed; else a duplicate, or what a failed build left
                 shutil.rmtree(staging, ignore_errors=True)
         except OSError:
             return build_wheel(dest_dir, files)

@@ -244,3 +244,28 @@ def test_a_signal_mid_force_leaves_the_old_project(tmp_path, sig):
     assert result.returncode != 0, result.stdout
     assert "Traceback" not in result.stderr
     assert snapshot(tmp_path) == before
+
+
+def test_hvdgen_run_from_a_source_tree_without_its_metadata_is_one_line(tmp_path, monkeypatch):
+    """`PYTHONPATH=checkout python -m hvdgen new` (seen on a GPU machine, where pip could not
+    install it): the runtime wheel copies hvdgen's installed METADATA, and there is none. The
+    distribution lookup is made to fail as it does there; the project folder and the cache stay empty."""
+    from importlib import metadata
+
+    import hvdgen.runtime_wheel
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    monkeypatch.setenv("HVDGEN_CACHE_DIR", str(cache))  # empty: the runtime wheel must be built
+    monkeypatch.setattr(hvdgen.runtime_wheel.metadata, "distribution", not_installed)
+    result = CliRunner().invoke(main, ["new", "proj", "-o", str(work)], catch_exceptions=False)
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "hvdgen is not installed in this Python" in lines[0], result.stderr
+    assert "pip install -e" in lines[0]
+    assert list(work.iterdir()) == []
+    assert [p for p in cache.rglob("*") if not p.is_dir()] == []
+    assert list(cache.rglob(".staging-*")) == []  # the half-built runtime wheel's folder too

@@ -192,3 +192,20 @@ def test_cuda_arch_on_a_cpu_torch_is_refused_in_one_line_leaving_horovod_alone(t
             "drop --cuda-arch") in lines[0]
     assert not (tmp_path / "cache").exists()
     assert horovod_build.installed_wheel_url() == before
+
+
+def test_a_relative_cache_dir_finds_the_installed_wheel(tmp_path):
+    """HVDGEN_CACHE_DIR=.gpu/cache, relative to where the command runs (seen on a GPU machine: a
+    crash, since pip records a wheel by file:// URL and a relative path has none). The cache the
+    installed wheel came from, named relative to another folder, answers without a reinstall."""
+    from hvdgen.paths import cache_dir
+
+    installed = horovod_build.installed_wheel_url()
+    if not (installed or "").startswith(cache_dir().as_uri() + "/"):
+        pytest.skip(f"Requires: horovod installed from hvdgen's cache {cache_dir()} (it is from {installed})")
+    relative = os.path.relpath(cache_dir(), tmp_path)
+    proc = subprocess.run([str(BIN / "hvdgen"), "install-horovod"], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(os.environ, HVDGEN_CACHE_DIR=relative), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "is installed from the cached wheel" in proc.stdout
+    assert horovod_build.installed_wheel_url() == installed
