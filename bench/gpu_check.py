@@ -17,8 +17,8 @@ whatever its outcome (one failure does not hide the rest), within one overall de
    ResNet-18 on an image folder streamed by loader workers and the GPT on a token file, in bf16,
    fp16 (loss-scaled) and fp32; the train loss must fall; samples/s from metrics.jsonl;
 4. bench: bench/workload_worker.py on the GPU in bf16, ResNet-18 (images held in memory) and the
-   GPT: the generated loop against Horovod's example loop and torch DDP over NCCL, and the
-   generated loop once more with Horovod's background loop woken on enqueue (hvdgen's patch).
+   GPT: the generated loop against Horovod's example loop and torch DDP over NCCL, after a
+   warm-up run.
 
 Writes OUT/REPORT.md (a table per step), OUT/results.json and OUT/log.txt (every command's output).
 """
@@ -55,9 +55,11 @@ SMOKE_SIZES = {
 }
 
 
-# The workload bench's loops, and ours once more with the background loop woken on enqueue: on CPU
-# ranks hvd_runtime turns that on (docs/horovod-on-cpu.md); GPU ranks keep Horovod's timed cycle.
-BENCH_LOOPS = (("ours", {}), ("reference", {}), ("ddp", {}), ("ours", {"HOROVOD_WAKE_ON_ENQUEUE": "1"}))
+# The workload bench's loops. A first ResNet-18 run of ours goes before them, kept but not compared:
+# on an H100 (2026-11-26) the first benchmark process on a fresh machine ran at 15,931 images/s,
+# and the same command at 21,765-21,928 in five runs after it. Those runs also measured Horovod's
+# loop woken on enqueue (hvdgen's CPU setting) against its own 1 ms cycle on a GPU rank: the same.
+BENCH_LOOPS = ("ours", "reference", "ddp")
 
 
 class Checks:
@@ -212,18 +214,20 @@ def bench(checks: Checks, args) -> None:
     x = rng.normal(size=(samples, 3, 32, 32)).astype(np.float32) + y[:, None, None, None] * 0.1
     np.savez(images, x=x, y=y)
     worker = REPO / "bench" / "workload_worker.py"
-    for model, data, batch in (("resnet18", images, 256), ("gpt", args.work / "tokens", 32)):
-        for loop, env in BENCH_LOOPS:
-            command = [str(worker), "--loop", loop, "--model", model, "--project", str(args.projects / model),
-                       "--data", str(data), "--batch-size", str(batch), "--precision", "bf16",
-                       *(["--device", "cpu", "--size", "cpu"] if args.smoke else ["--device", "cuda", "--size", "gpu"])]
-            cmd = ([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=1", *command] if loop == "ddp"
-                   else horovodrun(1, PY, *command))
-            label = f"{loop} woken" if env else loop
-            result = checks.run("bench", f"{model} {label} bf16 np=1", cmd, timeout=120, env=env)
-            found = tagged(result["output"], "BENCH ")
-            if found:
-                checks.note(result, items_per_s=round(found[0]["items_per_s"], 1))
+    runs = [("resnet18", images, 256, "ours", "warm-up, not compared")]
+    runs += [(model, data, batch, loop, "") for model, data, batch in
+             (("resnet18", images, 256), ("gpt", args.work / "tokens", 32)) for loop in BENCH_LOOPS]
+    for model, data, batch, loop, why in runs:
+        command = [str(worker), "--loop", loop, "--model", model, "--project", str(args.projects / model),
+                   "--data", str(data), "--batch-size", str(batch), "--precision", "bf16",
+                   *(["--device", "cpu", "--size", "cpu"] if args.smoke else ["--device", "cuda", "--size", "gpu"])]
+        cmd = ([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=1", *command] if loop == "ddp"
+               else horovodrun(1, PY, *command))
+        label = f"{loop} ({why})" if why else loop
+        result = checks.run("bench", f"{model} {label} bf16 np=1", cmd, timeout=120)
+        found = tagged(result["output"], "BENCH ")
+        if found:
+            checks.note(result, items_per_s=round(found[0]["items_per_s"], 1))
 
 
 def report(checks: Checks, out: Path) -> None:
