@@ -7,7 +7,9 @@
     torch DDP (torchrun, gloo) on the same loop, -np 2;
 (b) scaling efficiency of each loop, np=1 against np=2, one thread per rank;
 (c) the pipeline benchmark (bench/pipeline_bench.py): bubble, activations in flight, speed-up;
-(d) wall time of `hvdgen --help` and `hvdgen new`.
+(d) wall time of `hvdgen --help` and `hvdgen new`;
+(e) the workload benchmark (bench/workload_bench.py): ResNet-18 and a GPT from generated
+    projects, on files on disk, in the same three loops at np=1 and np=2.
 Every figure is the median of several rounds, and every ratio is taken within one round (the
 runs it compares ran back to back), so slow phases of a shared machine cancel out.
 """
@@ -152,7 +154,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--skip-pipeline", action="store_true")
+    parser.add_argument("--workload-rounds", type=int, default=2, help="rounds of (e); 0 skips it")
     args = parser.parse_args()
+    started = time.monotonic()
     DOCS.mkdir(exist_ok=True)
     described = machine()
     print(described, flush=True)
@@ -187,6 +191,11 @@ def main() -> None:
     if not args.skip_pipeline:
         subprocess.run([sys.executable, str(REPO / "bench" / "pipeline_bench.py")], check=True)
         pipeline_md = (DOCS / "benchmarks-pipeline.md").read_text()
+    workloads_md = ""
+    if args.workload_rounds > 0:
+        subprocess.run([sys.executable, str(REPO / "bench" / "workload_bench.py"), "--rounds",
+                        str(args.workload_rounds)], check=True)
+        workloads_md = (DOCS / "benchmarks-workloads.md").read_text()
 
     med = statistics.median
     where = []
@@ -249,6 +258,10 @@ def main() -> None:
         "also share the cores with Horovod's background threads, so this is a floor, not a cluster figure.",
         "",
         pipeline_md,
+        "",
+        workloads_md,
+        "",
+        f"The whole `python bench/run.py` took {(time.monotonic() - started) / 60:.1f} minutes.",
     ])
     (DOCS / "benchmarks.md").write_text(report)
     print("\n".join(table))

@@ -1,12 +1,13 @@
 """ResNet-18 images/s and GPT tokens/s: the generated loop against the Horovod example's and torch DDP's.
 
-    python bench/workload_bench.py               # one round, about 10 minutes on 2 CPU cores
+    python bench/workload_bench.py               # one round, about 2.5 minutes on 2 CPU cores
     python bench/workload_bench.py --rounds 3    # steadier medians
 
 For each model, at np=1 and np=2, the three loops of bench/workload_worker.py run back to back
 on the same model (from a freshly generated project) and the same files on disk: our loop
-(horovodrun), the Horovod-example loop (horovodrun) and DDP (torchrun, gloo). Ratios are taken
-within a round. Writes docs/benchmarks-workloads.md.
+(horovodrun), the Horovod-example loop (horovodrun) and DDP (torchrun, gloo). Who goes first
+turns each round, and ratios are taken within a round. Writes docs/benchmarks-workloads.md and
+its plot, docs/workloads.png; bench/run.py runs it as part of every benchmark.
 """
 
 from __future__ import annotations
@@ -66,6 +67,29 @@ def run(loop: str, np_: int, model: str, project: Path, data: Path) -> float:
     raise RuntimeError(f"{' '.join(cmd)} printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def plot(results: dict[tuple[str, int, str], list[float]], path: Path) -> None:
+    """One panel per model: the median rate of each loop against np, and ours scaled linearly."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODELS), figsize=(5 * len(MODELS), 4))
+    for ax, (model, unit) in zip(axes, MODELS.items()):
+        for loop in LOOPS:
+            ax.plot((1, 2), [statistics.median(results[(model, n, loop)]) for n in (1, 2)], marker="o", label=loop)
+        one = statistics.median(results[(model, 1, "ours")])
+        ax.plot((1, 2), (one, 2 * one), linestyle=":", color="grey", label="ours, linear scaling")
+        ax.set_title(model)
+        ax.set_xlabel("processes (-np)")
+        ax.set_ylabel(unit)
+        ax.set_xticks((1, 2))
+        ax.legend()
+    fig.suptitle("ResNet-18 and GPT, data parallel (CPU, Gloo, 1 thread per rank)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=1)
@@ -75,9 +99,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         setup = prepare(Path(tmp))
         for round_ in range(args.rounds):
+            loops = LOOPS[round_ % len(LOOPS):] + LOOPS[:round_ % len(LOOPS)]  # no loop always first
             for model, (project, data) in setup.items():
                 for np_ in (1, 2):
-                    for loop in LOOPS:
+                    for loop in loops:
                         rate = run(loop, np_, model, project, data)
                         results.setdefault((model, np_, loop), []).append(rate)
                         print(f"round {round_}: {model} np={np_} {loop}: {rate:,.0f} {MODELS[model]}", flush=True)
@@ -104,6 +129,8 @@ def main() -> None:
             one, two = results[(model, 1, loop)], results[(model, 2, loop)]
             cells.append(f"{statistics.median(b / (2 * a) for a, b in zip(one, two)):.2f}")
         lines.append(f"| {model} | {' | '.join(cells)} |")
+    plot(results, args.out.parent / "workloads.png")
+    lines += ["", "![items/s against np](workloads.png)"]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
