@@ -251,6 +251,7 @@ def test_hvdgen_run_from_a_source_tree_without_its_metadata_is_one_line(tmp_path
     install it): the runtime wheel copies hvdgen's installed METADATA, and there is none. The
     distribution lookup is made to fail as it does there; the project folder and the cache stay empty."""
     from importlib import metadata
+    from types import SimpleNamespace
 
     import hvdgen.runtime_wheel
 
@@ -260,7 +261,9 @@ def test_hvdgen_run_from_a_source_tree_without_its_metadata_is_one_line(tmp_path
     work, cache = tmp_path / "work", tmp_path / "cache"
     work.mkdir()
     monkeypatch.setenv("HVDGEN_CACHE_DIR", str(cache))  # empty: the runtime wheel must be built
-    monkeypatch.setattr(hvdgen.runtime_wheel.metadata, "distribution", not_installed)
+    # runtime_wheel's own view of importlib.metadata, so nothing else in the process loses its metadata
+    monkeypatch.setattr(hvdgen.runtime_wheel, "metadata",
+                        SimpleNamespace(distribution=not_installed, PackageNotFoundError=metadata.PackageNotFoundError))
     result = CliRunner().invoke(main, ["new", "proj", "-o", str(work)], catch_exceptions=False)
     assert result.exit_code != 0
     lines = result.stderr.strip().splitlines()
