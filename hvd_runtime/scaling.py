@@ -20,6 +20,8 @@ def cpu_threads(local_size: int, requested: int = 0) -> int:
 CPU_CYCLE_TIME_MS = 5.0
 # With the wake-up (below) the cycle is only the longest idle wait: work no longer waits for it.
 WAKING_CPU_CYCLE_TIME_MS = 100.0
+# ... except where some ranks' loops idle while others' need a collective (set_cycle_time's `staggered`).
+STAGGERED_CPU_CYCLE_TIME_MS = CPU_CYCLE_TIME_MS
 
 
 def horovod_wakes_on_enqueue() -> bool:
@@ -32,7 +34,7 @@ def horovod_wakes_on_enqueue() -> bool:
     return bool(getattr(basics, "WAKES_ON_ENQUEUE", False))
 
 
-def set_cycle_time(cycle_time_ms: float, gpu: bool) -> None:
+def set_cycle_time(cycle_time_ms: float, gpu: bool, staggered: bool = False) -> None:
     """Horovod's background loop wakes every HOROVOD_CYCLE_TIME ms to negotiate and launch
     collectives, idle or not, and each negotiation is a collective of every rank's loop. Read at
     hvd.init, so this must come first. Explicit HOROVOD_* settings in the environment win.
@@ -48,6 +50,14 @@ def set_cycle_time(cycle_time_ms: float, gpu: bool) -> None:
     measured at np=2 on 2 cores against torch DDP: ResNet-18 0.90-0.99x, GPT 0.98-1.05x, up from
     0.80-0.89x and 0.79-0.83x (docs/horovod-on-cpu.md). Without the wake-up, CPU_CYCLE_TIME_MS:
     fewer, fuller negotiations per step than at 1 ms (docs/benchmarks-cycle-time.md).
+
+    staggered: ranks queue collectives while other ranks' loops have nothing queued (the
+    tensor-parallel stages of a pipeline: one stage's groups reduce while the next stage waits for
+    its activations). Every cycle of a loop is a collective of all ranks in each of its process
+    sets, the global one included, so a loop sleeping its idle wait holds up every other rank's
+    next collective until it wakes. Such jobs wake their idle loops every
+    STAGGERED_CPU_CYCLE_TIME_MS: a 2-stage x tp 2 GPT step took 2,446 ms at the 100 ms idle wait
+    and 220 ms at 5 ms (docs/horovod-on-cpu.md).
     """
     if gpu:
         if cycle_time_ms > 0:
@@ -57,7 +67,7 @@ def set_cycle_time(cycle_time_ms: float, gpu: bool) -> None:
     if waking:
         os.environ.setdefault("HOROVOD_WAKE_ON_ENQUEUE", "1")
     if cycle_time_ms <= 0:
-        cycle_time_ms = WAKING_CPU_CYCLE_TIME_MS if waking else CPU_CYCLE_TIME_MS
+        cycle_time_ms = WAKING_CPU_CYCLE_TIME_MS if waking and not staggered else CPU_CYCLE_TIME_MS
     os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{cycle_time_ms:g}")
 
 

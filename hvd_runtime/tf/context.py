@@ -74,18 +74,20 @@ def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, dev
 
 
 def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                 devices_per_rank: int = 1, process_sets=None, tp: int | None = None) -> Context:
+                 devices_per_rank: int = 1, process_sets=None, tp: int | None = None,
+                 staggered: bool = False) -> Context:
     """hvd.init(), pin this rank's device(s), seed with seed + rank.
 
     Seeds differ per rank so dropout differs; the model itself is made identical by broadcasting
     rank 0's variables, and the data order comes from a seed shared by all ranks.
     tp: tensor parallelism's group size; Horovod starts with the process sets of tp groups and
     data-parallel groups (ctx.tensor), and ctx.data_rank / data_size count replicas, not ranks.
+    staggered: some ranks queue collectives while others have none (hvd_runtime.scaling.set_cycle_time).
     """
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
-    set_cycle_time(cycle_time_ms, gpu=bool(tf.config.list_physical_devices("GPU")))
+    set_cycle_time(cycle_time_ms, gpu=bool(tf.config.list_physical_devices("GPU")), staggered=staggered)
     tensor = None
     if tp is None:
         hvd.init(process_sets=process_sets)  # process sets are fixed here (a pipeline's grid)

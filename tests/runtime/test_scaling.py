@@ -7,7 +7,8 @@ import os
 import pytest
 
 from hvd_runtime import scaling
-from hvd_runtime.scaling import CPU_CYCLE_TIME_MS, WAKING_CPU_CYCLE_TIME_MS, set_cycle_time
+from hvd_runtime.scaling import (CPU_CYCLE_TIME_MS, STAGGERED_CPU_CYCLE_TIME_MS, WAKING_CPU_CYCLE_TIME_MS,
+                                 set_cycle_time)
 
 SETTINGS = ("HOROVOD_CYCLE_TIME", "HOROVOD_WAKE_ON_ENQUEUE")
 
@@ -41,6 +42,14 @@ def test_cpu_ranks_sleep_until_a_tensor_is_queued_where_horovod_can(env, waking)
     else:  # a Horovod that sleeps whole cycles keeps the short cycle measured for it
         assert "HOROVOD_WAKE_ON_ENQUEUE" not in env
         assert env["HOROVOD_CYCLE_TIME"] == f"{CPU_CYCLE_TIME_MS:g}"
+
+
+def test_staggered_ranks_wake_their_idle_loops_often(env, waking):
+    """A pipeline's tensor-parallel stages: one stage's collectives wait for every idle loop's next cycle."""
+    set_cycle_time(0.0, gpu=False, staggered=True)
+    assert env["HOROVOD_CYCLE_TIME"] == f"{STAGGERED_CPU_CYCLE_TIME_MS:g}"
+    assert STAGGERED_CPU_CYCLE_TIME_MS < WAKING_CPU_CYCLE_TIME_MS
+    assert ("HOROVOD_WAKE_ON_ENQUEUE" in env) == waking  # still woken by its own work
 
 
 def test_gpu_ranks_keep_horovods_own_loop(env, waking):
