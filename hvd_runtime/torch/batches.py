@@ -21,18 +21,51 @@ from torch.utils.data import DataLoader
 from hvd_runtime.data import DataError, EpochShards, Split
 
 
-class _EpochBatches(torch.utils.data.Dataset):
-    """Item = one batch: its sample indices in, (inputs, targets) tensors out, for one epoch."""
+class _Batches(torch.utils.data.Dataset):
+    """Item = one batch: (epoch, sample indices) in, (inputs, targets) tensors out."""
 
-    def __init__(self, split, epoch: int):
-        self.split, self.epoch = split, epoch
+    def __init__(self, split):
+        self.split = split
 
-    def __getitem__(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | DataError:
+    def __getitem__(self, request: tuple[int, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor] | DataError:
+        epoch, indices = request
         try:
-            x, y = self.split.take(indices, self.epoch)
+            x, y = self.split.take(indices, epoch)
         except DataError as exc:  # handed back whole: the DataLoader would wrap it in a worker traceback
             return exc
         return torch.from_numpy(x), torch.from_numpy(y)
+
+
+class _Requests(torch.utils.data.Sampler):
+    """The batches of the next pass over the data, set before the pass: the loader and its
+    worker processes stay the same from pass to pass, the requests change."""
+
+    def __init__(self):
+        self.requests: list[tuple[int, np.ndarray]] = []
+
+    def __iter__(self):
+        return iter(self.requests)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def worker_context():
+    """How DataLoader workers start: from a fork server where the platform has one.
+
+    Why: a rank is multi-threaded once Horovod runs (its background loop, Gloo's threads, the
+    progress bar's monitor), and a process forked from a multi-threaded one can inherit a lock
+    that a thread of the parent held at that instant, and wait for it forever. Seen here: a
+    tensor-parallel job hung in evaluation, a DataLoader worker blocked in a futex right after
+    fork. The fork server is a fresh single-threaded process (torch preloaded), so workers fork
+    from it instead; they are started once per split and kept (persistent_workers)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None  # Windows: spawn, the platform's default
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", __name__])
+    return context
 
 
 class ShardedBatches(EpochShards):
@@ -40,6 +73,7 @@ class ShardedBatches(EpochShards):
                  train: bool = True, device: torch.device | str = "cpu", workers: int = 0):
         super().__init__(len(split), batch_size, rank, size, seed=seed, train=train)
         self.split, self.device, self.workers = split, torch.device(device), workers
+        self._loader: DataLoader | None = None  # made on the first streamed pass, kept with its workers
         if not split.streamed:
             self.x = torch.from_numpy(split.x).to(device)
             self.y = torch.from_numpy(split.y).to(device)
@@ -56,14 +90,23 @@ class ShardedBatches(EpochShards):
 
     def _streamed(self, epoch: int, consumed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         index = self.indices(epoch, consumed)
-        chunks = [index[start:start + self.batch_size] for start in range(0, len(index), self.batch_size)]
-        loader = DataLoader(_EpochBatches(self.split, epoch), sampler=chunks, batch_size=None,
-                            num_workers=min(self.workers, len(chunks)), pin_memory=self.device.type == "cuda")
+        loader = self._streaming_loader()
+        loader.sampler.requests = [(epoch, index[start:start + self.batch_size])
+                                   for start in range(0, len(index), self.batch_size)]
         for batch in loader:
             if isinstance(batch, DataError):
                 raise batch  # a file gone bad since start-up: one config-error line, not a traceback
             x, y = batch
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _streaming_loader(self) -> DataLoader:
+        if self._loader is None:
+            workers = max(0, self.workers)
+            self._loader = DataLoader(
+                _Batches(self.split), sampler=_Requests(), batch_size=None, num_workers=workers,
+                pin_memory=self.device.type == "cuda", persistent_workers=workers > 0,
+                multiprocessing_context=worker_context() if workers > 0 else None)
+        return self._loader
 
     def __iter__(self):
         return self.batches()

@@ -1,6 +1,9 @@
 """Data read from disk batch by batch: image folders and token files, and the batchers that stream them."""
 
 import json
+import os
+import threading
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -8,7 +11,7 @@ import torch
 from PIL import Image
 
 from hvd_runtime.config import DataConfig
-from hvd_runtime.data import DataError, load_dataset, load_image_folder, load_tokens
+from hvd_runtime.data import BatchSource, DataError, load_dataset, load_image_folder, load_tokens
 from hvd_runtime.image_files import ImageFiles
 from hvd_runtime.tokens import TokenWindows
 from hvd_runtime.torch.batches import ShardedBatches
@@ -91,6 +94,45 @@ def test_streamed_batches_read_by_a_worker_process_equal_those_read_in_process(t
     # and they are this rank's shard of the epoch, decoded
     first = inline.indices(2, 4)[:4]
     assert torch.equal(want[0][0], torch.from_numpy(train.take(first, 2)[0]))
+
+
+@dataclass(frozen=True)
+class WhoReads(BatchSource):
+    """n samples; each read says which process read it (its pid and its parent's) and which epoch."""
+
+    n: int
+    input_dtype = np.int64
+    sample_shape = (3,)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def take(self, indices: np.ndarray, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        return np.tile([os.getpid(), os.getppid(), epoch], (len(indices), 1)), np.asarray(indices, dtype=np.int64)
+
+
+def test_workers_start_once_from_a_fork_server_not_from_the_threaded_rank():
+    """A rank runs threads (Horovod's loop, Gloo's); a worker forked from it can inherit a held lock
+    and hang (worker_context says more). Workers come from a fork server, and serve every pass."""
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, daemon=True)  # this process is multi-threaded, as a rank is
+    busy.start()
+    try:
+        batches = ShardedBatches(WhoReads(40), 4, rank=0, size=1, seed=0, workers=2)
+        passes = {}
+        for epoch in (0, 1, 2):
+            for step, (x, y) in enumerate(batches.batches(epoch=epoch)):
+                passes.setdefault(epoch, []).append((x, y))
+                if epoch == 1 and step == 2:
+                    break  # a pass left mid-epoch (a stop, an elastic reset): the next one starts clean
+    finally:
+        stop.set()
+    readers = {(int(pid), int(parent)) for batches_ in passes.values() for x, _ in batches_ for pid, parent, _ in x}
+    assert len({pid for pid, _ in readers}) == 2, readers            # the same 2 workers all along
+    assert all(pid != os.getpid() and parent != os.getpid() for pid, parent in readers), readers
+    for epoch in (0, 2):  # whole passes: this epoch's batches, in this epoch's order
+        assert {int(e) for x, _ in passes[epoch] for e in x[:, 2]} == {epoch}
+        assert torch.equal(torch.cat([y for _, y in passes[epoch]]), torch.from_numpy(batches.indices(epoch, 0)))
 
 
 def test_a_file_that_goes_bad_in_a_worker_reaches_the_rank_as_one_data_error(tmp_path):

@@ -5,6 +5,9 @@ what each rank wrote. At the end, rank 0 records a digest of every rank's parame
 parameters, or Keras trainable variables, only: leaving out BatchNorm's running statistics,
 which are each worker's own between checkpoints by design).
 usage: horovodrun ... python train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
+
+Its work runs under `__main__`, as train.py's does: DataLoader workers start from a fork server and
+import this script again.
 """
 
 import hashlib
@@ -13,31 +16,37 @@ import os
 import sys
 from pathlib import Path
 
-project, ranks_dir, overrides = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
-workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
-workdir.mkdir(parents=True, exist_ok=True)
-os.chdir(workdir)
-sys.path.insert(0, str(project))
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+def main() -> None:
+    project, ranks_dir, overrides = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
+    workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.chdir(workdir)
+    sys.path.insert(0, str(project))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import train  # noqa: E402
+    import numpy as np
 
-model, metrics = train.train(train.load_config(train.CONFIG_FILE, overrides))
-if os.environ.get("SKIP_DIGEST"):  # pipeline ranks hold different stages
-    sys.exit(0)
-if hasattr(model, "state_dict"):
-    import horovod.torch as hvd
+    import train
 
-    state = dict(model.named_parameters()) if os.environ.get("DIGEST") == "parameters" else model.state_dict()
-    weights = b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))
-else:
-    import horovod.tensorflow as hvd
+    model, metrics = train.train(train.load_config(train.CONFIG_FILE, overrides))
+    if os.environ.get("SKIP_DIGEST"):  # pipeline ranks hold different stages
+        return
+    if hasattr(model, "state_dict"):
+        import horovod.torch as hvd
 
-    # Float variables only: integer ones are per-rank dropout seed states, meant to differ.
-    variables = model.trainable_variables if os.environ.get("DIGEST") == "parameters" else model.variables
-    weights = b"".join(np.asarray(v).tobytes() for v in variables if "float" in str(v.dtype))
-digests = hvd.allgather_object(hashlib.sha256(weights).hexdigest())
-if hvd.rank() == 0:
-    (ranks_dir / "digests.json").write_text(json.dumps(digests))
+        state = dict(model.named_parameters()) if os.environ.get("DIGEST") == "parameters" else model.state_dict()
+        weights = b"".join(state[k].detach().cpu().numpy().tobytes() for k in sorted(state))
+    else:
+        import horovod.tensorflow as hvd
+
+        # Float variables only: integer ones are per-rank dropout seed states, meant to differ.
+        variables = model.trainable_variables if os.environ.get("DIGEST") == "parameters" else model.variables
+        weights = b"".join(np.asarray(v).tobytes() for v in variables if "float" in str(v.dtype))
+    digests = hvd.allgather_object(hashlib.sha256(weights).hexdigest())
+    if hvd.rank() == 0:
+        (ranks_dir / "digests.json").write_text(json.dumps(digests))
+
+
+if __name__ == "__main__":
+    main()
