@@ -67,7 +67,10 @@ def set_cycle_time(cycle_time_ms: float, gpu: bool, staggered: bool = False) -> 
     if waking:
         os.environ.setdefault("HOROVOD_WAKE_ON_ENQUEUE", "1")
     if cycle_time_ms <= 0:
-        cycle_time_ms = WAKING_CPU_CYCLE_TIME_MS if waking and not staggered else CPU_CYCLE_TIME_MS
+        if staggered:
+            cycle_time_ms = STAGGERED_CPU_CYCLE_TIME_MS
+        else:
+            cycle_time_ms = WAKING_CPU_CYCLE_TIME_MS if waking else CPU_CYCLE_TIME_MS
     os.environ.setdefault("HOROVOD_CYCLE_TIME", f"{cycle_time_ms:g}")
 
 

@@ -69,6 +69,12 @@ class ParallelDims:
     def dp(self) -> int:
         return self.world // (self.tp * self.pp)
 
+    @property
+    def staggered(self) -> bool:
+        """Some ranks reduce while others wait: a pipeline's tensor-parallel stages, one stage's
+        groups summing while the next waits for its activations (hvd_runtime.scaling.set_cycle_time)."""
+        return self.tp > 1 and self.pp > 1
+
     def rank_of(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
         return (dp * self.pp + pp) * self.tp + tp
 

@@ -63,7 +63,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     dims = grid_of(hvd, world, tp=tp, pp=stages)
     wanted = dims.process_set_ranks(pairs=p2p == "alltoall", ring=chunks > 1)
     sets = [hvd.ProcessSet(r) for r in wanted]
-    ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets, staggered=dims.tp > 1 and dims.pp > 1)
+    ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets, staggered=dims.staggered)
     if ctx.size != dims.world:
         raise PipelineConfigError(f"Horovod started {ctx.size} ranks but the launcher said {world}: "
                                   "launch with horovodrun")

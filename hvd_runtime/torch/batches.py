@@ -74,9 +74,10 @@ class ShardedBatches(EpochShards):
         super().__init__(len(split), batch_size, rank, size, seed=seed, train=train)
         self.split, self.device, self.workers = split, torch.device(device), workers
         self._loader: DataLoader | None = None  # made on the first streamed pass, kept with its workers
-        if split.streamed and workers > 0:
-            iter(self._streaming_loader())  # the workers start now, while the rank builds its model
-        if not split.streamed:
+        if split.streamed:
+            if workers > 0:
+                iter(self._streaming_loader())  # the workers start now, while the rank builds its model
+        else:
             self.x = torch.from_numpy(split.x).to(device)
             self.y = torch.from_numpy(split.y).to(device)
 

@@ -56,7 +56,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
         sets = [hvd.add_process_set(r) for r in wanted]
     else:
         sets = [hvd.ProcessSet(r) for r in wanted]
-        set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available(), staggered=dims.tp > 1 and dims.pp > 1)
+        set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available(), staggered=dims.staggered)
         hvd.init(process_sets=sets)
     if hvd.size() != dims.world:
         dims = ParallelDims(world=hvd.size(), tp=tp, pp=stages)

@@ -42,6 +42,13 @@ def test_tensor_parallel_alone_groups_consecutive_ranks():
     assert dims.process_set_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 2, 4, 6], [1, 3, 5, 7]]
 
 
+@pytest.mark.parametrize("world, tp, pp, staggered", [
+    (4, 2, 2, True), (8, 2, 2, True), (4, 2, 1, False), (4, 1, 4, False), (2, 1, 1, False)])
+def test_only_a_pipeline_of_tensor_parallel_stages_reduces_on_some_ranks_at_a_time(world, tp, pp, staggered):
+    """Its idle loops must wake often (hvd_runtime.scaling.set_cycle_time's staggered)."""
+    assert ParallelDims(world, tp=tp, pp=pp).staggered is staggered
+
+
 def test_groups_of_one_and_the_whole_world_need_no_set_of_their_own():
     assert ParallelDims(world=2, tp=2).process_set_ranks() == []           # one group: the global set
     assert ParallelDims(world=2, pp=2).process_set_ranks(pairs=True) == []  # the only pair is the world
