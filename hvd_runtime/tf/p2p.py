@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from hvd_runtime.pipeline.p2p_header import HEADER_WORDS, header_words, read_header_words
 from hvd_runtime.pipeline.socket_link import SocketLink
+from hvd_runtime.tf.compiled import compiled
 
 _HEADER = HEADER_WORDS
 _DTYPES = [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int64, tf.int32, tf.uint8, tf.int8]
@@ -85,7 +86,7 @@ class AlltoallLink:
         if name not in self._ops:
             hvd, ps = self._hvd, self._ps
 
-            @tf.function(input_signature=[tf.TensorSpec([None], tf.uint8), tf.TensorSpec([self._n], tf.int32)])
+            @compiled(input_signature=[tf.TensorSpec([None], tf.uint8), tf.TensorSpec([self._n], tf.int32)])
             def exchange(payload, splits):
                 return hvd.alltoall(payload, splits=splits, name=name, ignore_name_scope=True, process_set=ps)[0]
 

@@ -29,6 +29,7 @@ from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, check_c
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD, SPLIT_BACKWARD_TORCH_ONLY
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
+from hvd_runtime.tf.compiled import compiled
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages, rank_stage
 from hvd_runtime.tf.tensor_parallel import split_layers
@@ -182,7 +183,7 @@ class PipelineEngine(PipelineEngineBase):
                                  for c in range(self.chunks)]
         self._chunk_slots = [[at[id(v)] for v in chunk] for chunk in self._chunk_variables]
         # compiled once per mode and chunk; a tape around the call still records it, and its gradient is compiled too
-        self._chunk_fns = [tf.function(lambda x, training, c=c: stage.call_chunk(c, x, training=training),
+        self._chunk_fns = [compiled(lambda x, training, c=c: stage.call_chunk(c, x, training=training),
                                        reduce_retracing=True) for c in range(self.chunks)]
         self._sync_replicas()
 
