@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hvd_runtime.devices import stage_gpus
-from hvd_runtime.host_memory import keep_freed_memory
 from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.rank_context import RankContext
@@ -71,7 +70,6 @@ def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, dev
     threads = cpu_threads(local_size, threads_per_rank)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
-    keep_freed_memory()   # a step's tensors reuse the last step's pages: no page faults (host_memory)
     return "CPU:0"
 
 

@@ -21,6 +21,9 @@ import json, resource, sys
 import numpy as np
 from hvd_runtime.host_memory import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+if sys.argv[1] == "torch-rank":   # what a generated project's rank runs first, on the CPU
+    from hvd_runtime.torch.context import init_horovod
+    kept = str(init_horovod().device)
 
 def step():
     # a step's activations and gradients: 64 blocks of 1 MiB and two of 8 MiB, then all freed
@@ -53,6 +56,14 @@ def test_steps_after_the_first_reuse_their_pages():
     assert default["faults"] > 5 * pages_a_step // 2, default
     # kept: the pages of the first steps serve every later one
     assert kept["faults"] < pages_a_step // 20, (kept, default)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_torch_cpu_rank_keeps_its_freed_memory_from_the_start():
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed: run hvdgen install-horovod")
+    rank = faults("torch-rank")
+    assert rank["kept"] == "cpu"
+    assert rank["faults"] < (64 + 16) * 2**20 // 4096 // 20, rank
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "131072"},
