@@ -66,7 +66,8 @@ def main() -> None:
                 try:
                     if "HOROVOD_RANK" not in proc.environ():
                         continue
-                    # a DataLoader worker is a fork of its rank: a rank for parent
+                    # a rank's loader processes (its fork server, the workers that server forks, and
+                    # multiprocessing's resource tracker) inherit the rank's environment: a rank above them
                     kind = "loader worker" if "HOROVOD_RANK" in proc.parent().environ() else "rank"
                     rss = proc.memory_info().rss
                     if rss > peaks.get(proc.pid, ("", 0))[1]:
@@ -82,7 +83,8 @@ def main() -> None:
     workers = sorted((rss for kind, rss in peaks.values() if kind == "loader worker"), reverse=True)
     print(f"{args.framework}: one epoch over {size / 1e9:.2f} GB of images in {seconds:.0f} s")
     print("peak resident memory per rank: " + ", ".join(f"{r / 2**20:,.0f} MiB" for r in ranks))
-    print(f"peak per DataLoader worker ({len(workers)} started, one per rank per pass over a split): "
+    print(f"peak per loader process ({len(workers)}: per rank a fork server, one worker per split, "
+          "a resource tracker): "
           + (", ".join(f"{r / 2**20:,.0f} MiB" for r in workers) or "none seen"))
     print(f"decoded in memory, the folder would take {count * 3 * 256 * 256 * 4 / 2**30:,.1f} GiB")
 

@@ -1,6 +1,6 @@
 """All benchmarks, measured side by side in one run; writes docs/benchmarks.md and its plots.
 
-    python bench/run.py                 # about 5-10 minutes on 2 CPU cores
+    python bench/run.py                 # about 11 minutes on 2 CPU cores
     python bench/run.py --rounds 5      # more rounds, steadier medians
 
 (a) our training loop against one written like Horovod's official PyTorch example, and against

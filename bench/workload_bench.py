@@ -111,7 +111,9 @@ def main() -> None:
              f"({args.rounds} round{'s' if args.rounds > 1 else ''}; medians; ratios within a round). "
              "Same model (the generated project's model.py: ResNet-18 width 16 on 32x32 images, GPT 4 layers x "
              "64 wide, context 64), same files on disk, per-rank batch 32, one thread per rank, no loader worker "
-             "processes, CPU (Gloo).", "",
+             "processes, CPU (Gloo). Ours is the runtime as generated projects run it, which on a CPU rank keeps "
+             "the memory a step frees (hvd_runtime.host_memory); the other two loops run with glibc's malloc "
+             "defaults, as a user starts them (docs/horovod-on-cpu.md, item 6, has DDP with the same settings).", "",
              "| model | np | ours | Horovod example | DDP (torchrun) | ours / example | ours / DDP |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for model, unit in MODELS.items():
