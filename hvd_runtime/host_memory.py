@@ -1,14 +1,14 @@
 """A CPU rank keeps the memory it frees for its next step, instead of handing it back to the kernel.
 
 A training step allocates and frees the same tensors every step: activations, their gradients,
-messages between pipeline stages. glibc's malloc hands freed memory back to the kernel once the free
-space at the top of its heap passes a threshold (128 KiB at first, raised up to 64 MiB as larger
-blocks come and go), and serves blocks above another threshold (128 KiB to 32 MiB, likewise) with
-a fresh mmap each time. Either way the next step
-touches new pages, and every 4 KiB page costs a fault: measured on 2 cores, a ResNet-18
-(width 16, batch 32 per rank) trained data-parallel at np=2 ran 20-35% faster with freed memory
-kept, for our loop and for torch DDP alike; a GPT about 5%, and a 2-stage pipeline's 1F1B step
-at 8 micro-batches 104-115 ms against 116-122 ms (docs/horovod-on-cpu.md).
+messages between pipeline stages. glibc's malloc hands freed memory back to the kernel once the
+free space at the top of its heap passes a threshold (128 KiB at first, raised up to 64 MiB as
+larger blocks come and go), and serves blocks above another threshold (128 KiB to 32 MiB,
+likewise) with a fresh mmap each time. Either way the next step touches new pages, and every
+4 KiB page costs a fault. Measured on 2 cores: a ResNet-18 (width 16, batch 32 per rank)
+trained data-parallel at np=2 ran 20-35% faster with freed memory kept, for our loop and for
+torch DDP alike; a GPT about 5%; a 2-stage pipeline's 1F1B step at 8 micro-batches took
+104-115 ms against 116-122 ms (docs/horovod-on-cpu.md).
 
 So a PyTorch CPU rank sets glibc's trim threshold to its largest value and its mmap threshold to
 32 MiB, the largest below which blocks come from the heap. The cost: a rank's resident memory

@@ -6,7 +6,8 @@ every TensorFlow rank of a small project (a third of its CPU after the import), 
 first step. Nothing traced here needs it. Keras 3's layers, losses and optimizers are written for
 backends without AutoGraph (`ops.cond`, never `if tensor:`), and the runtime's own steps branch
 only on Python values fixed at trace time. A branch on a tensor would now fail the trace at once
-(OperatorNotAllowedInGraphError: "Using a symbolic `tf.Tensor` as a Python `bool`"), never change what is computed.
+(OperatorNotAllowedInGraphError: "Using a symbolic `tf.Tensor` as a Python `bool`"), never
+change what is computed.
 """
 
 from __future__ import annotations

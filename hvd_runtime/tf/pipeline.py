@@ -184,7 +184,7 @@ class PipelineEngine(PipelineEngineBase):
         self._chunk_slots = [[at[id(v)] for v in chunk] for chunk in self._chunk_variables]
         # compiled once per mode and chunk; a tape around the call still records it, and its gradient is compiled too
         self._chunk_fns = [compiled(lambda x, training, c=c: stage.call_chunk(c, x, training=training),
-                                       reduce_retracing=True) for c in range(self.chunks)]
+                                    reduce_retracing=True) for c in range(self.chunks)]
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
