@@ -346,7 +346,8 @@ def main() -> None:
                              "(horovod-wheels/KEY/): installed if its key matches, else built as usual")
     parser.add_argument("--skip-build", action="store_true", help="Horovod with NCCL is already installed")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: try the script, no GPU")
-    parser.add_argument("--deadline-s", type=float, default=580.0, help="stop starting steps after this long (every step: about 565 s on an H100)")
+    parser.add_argument("--deadline-s", type=float, default=580.0,
+                        help="stop starting steps after this long (every step: about 565 s on an H100)")
     args = parser.parse_args()
     collectives_worker() if args.mode == "collectives-worker" else check(args)
 
