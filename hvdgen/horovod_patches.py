@@ -41,6 +41,15 @@ BUILD_PATCHES = (
           'string(REPLACE "-g" "" CMAKE_CXX_FLAGS_RELWITHDEBINFO "${CMAKE_CXX_FLAGS_RELWITHDEBINFO}")\n',
           "setup.py always builds RelWithDebInfo: debug info of every torch and TF header made the "
           "compile and link slower and the two libraries 119 MB (the frameworks ship theirs stripped)"),
+    # With C++17 set for the whole build (above), Gloo as built for torch (CXX11 ABI, C++17) is the
+    # very library Horovod builds a second time for a C++17 TF: TF with the CXX11 ABI links that one.
+    Patch("CMakeLists.txt", "if(HAVE_GLOO AND (DEFINED Tensorflow_CXX17 AND Tensorflow_CXX17))",
+          "if(HAVE_GLOO AND (DEFINED Tensorflow_CXX17 AND Tensorflow_CXX17) AND NOT Tensorflow_CXX11)",
+          "a second, identical Gloo build: about 30 s of a 2-core build"),
+    Patch("horovod/tensorflow/CMakeLists.txt",
+          "    if (Tensorflow_CXX17)\n       list(APPEND TF_LINKER_LIBS compatible17_gloo)",
+          "    if (Tensorflow_CXX17 AND NOT Tensorflow_CXX11)\n       list(APPEND TF_LINKER_LIBS compatible17_gloo)",
+          "TF with the CXX11 ABI links the Gloo built for torch, which is the same library"),
 )
 
 _NO_REF = "Keras 3 variables are not tf.Variables: they have no .ref() and are unhashable"
