@@ -4,9 +4,9 @@ Why a process: MLflow's import, the embedded store's first migrations, torch.exp
 epoch's checkpoint and MLflow's requirements check are Python work. As a thread of rank 0 they
 took the training thread's interpreter lock: on the generated demo (np=2, 2 CPU cores, 20 epochs)
 16.5 CPU-s of it, the step went from 8 to 25 ms and the run from 10 to 26 s. Here they run in
-a child of the training process, with no GPU (CUDA_VISIBLE_DEVICES empty: it must not take a
-GPU's memory) and one thread. Not at a lower priority: on a machine whose cores training fills,
-a niced child fell behind and the job's end waited for it (30.5 s against 28.6 s for the demo).
+a child of the training process, at a lower priority (nice 10: it takes the CPU training
+leaves), with no GPU (CUDA_VISIBLE_DEVICES empty: it must not take a GPU's memory) and one
+thread.
 
 The training process's end (`TrackingProcess`, what `Tracker` holds) pickles each record onto a
 queue, and a thread of its own writes them to a pipe: a write blocks while the pipe is full (the
@@ -40,6 +40,7 @@ from .spool import SPOOL_FILE, Spool
 
 DRAIN_TIMEOUT = 60.0    # seconds drain waits for the child to spool what it holds (models are saved)
 DETACH_TIMEOUT = 60.0   # seconds the child goes on sending after the training process is gone
+NICENESS = 0
 BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; from hvd_runtime.tracking.sender_process import main; "
         "main(int(sys.argv[1]), int(sys.argv[2]))")
 
@@ -157,6 +158,10 @@ def _exit() -> None:
 def main(read_fd: int, write_fd: int) -> None:
     """The child: read records until the run ends, the parent gives up, or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the training process's to handle
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
     inbox = Connection(read_fd, writable=False)
     outbox = Connection(write_fd, readable=False)
     lock = threading.Lock()
