@@ -8,11 +8,8 @@ a child of the training process, at a lower priority (nice 10: it takes the CPU 
 leaves), with no GPU (CUDA_VISIBLE_DEVICES empty: it must not take a GPU's memory) and one
 thread.
 
-The training process's end (`TrackingProcess`, what `Tracker` holds) pickles each record onto a
-queue, and a thread of its own writes them to a pipe: a write blocks while the pipe is full (the
-child busy importing MLflow can leave its reader without the GIL for a while), and that must
-never be the training thread. The child's main thread only reads the records and hands them to
-the `Sender` thread,
+The training process's end (`TrackingProcess`, what `Tracker` holds) pickles each record and writes
+it to a pipe; the child's main thread only reads them and hands them to the `Sender` thread,
 which sends them in order (or spools them). The child reports back the run id once the run is
 open, and every warning and log line, which the training process logs as before. It exits when
 it has sent the `end` record; when asked to give up (`drain`: spool what is left); or, when the
@@ -25,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import queue
 import signal
 import subprocess
 import sys
@@ -57,7 +53,7 @@ class TrackingProcess:
         self.run_id: str | None = header.get("run_id")
         self.ready = threading.Event()      # set once the run is open, opening it failed, or the child is gone
         self.spool_path = Path(spool_dir) / SPOOL_FILE
-        self._outbox: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
         self._gone = False
         child_reads, to_child = os.pipe()
         parent_reads, to_parent = os.pipe()
@@ -75,30 +71,21 @@ class TrackingProcess:
         self._from = Connection(parent_reads, writable=False)
         self._send(("setup", {"uri": uri, "header": header, "params": params, "spool_dir": str(spool_dir),
                               "queue_size": queue_size}))
-        threading.Thread(target=self._write, name="hvd-runtime-tracking-pipe", daemon=True).start()
         threading.Thread(target=self._listen, name="hvd-runtime-tracking-replies", daemon=True).start()
 
     def submit(self, record: dict) -> None:
         self._send(("record", record))
 
     def _send(self, message: tuple) -> None:
-        if self._gone:
-            return
-        try:
-            self._outbox.put_nowait(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-        except queue.Full:  # the child reads whatever comes unless it is stuck: then nothing helps
-            self.warn(f"the tracking process read nothing of the last {self._outbox.maxsize} records; "
-                      "a record is dropped")
-
-    def _write(self) -> None:
-        while True:
-            data = self._outbox.get()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            if self._gone:
+                return
             try:
                 self._to.send_bytes(data)
             except OSError as exc:
                 self._gone = True
                 self.warn(f"the tracking process exited ({exc}); this run logs nothing more")
-                return
 
     def _listen(self) -> None:
         try:
