@@ -12,10 +12,9 @@
 
 Where it logs: the `tracking_uri` argument > MLFLOW_TRACKING_URI > config `tracking.uri` >
 the embedded store sqlite:///mlflow.db in the working directory (no server needed).
-Tracking is never a reason for training to fail, nor to train slower: calls return at once, and
-MLflow works in a child process of rank 0 (sender_process.py), never in the training process.
-If the server fails, one warning is printed and the rest of the run is spooled to
-<run_dir>/mlflow-spool, which `python -m hvd_runtime.tracking.replay` sends later.
+Tracking is never a reason for training to fail: calls return at once, a background sender does
+the network work, and if the server fails one warning is printed and the rest of the run is
+spooled to <run_dir>/mlflow-spool, which `python -m hvd_runtime.tracking.replay` sends later.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ import logging
 
 from . import params as run_facts
 from . import records, settings
-from .sender_process import TrackingProcess
+from .sender import Sender
+from .spool import Spool
 from .handover import HandoverTracker
 from .system import start_system_metrics
 from .tracker import NullTracker, OneWarning, Tracker
@@ -57,7 +57,9 @@ def start_tracking(config, *, rank: int, world_size: int, framework: str, strate
                   "start_time": records.now_ms(), "tracking_uri": run_facts.redact(uri)}
         spool_dir = settings.spool_dir(config)
         warn = OneWarning(spool_dir, run_facts.redact(uri))
-        return Tracker(TrackingProcess(uri, header, records.params(params), spool_dir, warn), warn)
+        sender = Sender(uri, header, records.params(params), Spool(spool_dir, lambda: sender.segment_head()), warn)
+        sender.start()
+        return Tracker(sender, warn)
     except Exception as exc:
         log.warning("MLflow tracking is off for this run: %s", exc)
         return NullTracker()

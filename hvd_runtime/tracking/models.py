@@ -1,10 +1,7 @@
-"""Turn a live model into a model record: which MLflow flavor, the model as bytes, and one forward pass.
+"""Turn a live model into a model record: which MLflow flavor, a snapshot, and a signature.
 
-Runs in the training thread, because the signature needs the model's output on the example as the
-model is now, and because the bytes are the snapshot: training may go on changing the model while
-the record waits for the tracking process, and a checkpoint's LoggedModel must hold that epoch's
-weights. MLflow is never imported here (the tracking process infers the signature from the two
-arrays); the frameworks are found in sys.modules, never imported: a torch job has no TF, and the
+Runs in the training thread, because the signature needs one forward pass on the model as it is
+now. The frameworks are found in sys.modules, never imported: a torch job has no TF, and the
 other way round.
 """
 
@@ -12,10 +9,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import pickle
 import sys
 
-import cloudpickle
 import numpy as np
 
 log = logging.getLogger("hvd_runtime.tracking")
@@ -49,49 +44,46 @@ def _torch_forward(model, example):
     return inputs.cpu().numpy(), output.detach().cpu().numpy()
 
 
+class NoSnapshot(Exception):
+    """The model cannot be copied as it is now."""
+
+
+def _keras_snapshot(model):
+    """A clone holding the model's weights now; None where Keras cannot clone it."""
+    keras = sys.modules.get("keras") or sys.modules["tensorflow"].keras
+    try:
+        clone = keras.models.clone_model(model)
+        clone.set_weights(model.get_weights())
+    except Exception as exc:  # noqa: BLE001 - any failure to clone only costs the snapshot
+        log.debug("cannot clone the Keras model: %s", exc)
+        return None
+    return clone
+
+
 def _keras_forward(model, example):
     inputs = np.asarray(example)
     return inputs, np.asarray(model(inputs, training=False))
 
 
-def _keras_bytes(model) -> bytes:
-    """The model as its .keras file (Keras pickles that way), loaded back once here: a class Keras
-    cannot find by name (a subclass with no get_config, one not registered) fails now, in the
-    training process, rather than in the tracking process after the run has moved on."""
-    payload = cloudpickle.dumps(model)
-    pickle.loads(payload)
-    return payload
-
-
-def _torch_bytes(model) -> bytes:
-    """A CPU copy: the tracking process sees no GPU (it must not take one's memory), and a model
-    logged from CPU weights loads anywhere."""
-    first = next(iter(model.parameters()), None)
-    if first is not None and first.device.type != "cpu":
-        model = copy.deepcopy(model).cpu()
-    return cloudpickle.dumps(model)
-
-
-class NoSnapshot(Exception):
-    """The model cannot be turned into bytes, so it cannot reach the tracking process."""
-
-
 def model_record(model, input_example, name: str = "model", step: int = 0, checkpoint: bool = False) -> dict:
-    """A record for the tracking process: the model pickled now (cloudpickle, so that a class
-    defined in the training script travels too; a Keras model pickles as its .keras file), the
-    example as an array and the model's output on it, from which MLflow infers the signature.
+    """An in-memory record (holds objects, not JSON) for the sender to log or to spool.
 
-    A model that cannot be pickled raises NoSnapshot: a checkpoint is then not logged as a model
-    (its metrics are), and the final model is not logged, each with one warning.
+    The model is copied with this moment's weights (torch: a deep copy; Keras: a clone holding
+    the same weights), so that training may go on changing it while the record waits in the
+    queue: a checkpoint's LoggedModel is that epoch's model. A Keras model that cannot be cloned
+    (a layer without get_config, or one tied to another, as the GPT's head to its embedding) is
+    logged as it is when sent if it is the final model (training is over); a checkpoint raises
+    NoSnapshot rather than log later weights under its name.
     """
+    from mlflow.models import infer_signature
+
     flavor = flavor_of(model)
     inputs, outputs = (_torch_forward if flavor == "pytorch" else _keras_forward)(model, input_example)
-    try:
-        payload = _torch_bytes(model) if flavor == "pytorch" else _keras_bytes(model)
-    except Exception as exc:  # noqa: BLE001 - any failure to pickle only costs the model record
-        what = "its checkpoints are not logged as models (their metrics are)" if checkpoint else \
-            "the final model is not logged"
-        raise NoSnapshot(f"a {type(model).__name__} cannot be pickled for the tracking process ({exc}), "
-                         f"so {what}") from exc
-    return {"kind": "model", "flavor": flavor, "name": name, "payload": payload, "inputs": inputs,
-            "outputs": outputs, "step": int(step)}
+    snapshot = copy.deepcopy(model) if flavor == "pytorch" else _keras_snapshot(model)
+    if snapshot is None:
+        if checkpoint:
+            raise NoSnapshot(f"a {type(model).__name__} cannot be cloned, so its checkpoints are not logged as "
+                             "models (their metrics are); the final model is")
+        snapshot = model
+    return {"kind": "model", "flavor": flavor, "name": name, "model": snapshot,
+            "signature": infer_signature(inputs, outputs), "input_example": inputs, "step": int(step)}

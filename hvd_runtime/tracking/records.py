@@ -1,8 +1,7 @@
 """Tracking records: plain dicts, the one currency of the sender, the spool and replay.
 
-kinds: run (spool header), params, metrics, tags, artifact, model, end, detach (the training
-process is gone: send what is queued, end nothing). All but a live model record (pickled bytes and
-arrays) are JSON as they are; `group` batches consecutive metrics into one request.
+kinds: run (spool header), params, metrics, tags, artifact, model, end. All but an in-memory
+model record are JSON as they are; `group` batches consecutive metrics into one request.
 """
 
 from __future__ import annotations
@@ -33,10 +32,6 @@ def artifact(path: str, artifact_path: str | None = None) -> dict:
 
 def end(status: str) -> dict:
     return {"kind": "end", "status": status, "end_time": now_ms()}
-
-
-def detach() -> dict:
-    return {"kind": "detach"}
 
 
 def group(records: list[dict], max_metrics: int = 1000) -> list[list[dict]]:

@@ -1,13 +1,12 @@
-"""The loop that sends a run's records to MLflow, in order, in the tracking process.
+"""One background sender per run, so the training loop never waits on the network.
 
-It runs as a thread of the tracking process (sender_process.py), beside that process's reader of
-the training process's records. Why a queue and a thread rather than only short HTTP timeouts:
-even a 5 s timeout, retried, would stall every record behind it while a server is down or slow,
-and the first contact with a fresh sqlite store spends seconds on migrations. So submitting only
-enqueues (never blocking: a full queue spools instead), and this thread sends in order,
-consecutive metrics batched into one request. The first failure prints one warning; from then on
-every record goes to the local spool, which is fast and cannot fail the job. When the training
-process stops waiting (Tracker.close's timeout), `drain` spools whatever is left.
+Why a thread rather than only short HTTP timeouts: even a 5 s timeout, retried, would stall
+every step while a server is down or slow, and the first contact with a fresh sqlite store
+spends seconds on migrations. So the training thread only enqueues (never blocking: a full queue
+spools instead), and this thread sends in order, consecutive metrics batched into one request.
+The first failure prints one warning; from then on every record goes to the local spool, which
+is fast and cannot fail the job. `Tracker.close` waits for this thread at most a fixed time and
+then spools whatever is left, so the job's exit is bounded whatever the server does.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ class Sender(threading.Thread):
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.run_id: str | None = header.get("run_id")
         self.ready = threading.Event()      # set once the run is open, or opening it failed
+        self.imported = threading.Event()   # set once MLflow is imported (or failed to import)
         self.failed = False
         self.abandoned = False
         self.inflight: list[dict] = []
@@ -80,7 +80,10 @@ class Sender(threading.Thread):
 
     def run(self) -> None:
         try:
-            from .sink import MlflowSink  # MLflow is imported here, never in the training process
+            try:
+                from .sink import MlflowSink  # MLflow is imported here, off the training thread
+            finally:
+                self.imported.set()
             self.sink = MlflowSink(self.uri)
             self.run_id = self.sink.open_run(self.header)
         except Exception as exc:
@@ -92,10 +95,9 @@ class Sender(threading.Thread):
         done = False
         while not done:
             batch = self._take()
-            done = batch[-1]["kind"] in ("end", "detach")
+            done = batch[-1]["kind"] == "end"
             for group in records.group(batch):
-                if group[0]["kind"] != "detach":    # the training process is gone: send, end nothing
-                    self._send(group)
+                self._send(group)
 
     def _send(self, group: list[dict]) -> None:
         if self.failed or self.abandoned:
@@ -123,7 +125,7 @@ class Sender(threading.Thread):
 
     def _take(self) -> list[dict]:
         batch = [self.queue.get()]
-        while len(batch) < MAX_BATCH and batch[-1]["kind"] not in ("end", "detach"):
+        while len(batch) < MAX_BATCH and batch[-1]["kind"] != "end":
             try:
                 batch.append(self.queue.get_nowait())
             except queue.Empty:
@@ -148,12 +150,10 @@ class Sender(threading.Thread):
         self.to_spool(pending)
 
     def to_spool(self, pending: list[dict]) -> None:
-        """Write records to the spool; a live model is saved there as an MLflow model first."""
+        """Write records to the spool; an in-memory model is saved there as an MLflow model first."""
         out = []
         for record in pending:
-            if record["kind"] == "detach":
-                continue
-            if record["kind"] == "model" and "payload" in record:
+            if record["kind"] == "model" and "model" in record:
                 record = self._save_model(record)
                 if record is None:
                     continue

@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import pickle
 from pathlib import Path
 
 import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
-from mlflow.models import Model, infer_signature
+from mlflow.models import Model
 
 ORIGINAL_RUN_TAG = "hvd_runtime.original_run_id"      # set when a stored run id is not on this server
 CHANGED_PARAMS_TAG = "hvd_runtime.params_changed"     # MLflow params are write-once; a resume may differ
@@ -57,18 +56,11 @@ def _requirements(flavor) -> list[str]:
     return flavor.get_default_pip_requirements()
 
 
-def live_model(record: dict):
-    """(model, signature, input example) of a record from models.model_record: the model unpickled
-    here, in the tracking process, and the signature inferred from the example and its output."""
-    return pickle.loads(record["payload"]), infer_signature(record["inputs"], record["outputs"]), record["inputs"]
-
-
 def save_model(record: dict, path: Path) -> None:
-    """Write a live model record as an MLflow model directory (signature and example kept)."""
+    """Write an in-memory model record as an MLflow model directory (signature and example kept)."""
     flavor = _flavor(record["flavor"])
-    model, signature, example = live_model(record)
-    flavor.save_model(model, str(path), signature=signature, input_example=example,
-                      pip_requirements=_requirements(flavor))
+    flavor.save_model(record["model"], str(path), signature=record["signature"],
+                      input_example=record["input_example"], pip_requirements=_requirements(flavor))
 
 
 class MlflowSink:
@@ -158,7 +150,7 @@ class MlflowSink:
             saved = Model.load(local)
             model, signature, example = flavor.load_model(local), saved.signature, saved.load_input_example(local)
         else:
-            model, signature, example = live_model(record)
+            model, signature, example = record["model"], record["signature"], record["input_example"]
         # Model.log finds the store and the experiment through MLflow's process-wide state, not
         # the run: point both at this run (this process logs to one place anyway).
         mlflow.set_tracking_uri(self.uri)

@@ -1,8 +1,8 @@
 """What the training loop holds: `Tracker` on rank 0, `NullTracker` everywhere else.
 
-Tracker methods return at once: records go to the tracking process (sender_process.py). Two may
-wait, each for a bounded time: `close` (for that process to finish) and `run_id` (for the run to
-open). `log_model` runs the model once on its example and pickles it, in the calling thread.
+Tracker methods return at once: records go to the background sender (sender.py). Three may
+wait, each for a bounded time: `close` (for the sender to finish), `run_id` (for the run to open)
+and the first `log_model` (for the sender to finish importing MLflow).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import threading
 
 from . import records
-from .sender_process import TrackingProcess
+from .sender import Sender
 
 log = logging.getLogger("hvd_runtime.tracking")
 
@@ -72,12 +72,12 @@ class NullTracker:
 
 
 class Tracker(NullTracker):
-    def __init__(self, sender: TrackingProcess, warn: OneWarning, close_timeout: float = CLOSE_TIMEOUT):
+    def __init__(self, sender: Sender, warn: OneWarning, close_timeout: float = CLOSE_TIMEOUT):
         self._sender = sender
         self._warn = warn
         self._close_timeout = close_timeout
         self._closed = False
-        self._no_snapshot: set[bool] = set()    # warned that checkpoints (True) or the final model cannot be sent
+        self._no_snapshot = False    # warned that checkpoints cannot be logged as models
         atexit.register(self.close)     # a script that forgets close() still flushes and ends its run
 
     @property
@@ -92,7 +92,7 @@ class Tracker(NullTracker):
 
     @property
     def spool_path(self):
-        return self._sender.spool_path
+        return self._sender.spool.path
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         """Values already averaged across ranks (hvd.allreduce); one point per key and step."""
@@ -117,20 +117,21 @@ class Tracker(NullTracker):
         epoch's metrics first (log_metrics, a small record sent at once): a rank 0 lost while the
         model is still queued then loses the model, never the epoch's metrics.
 
-        The model is pickled now (a snapshot: training may go on changing it); one that cannot be
-        (see models.model_record) is not logged, with one warning. `checkpoint` says which kind of
-        model that warning names."""
+        checkpoint: training goes on, so the model must be copied now; one that cannot be (see
+        models.model_record) is skipped, with one warning."""
         if self._closed:
             return
+        # Two threads importing MLflow at once can see it half-initialised: let the sender finish.
+        self._sender.imported.wait(OPEN_TIMEOUT)
         from .models import NoSnapshot, model_record
 
         def record():
             try:
                 return model_record(model, input_example, name, step, checkpoint)
             except NoSnapshot as exc:
-                if checkpoint not in self._no_snapshot:
+                if not self._no_snapshot:
                     log.warning("%s", exc)
-                self._no_snapshot.add(checkpoint)
+                self._no_snapshot = True
                 return None
         self._submit(record)
 
@@ -156,7 +157,7 @@ class Tracker(NullTracker):
         try:
             self._sender.submit(records.end(status))
             self._sender.join(timeout)
-            if self._sender.is_alive():
+            if self._sender.is_alive() or not self._sender.queue.empty():
                 self._warn(f"MLflow did not finish within {timeout:.0f} s")
                 self._sender.drain()
         except Exception as exc:  # the end of training is no place to fail either

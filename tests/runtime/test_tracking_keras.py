@@ -42,8 +42,8 @@ def test_keras_model_is_logged_with_the_tensorflow_flavor(tmp_path, monkeypatch)
         mlflow.set_tracking_uri(None)
 
 
-class Unpicklable(keras.Model):
-    """A subclassed model, not registered, with no get_config: Keras cannot rebuild it from its file."""
+class Unclonable(keras.Model):
+    """A subclassed model with no get_config: Keras cannot clone it."""
 
     def __init__(self):
         super().__init__()
@@ -59,9 +59,9 @@ def test_a_keras_checkpoint_is_that_epochs_model_or_its_metrics_alone(tmp_path, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    unpicklable = Unpicklable()
+    unclonable = Unclonable()
     example = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
-    unpicklable(example)
+    unclonable(example)
     before = np.asarray(model(example))
     with start_tracking(RunConfig(), rank=0, world_size=1, framework="tensorflow", strategy="data",
                         project_name="keras") as tracker:
@@ -70,7 +70,7 @@ def test_a_keras_checkpoint_is_that_epochs_model_or_its_metrics_alone(tmp_path, 
         model.set_weights([w + 1.0 for w in model.get_weights()])  # training goes on
         for step in (1, 2):
             tracker.log_metrics({"sub_acc": 0.1 * step}, step=step)
-            tracker.log_model(unpicklable, input_example=example, name=f"sub-{step}", step=step, checkpoint=True)
+            tracker.log_model(unclonable, input_example=example, name=f"sub-{step}", step=step, checkpoint=True)
         run_id = tracker.run_id
     uri = settings.embedded_uri(tmp_path)
     client = mlflow.MlflowClient(uri)
@@ -84,4 +84,4 @@ def test_a_keras_checkpoint_is_that_epochs_model_or_its_metrics_alone(tmp_path, 
         mlflow.set_tracking_uri(None)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "sub_acc")] == [(1, 0.1), (2, 0.2)]
     warned = [r.getMessage() for r in caplog.records if r.name == "hvd_runtime.tracking" and r.levelname == "WARNING"]
-    assert len(warned) == 1 and "cannot be pickled" in warned[0]
+    assert len(warned) == 1 and "cannot be cloned" in warned[0]
