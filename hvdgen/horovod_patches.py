@@ -462,6 +462,19 @@ LAUNCHER_PATCHES = (
           "        # failed) end in one line; the lines above it name the host or show the rank's output.\n"
           "        sys.exit('horovodrun: error: ' + ' '.join(str(error).split()))\n",
           "every failed launch ended in a traceback of horovodrun's internals"),
+    Patch("horovod/runner/common/util/safe_shell_exec.py",
+          "    stdout_fwd.join()\n    stderr_fwd.join()\n\n    return middleman.exitcode\n",
+          "    stdout_fwd.join()\n    stderr_fwd.join()\n\n"
+          "    # hvdgen: when another thread starts a process, multiprocessing's _cleanup() polls this\n"
+          "    # middleman too; if its waitpid reaps it first, join() returns before the exit status is\n"
+          "    # recorded (CPython gh-130895, gh-148318) and a rank that exited 0 read as exit code None.\n"
+          "    exit_code, deadline = middleman.exitcode, time.monotonic() + 10\n"
+          "    while exit_code is None and time.monotonic() < deadline:\n"
+          "        time.sleep(0.001)\n"
+          "        exit_code = middleman.exitcode\n"
+          "    return exit_code\n",
+          "an elastic job that trained to the end failed with 'Exit code: None' when a discovery thread's "
+          "process start reaped a rank's middleman first"),
 )
 
 PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + PERFORMANCE_PATCHES + LAUNCHER_PATCHES
