@@ -18,7 +18,11 @@ def files_under(path: Path) -> list[str]:
 
 
 # The 4-rank pipelines are the 2-stage projects' replicas line as their README shows it (default
-# schedule, no options): test_documented_commands leaves that line to this test.
+# schedule, no options): test_documented_commands leaves that line to this test. One run is
+# tracked (the default) and its MLflow store checked: a TensorFlow pipeline gathers its stages into
+# the whole model for each LoggedModel (test_tracking_project checks the torch pipeline's). The
+# others train untracked: MLflow's import, store and model logging cost each run about 15 CPU-s.
+TRACKED = ("tensorflow", "pipeline", 2, ["--parallel.schedule", "gpipe"])
 RUNS = [
     ("torch", "model-split", 2, []),
     ("torch", "pipeline", 2, ["--parallel.schedule", "gpipe"]),
@@ -37,8 +41,10 @@ def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
     project, ranks = tmp_path / "proj", tmp_path / "ranks"
     epochs = 8 if np == 2 else 3
     env = {"SKIP_DIGEST": "1"} if strategy == "pipeline" else {}
+    tracked = (framework, strategy, np, extra) == TRACKED
     proc = run_horovod(np, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
-                            "--train.epochs", str(epochs), *extra], cwd=project, env=env, timeout=600)
+                            "--train.epochs", str(epochs), *extra, *([] if tracked else ["--tracking.enabled", "false"])],
+                       cwd=project, env=env, timeout=600)
     history = [json.loads(line) for line in (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == list(range(1, epochs + 1))
     if np == 2:
@@ -52,6 +58,23 @@ def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
         assert "pipeline bubble: measured" in proc.stdout
     else:
         assert len(set(json.loads((ranks / "digests.json").read_text()))) == 1
+    assert (ranks / "rank0" / "mlflow.db").exists() == tracked
+    if tracked:
+        assert_one_run_with_a_model_per_epoch(ranks / "rank0" / "mlflow.db", "proj", epochs)
+
+
+def assert_one_run_with_a_model_per_epoch(store: Path, experiment: str, epochs: int) -> None:
+    """One run, each epoch logged once, and each epoch's checkpoint a LoggedModel of that run, then the final model."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{store}")
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    [run] = client.search_runs([experiment_id])
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "epoch")] == list(range(1, epochs + 1))
+    models = client.search_logged_models(experiment_ids=[experiment_id],
+                                         order_by=[{"field_name": "creation_timestamp", "ascending": True}])
+    assert [m.name for m in models] == [f"checkpoint-{e}" for e in range(1, epochs + 1)] + ["model"]
+    assert {m.source_run_id for m in models} == {run.info.run_id}
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
