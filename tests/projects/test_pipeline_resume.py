@@ -32,8 +32,11 @@ def generate(tmp_path: Path, framework: str, strategy: str) -> Path:
 
 
 def train(project: Path, ranks: Path, epochs: int, *overrides: str, env=None) -> tuple[list[dict], str]:
+    """Untracked: MLflow never changes what is trained, and tracked pipelines are
+    test_tracking_project's (torch) and test_staged_projects' (TensorFlow)."""
     proc = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
-                           "--train.epochs", str(epochs), *overrides], cwd=project, env=env, timeout=400)
+                           "--train.epochs", str(epochs), "--tracking.enabled", "false", *overrides],
+                       cwd=project, env=env, timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], proc.stdout
 
