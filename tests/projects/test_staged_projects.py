@@ -29,7 +29,7 @@ RUNS = [
     ("torch", "pipeline", 2, []),                       # 1f1b, the default
     ("torch", "pipeline", 4, []),                       # 2 stages x 2 replicas
     ("tensorflow", "model-split", 2, []),               # 2 logical CPU devices per worker
-    ("tensorflow", "pipeline", 2, ["--parallel.schedule", "gpipe"]),
+    TRACKED,
     ("tensorflow", "pipeline", 4, []),
 ]
 
