@@ -15,6 +15,7 @@ moving statistics are each worker's own by design). Rank 0 writes all ranks' res
 import sys
 from pathlib import Path
 
+import hvd_runtime.tf  # noqa: F401  first, as a generated train.py: TensorFlow without Keras' unused extras
 import keras
 import numpy as np
 import tensorflow as tf

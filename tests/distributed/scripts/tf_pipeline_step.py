@@ -17,6 +17,7 @@ update is compared with its slice of the reference's.
 import sys
 from pathlib import Path
 
+import hvd_runtime.tf  # noqa: F401  first, as a generated train.py: TensorFlow without Keras' unused extras
 import keras
 import numpy as np
 import tensorflow as tf

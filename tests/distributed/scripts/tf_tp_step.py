@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import hvd_runtime.tf  # noqa: F401  first, as a generated train.py: TensorFlow without Keras' unused extras
 import horovod.tensorflow as hvd
 import keras
 import numpy as np
