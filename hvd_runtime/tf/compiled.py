@@ -20,3 +20,32 @@ def compiled(fn=None, **options):
     if fn is None:
         return lambda f: tf.function(f, autograph=False, **options)
     return tf.function(fn, autograph=False, **options)
+
+
+def compiled_for_any_batch(fn, **options):
+    """compiled(fn), traced once for every batch size: the first call fixes each tensor argument's
+    dtype and all but its first dimension, and leaves that one open.
+
+    A trace of a whole model's step costs seconds of CPU (5 s for a small ResNet-18's, split over
+    two devices), and batches do change size: an epoch's last batch is short unless the data
+    divides evenly, evaluation batches too. Traced for the first shape, a step is traced again on
+    the first short batch (`reduce_retracing` then relaxes the shape: still two traces); traced
+    for any batch size, once. The arguments are tensors or arrays (nested structures of them),
+    each with a batch dimension, always of the same dtypes and trailing shapes.
+    """
+    traced = None
+
+    def call(*args):
+        nonlocal traced
+        if traced is None:
+            spec = tf.nest.map_structure(_any_batch_spec, list(args))
+            traced = compiled(fn, input_signature=spec, **options)
+        return traced(*args)
+
+    call.__name__ = getattr(fn, "__name__", "compiled_for_any_batch")
+    return call
+
+
+def _any_batch_spec(value) -> tf.TensorSpec:
+    t = tf.convert_to_tensor(value)
+    return tf.TensorSpec([None, *t.shape[1:]], t.dtype)

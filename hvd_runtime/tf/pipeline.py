@@ -29,7 +29,7 @@ from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, check_c
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD, SPLIT_BACKWARD_TORCH_ONLY
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
-from hvd_runtime.tf.compiled import compiled
+from hvd_runtime.tf.compiled import compiled_for_any_batch
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.stage import Stage, plan_stages, rank_stage
 from hvd_runtime.tf.tensor_parallel import split_layers
@@ -157,6 +157,11 @@ def stage_state_variables(stage: Stage, optimizer) -> list:
     return [v for v in stage.variables if "float" in str(v.dtype)] + list(optimizer.variables)
 
 
+def _compiled_chunk(stage: Stage, chunk: int, training: bool):
+    """The stage's chunk `chunk` as one compiled call of its input, in training mode or not."""
+    return compiled_for_any_batch(lambda x: stage.call_chunk(chunk, x, training=training))
+
+
 class PipelineEngine(PipelineEngineBase):
     """Runs one stage's part of the schedule each step, then averages its gradients over dp."""
 
@@ -182,9 +187,10 @@ class PipelineEngine(PipelineEngineBase):
         self._chunk_variables = [[v for layer in stage.chunk_layers(c) for v in layer.trainable_variables]
                                  for c in range(self.chunks)]
         self._chunk_slots = [[at[id(v)] for v in chunk] for chunk in self._chunk_variables]
-        # compiled once per mode and chunk; a tape around the call still records it, and its gradient is compiled too
-        self._chunk_fns = [compiled(lambda x, training, c=c: stage.call_chunk(c, x, training=training),
-                                    reduce_retracing=True) for c in range(self.chunks)]
+        # compiled once per chunk and mode, for every micro-batch size; a tape around the call
+        # still records it, and its gradient is compiled too
+        self._chunk_fns = [{training: _compiled_chunk(stage, c, training) for training in (True, False)}
+                           for c in range(self.chunks)]
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
@@ -199,12 +205,12 @@ class PipelineEngine(PipelineEngineBase):
     def _forward(self, c, i, inp, y, weight, train):
         last = self._is_last(c)
         if not train:
-            out = self._chunk_fns[c](inp, False)
+            out = self._chunk_fns[c][False](inp)
             loss = self.loss_fn(y, out) if last else None
             return out, loss
         with tf.GradientTape() as tape:
             tape.watch(inp)
-            out = self._chunk_fns[c](inp, True)
+            out = self._chunk_fns[c][True](inp)
             # the chunk's regularisation terms, as Keras adds them to the loss: each micro-batch
             # carries its share (weight), so a step adds them once, whichever stage holds the layers
             terms = [term for layer in self.stage.chunk_layers(c) for term in layer.losses]

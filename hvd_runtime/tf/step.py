@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from hvd_runtime.loop import evaluate_batches
 from hvd_runtime.tf.buffers import average_statistics
-from hvd_runtime.tf.compiled import compiled
+from hvd_runtime.tf.compiled import compiled, compiled_for_any_batch
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
 from hvd_runtime.tf.objective import accuracy_sum
 
@@ -52,10 +52,10 @@ class TrainStep:
         self.sum_over_ranks = sum_over_ranks
         k = backward_passes_per_step
         self.accumulator = GradientAccumulator(self.variables, k) if k > 1 else None
-        self._step = compiled(self._train_on_batch, reduce_retracing=True)
-        self._accumulate = compiled(self._accumulate_batch, reduce_retracing=True)
+        self._step = compiled_for_any_batch(self._train_on_batch)
+        self._accumulate = compiled_for_any_batch(self._accumulate_batch)
         self._apply_accumulated = compiled(self._apply_accumulated_fn)
-        self._eval_totals = compiled(self._eval_totals_fn, reduce_retracing=True)
+        self._eval_totals = compiled_for_any_batch(self._eval_totals_fn)
 
     def _forward_backward(self, x, y):
         with tf.GradientTape() as tape:
