@@ -52,7 +52,15 @@ def split_devices(stages: int, local_rank: int | None = None, local_size: int | 
 
 
 class ModelSplit:
-    """The model's layers in `stages` groups, each on its device; calling it moves activations along."""
+    """The model's layers in `stages` groups, each on its device; calling it moves activations along.
+
+    A batch is cut into min(micro_batches, its size) micro-batches, a number fixed when a step is
+    traced: so a step calling it is traced for each batch size (`static_batch`), never for any
+    size, where a short batch would make empty micro-batches, and BatchNorm's statistics of an
+    empty one are NaN.
+    """
+
+    static_batch = True   # hvd_runtime.tf.step.TrainStep traces its steps per batch size
 
     def __init__(self, model, stages: int = 2, devices: Sequence[str] | None = None,
                  partition: Partition | str | Sequence = "params", micro_batches: int = 1, sample=None):
@@ -71,6 +79,9 @@ class ModelSplit:
         m = min(self.micro_batches, n) if n is not None else self.micro_batches
         if m > 1:
             batch = tf.shape(x)[0]
+            if n is None:  # traced for any batch size (not by TrainStep): refuse one that leaves a micro-batch empty
+                tf.debugging.assert_greater_equal(batch, m, message=f"a batch smaller than micro_batches={m} "
+                                                  "reached ModelSplit traced for any batch size: trace per size")
             sizes = batch // m + tf.cast(tf.range(m) < batch % m, batch.dtype)
             chunks = tf.split(x, sizes, num=m)
         else:

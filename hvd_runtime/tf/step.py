@@ -52,10 +52,13 @@ class TrainStep:
         self.sum_over_ranks = sum_over_ranks
         k = backward_passes_per_step
         self.accumulator = GradientAccumulator(self.variables, k) if k > 1 else None
-        self._step = compiled_for_any_batch(self._train_on_batch)
-        self._accumulate = compiled_for_any_batch(self._accumulate_batch)
+        # traced once for every batch size, or once per size for a model that cuts batches by their
+        # size (ModelSplit's micro-batches)
+        per_batch = compiled if getattr(model, "static_batch", False) else compiled_for_any_batch
+        self._step = per_batch(self._train_on_batch)
+        self._accumulate = per_batch(self._accumulate_batch)
         self._apply_accumulated = compiled(self._apply_accumulated_fn)
-        self._eval_totals = compiled_for_any_batch(self._eval_totals_fn)
+        self._eval_totals = per_batch(self._eval_totals_fn)
 
     def _forward_backward(self, x, y):
         with tf.GradientTape() as tape:

@@ -240,6 +240,55 @@ def test_a_train_step_traces_its_code_as_written_without_autograph(one_rank, mon
         compiled(lambda t: t if t > 0 else -t)(tf.constant(1.0))
 
 
+def _counted(fn, calls: list):
+    """fn, appending to `calls` each time Python runs it (in a tf.function: once per trace)."""
+    return lambda *args: calls.append(1) or fn(*args)
+
+
+def test_a_train_step_is_traced_once_for_every_batch_size(one_rank):
+    """An epoch's short last batch and the evaluation's must not retrace the step (seconds of CPU
+    for a real model): one trace to train, one to evaluate, whatever the batch sizes."""
+    from hvd_runtime.tf.gradients import GradientSync
+    from hvd_runtime.tf.step import TrainStep
+
+    traces = []
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+    loss_fn = _counted(keras.losses.SparseCategoricalCrossentropy(from_logits=True), traces)
+    step = TrainStep(model, keras.optimizers.SGD(0.1), loss_fn, GradientSync())
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(n, 3)).astype(np.float32), np.arange(n) % 2) for n in (8, 3, 5, 8)]
+    for x, y in batches:
+        loss, correct = step(x, y)
+        assert np.isfinite(loss)
+    assert len(traces) == 1
+    step.evaluate(batches[:2])
+    assert len(traces) == 2
+
+
+def test_a_model_split_steps_batches_shorter_than_its_micro_batches(one_rank):
+    """ModelSplit cuts a batch into min(micro_batches, its size): a step traced for any batch size
+    would cut a batch of 2 into 4, two of them empty, and BatchNorm's statistics of an empty
+    micro-batch are NaN. TrainStep traces a ModelSplit per batch size instead."""
+    from hvd_runtime.tf.gradients import GradientSync
+    from hvd_runtime.tf.model_split import ModelSplit
+    from hvd_runtime.tf.step import TrainStep
+
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                              keras.layers.ReLU(), keras.layers.Dense(2)])
+    split = ModelSplit(model, stages=2, devices=["/CPU:0", "/CPU:0"], micro_batches=4)
+    step = TrainStep(split, keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                     GradientSync())
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(n, 3)).astype(np.float32), np.arange(n) % 2) for n in (8, 2, 1)]
+    for x, y in batches:
+        loss, _ = step(x, y)
+        assert np.isfinite(loss)
+    assert all(np.isfinite(v.numpy()).all() for v in model.variables), "BatchNorm took an empty micro-batch"
+    val_loss, _ = step.evaluate(batches)
+    assert np.isfinite(val_loss)
+
+
 @pytest.mark.parametrize("schedule", ["zb-h1", "1f1b-batched-w"])
 def test_the_tensorflow_pipeline_refuses_split_backward_schedules_in_one_line(schedule):
     """Before anything is built: the weight half would redo each block's backward (docs/pipeline.md)."""
