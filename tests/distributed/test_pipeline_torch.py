@@ -163,26 +163,19 @@ WORKLOAD_BLOCKS = {"resnet18": [str(i) for i in range(10)], "gpt": [str(i) for i
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("np_,stages,schedule,m,p2p,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
-def test_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, p2p, what):
-    out = tmp_path / "result.json"
-    run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule", schedule,
-                      "--micro-batches", str(m), "--p2p", p2p, "--out", str(out)], cwd=tmp_path, timeout=280)
-    check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m, ALL_BLOCKS)
+def test_pipeline_step_matches_single_process(pipeline_jobs, np_, stages, schedule, m, p2p, what):
+    results, _ = pipeline_jobs(what)
+    check_against_reference(results, np_, stages, schedule, m, ALL_BLOCKS)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("model,np_,stages,schedule,m,clip,tp,what", WORKLOAD_CASES, ids=[c[-1] for c in WORKLOAD_CASES])
-def test_generated_models_split_into_a_pipeline_match_single_process(tmp_path, workload_projects, model, np_, stages,
+def test_generated_models_split_into_a_pipeline_match_single_process(pipeline_jobs, model, np_, stages,
                                                                      schedule, m, clip, tp, what):
-    out = tmp_path / "result.json"
-    run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule", schedule,
-                      "--micro-batches", str(m), "--model", model, "--project", str(workload_projects[model]),
-                      "--clip-norm", str(clip), "--batch", "8", "--tp", str(tp), "--out", str(out)],
-                cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+    results, _ = pipeline_jobs(what)
     check_against_reference(results, np_, stages, schedule, m, WORKLOAD_BLOCKS[model], tp=tp)
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
@@ -198,18 +191,12 @@ INTERLEAVED_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("np_,stages,chunks,m,p2p,model,clip,what", INTERLEAVED_CASES,
                          ids=[c[-1] for c in INTERLEAVED_CASES])
-def test_interleaved_pipeline_matches_single_process(tmp_path, workload_projects, np_, stages, chunks, m, p2p, model,
-                                                     clip, what):
+def test_interleaved_pipeline_matches_single_process(pipeline_jobs, np_, stages, chunks, m, p2p, model, clip, what):
     """Interleaved 1F1B: each rank holds `chunks` pieces of the model (virtual stages r, r+p, ...)."""
-    out = tmp_path / "result.json"
-    project = [] if model == "mlp" else ["--model", model, "--project", str(workload_projects[model]), "--batch", "8"]
-    run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--schedule",
-                      "interleaved-1f1b", "--chunks", str(chunks), "--micro-batches", str(m), "--p2p", p2p,
-                      "--clip-norm", str(clip), *project, "--out", str(out)], cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+    results, _ = pipeline_jobs(what)
     blocks = ALL_BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model]
     check_against_reference(results, np_, stages, "interleaved-1f1b", m, blocks, chunks=chunks)
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
@@ -241,16 +228,12 @@ TIMELINE_SPLITS = {"1f1b": "4", "zb-h1": "4", "interleaved-1f1b": "2,4,6"}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", TIMELINES)
-def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path, schedule):
+def test_pipeline_records_a_timeline_the_cli_can_draw(pipeline_jobs, schedule):
     """Also the zero-bubble schedule's plain case (pp=2 dp=1, equal to the unsplit model)."""
-    out, run = tmp_path / "result.json", tmp_path / "run"
-    chunks = 2 if schedule == "interleaved-1f1b" else 1
-    run_horovod(2, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", schedule, "--micro-batches", "4",
-                    "--chunks", str(chunks), "--steps", "3", "--partition", TIMELINE_SPLITS[schedule], "--out", str(out),
-                    "--run-dir", str(run)], cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+    chunks = timeline_chunks(schedule)
+    results, run = pipeline_jobs(f"timeline: {schedule}")
     check_against_reference(results, 2, 2, schedule, 4, ALL_BLOCKS, chunks=chunks)
     if chunks == 1:
         assert [r["blocks"] for r in results] == [["0", "1", "2", "3"], ["4", "5", "6"]]
@@ -274,6 +257,73 @@ def test_pipeline_records_a_timeline_the_cli_can_draw(tmp_path, schedule):
     assert result.exit_code == 0, result.output
     assert theory in result.output and (run / "timeline.png").exists()
     assert f"micro-batches in flight, step 2: {held}" in result.output
+
+
+def timeline_chunks(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+# Every case above, by its id, as (the job's grid, the case's own flags). A job's start-up (two
+# processes importing torch and its compiler stack, Horovod and the links: 16 CPU-s at np=2) costs
+# as much as a case, so the cases of one grid (init_pipeline's stages, link, tp, chunks, at one
+# -np) run in one job, one after the other (pipeline_step.py --cases), each checked by its test.
+def grid(np_: int, stages: int, p2p: str = "torch", tp: int = 1, chunks: int = 1) -> tuple:
+    return np_, stages, p2p, tp, chunks
+
+
+JOB_CASES: dict[str, tuple[tuple, dict]] = {}
+for np_, stages, schedule, m, p2p, what in PIPELINE_CASES:
+    JOB_CASES[what] = grid(np_, stages, p2p), {"schedule": schedule, "micro_batches": m}
+for model, np_, stages, schedule, m, clip, tp, what in WORKLOAD_CASES:
+    JOB_CASES[what] = grid(np_, stages, tp=tp), {"schedule": schedule, "micro_batches": m, "model": model,
+                                                 "clip_norm": clip, "batch": 8}
+for np_, stages, chunks, m, p2p, model, clip, what in INTERLEAVED_CASES:
+    JOB_CASES[what] = grid(np_, stages, p2p, chunks=chunks), {
+        "schedule": "interleaved-1f1b", "micro_batches": m, "clip_norm": clip,
+        **({} if model == "mlp" else {"model": model, "batch": 8})}
+for schedule in TIMELINES:
+    JOB_CASES[f"timeline: {schedule}"] = grid(2, 2, chunks=timeline_chunks(schedule)), {
+        "schedule": schedule, "micro_batches": 4, "steps": 3, "partition": TIMELINE_SPLITS[schedule], "run_dir": True}
+assert len(JOB_CASES) == len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(INTERLEAVED_CASES) + len(TIMELINES)
+
+
+@pytest.fixture(scope="module")
+def pipeline_jobs(tmp_path_factory, workload_projects):
+    """results(case id) -> (every rank's results, the case's run folder): the first case asked for
+    of a grid runs that grid's job, all its cases; the others read theirs."""
+    root = tmp_path_factory.mktemp("pipeline_jobs")
+    done: dict[tuple, dict | Exception] = {}
+
+    def run(job: tuple) -> dict:
+        np_, stages, p2p, tp, chunks = job
+        folder = root / f"job{len(done)}"
+        folder.mkdir()
+        cases, where = [], {}
+        for k, (what, flags) in enumerate((w, f) for w, (j, f) in JOB_CASES.items() if j == job):
+            case = {**flags, "out": str(folder / f"case{k}.json")}
+            if "model" in case:
+                case["project"] = str(workload_projects[case["model"]])
+            case["run_dir"] = str(folder / f"run{k}") if flags.get("run_dir") else None
+            cases.append(case)
+            where[what] = (Path(case["out"]), case["run_dir"] and Path(case["run_dir"]))
+        (folder / "cases.json").write_text(json.dumps(cases, indent=1))
+        run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--p2p", p2p,
+                          "--tp", str(tp), "--chunks", str(chunks), "--cases", str(folder / "cases.json")],
+                    cwd=folder, timeout=120 + 150 * len(cases))
+        return {what: (json.loads(out.read_text()), run_dir) for what, (out, run_dir) in where.items()}
+
+    def results(what: str) -> tuple[list[dict], Path | None]:
+        job = JOB_CASES[what][0]
+        if job not in done:
+            try:
+                done[job] = run(job)
+            except Exception as failed:   # every case of the job fails with it, without running it again
+                done[job] = failed
+        if isinstance(done[job], Exception):
+            raise done[job]
+        return done[job][what]
+
+    return results
 
 
 MODEL_SPLIT_CASES = [

@@ -7,8 +7,17 @@ whole model, plain SGD; for a model with BatchNorm, the same micro-batches one a
 since BatchNorm's statistics are a micro-batch's) and compares its own stage's parameters after
 the steps, and the reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
 `--model resnet18|gpt --project DIR` splits a generated project's model instead of the MLP here.
+
+`--cases FILE`: a JSON list of cases, each a dict of flags (dest names: schedule, micro_batches,
+model, project, clip_norm, batch, partition, steps, run_dir, out) over the command line's, run one
+after the other in this job on one init_pipeline (whose flags, stages, p2p, tp and chunks, are the
+command line's). A job's start-up (torch, its compiler stack, Horovod, the links) costs as much as
+a case: test_pipeline_torch.py runs the cases that share a grid in one job.
 """
 
+import copy
+import faulthandler
+import json
 import sys
 from pathlib import Path
 
@@ -70,12 +79,24 @@ def reference_step(ref, opt, x, y, micro_batches: int | None, clip_norm: float) 
 
 
 def main():
-    args = parse_args(pipeline=True)
-    work = load_workload(args.model, args.project, lambda: make_model(args.flatten_first), mlp_batch)
-
+    args = parse_args(pipeline=True, cases=True)
+    if not (args.cases or args.out):
+        raise SystemExit("give --out FILE (one case, the command line's) or --cases FILE")
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
     _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
+    for case in json.loads(Path(args.cases).read_text()) if args.cases else [{}]:
+        case_args = copy.copy(args)
+        for flag, value in case.items():
+            setattr(case_args, flag, value.split(",") if flag == "partition" and value not in ("params", "time")
+                    else value)
+        faulthandler.dump_traceback_later(case_args.watchdog, exit=True)   # per case: a hung one still ends the job
+        write_results(hvd, run_case(case_args, dims), case_args.out)
+
+
+def run_case(args, dims) -> dict:
+    """Train args.steps steps with this rank's stage and with the unsplit model; return what to compare."""
+    work = load_workload(args.model, args.project, lambda: make_model(args.flatten_first), mlp_batch)
     g = torch.Generator().manual_seed(7)
     global_batch = args.batch * dims.replicas
     batches = [work.batch(g, global_batch) for _ in range(args.steps)]
@@ -128,7 +149,7 @@ def main():
               "weights_put_off": engine.split_backward.weights_put_off if engine.split_backward else None,
               "linears": sum(1 for m in stage.modules() if type(m) is torch.nn.Linear),
               "linears_batched": engine.linears_batched, **run}
-    write_results(hvd, result, args.out)
+    return result
 
 
 if __name__ == "__main__":

@@ -11,13 +11,16 @@ import json
 from pathlib import Path
 
 
-def parse_args(pipeline: bool, p2p: str = "torch") -> argparse.Namespace:
-    """The common flags; with pipeline=True also stages, schedule, link (default `p2p`), partition and timeline."""
+def parse_args(pipeline: bool, p2p: str = "torch", cases: bool = False) -> argparse.Namespace:
+    """The common flags; with pipeline=True also stages, schedule, link (default `p2p`), partition
+    and timeline; with cases=True, --cases FILE (several cases in one job, each with its own --out)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro-batches", type=int, default=4 if pipeline else 3)
     ap.add_argument("--batch", type=int, default=10, help="per replica (pipeline) or per worker (model-split)")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--out", required=True)
+    if cases:
+        ap.add_argument("--cases", default=None, help="a JSON list of cases: dicts of flags over these (each an out)")
+    ap.add_argument("--out", required=not cases)
     ap.add_argument("--watchdog", type=float, default=150, help="seconds before a hung rank dumps its stack and exits")
     ap.add_argument("--model", default="mlp", help="mlp, resnet18 or gpt (the last two from --project)")
     ap.add_argument("--project", default=None, help="a project generated with that --model")
