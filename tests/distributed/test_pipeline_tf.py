@@ -21,6 +21,7 @@ from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.p2p import decode, encode
 from hvd_runtime.tf.stage import build_stage, plan_stages
 from pipeline_checks import TOL, check_against_reference
+from pipeline_jobs import grid_jobs
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -125,14 +126,11 @@ PIPELINE_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("np_,stages,schedule,m,p2p,extra,what", PIPELINE_CASES, ids=[c[-1] for c in PIPELINE_CASES])
-def test_tf_pipeline_step_matches_single_process(tmp_path, np_, stages, schedule, m, p2p, extra, what):
-    out = tmp_path / "result.json"
-    run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages),
-                      "--schedule", schedule, "--micro-batches", str(m), "--p2p", p2p, *extra, "--out", str(out)],
-                cwd=tmp_path, timeout=280)
-    check_against_reference(json.loads(out.read_text()), np_, stages, schedule, m, BLOCKS)
+def test_tf_pipeline_step_matches_single_process(pipeline_jobs, np_, stages, schedule, m, p2p, extra, what):
+    results, _ = pipeline_jobs(what)
+    check_against_reference(results, np_, stages, schedule, m, BLOCKS)
 
 
 WORKLOAD_CASES = [
@@ -147,18 +145,12 @@ WORKLOAD_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("model,np_,stages,schedule,m,clip,steps,batch,tp,what", WORKLOAD_CASES,
                          ids=[c[-1] for c in WORKLOAD_CASES])
-def test_generated_keras_models_split_into_a_pipeline_match_single_process(tmp_path, tf_workload_projects, model, np_,
-                                                                           stages, schedule, m, clip, steps, batch, tp,
-                                                                           what):
-    out = tmp_path / "result.json"
-    run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages), "--schedule",
-                      schedule, "--micro-batches", str(m), "--model", model, "--project", str(tf_workload_projects[model]),
-                      "--clip-norm", str(clip), "--steps", str(steps), "--batch", str(batch), "--tp", str(tp),
-                      "--out", str(out)], cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+def test_generated_keras_models_split_into_a_pipeline_match_single_process(pipeline_jobs, model, np_, stages, schedule,
+                                                                           m, clip, steps, batch, tp, what):
+    results, _ = pipeline_jobs(what)
     check_against_reference(results, np_, stages, schedule, m, WORKLOAD_BLOCKS[model], tp=tp)
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
@@ -172,33 +164,22 @@ INTERLEAVED_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("np_,stages,chunks,m,p2p,model,clip,batch,what", INTERLEAVED_CASES,
                          ids=[c[-1] for c in INTERLEAVED_CASES])
-def test_tf_interleaved_pipeline_matches_single_process(tmp_path, tf_workload_projects, np_, stages, chunks, m, p2p,
-                                                        model, clip, batch, what):
+def test_tf_interleaved_pipeline_matches_single_process(pipeline_jobs, np_, stages, chunks, m, p2p, model, clip, batch,
+                                                        what):
     """Interleaved 1F1B: each rank holds `chunks` pieces of the model, each under its own tape and tf.function."""
-    out = tmp_path / "result.json"
-    # the MLP with L2 kernel regularizers: each chunk's terms under its own tape
-    project = ["--regularize"] if model == "mlp" else ["--model", model, "--project", str(tf_workload_projects[model])]
-    run_horovod(np_, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", str(stages), "--schedule",
-                      "interleaved-1f1b", "--chunks", str(chunks), "--micro-batches", str(m), "--p2p", p2p,
-                      "--clip-norm", str(clip), "--batch", str(batch), *project, "--out", str(out)],
-                cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+    results, _ = pipeline_jobs(what)
     blocks = BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model]
     check_against_reference(results, np_, stages, "interleaved-1f1b", m, blocks, chunks=chunks)
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_tf_pipeline_records_a_timeline(tmp_path):
-    out, run = tmp_path / "result.json", tmp_path / "run"
-    run_horovod(2, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--schedule", "1f1b", "--micro-batches", "4",
-                    "--steps", "3", "--partition", "b4", "--out", str(out), "--run-dir", str(run)],
-                cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+@pytest.mark.timeout(900)
+def test_tf_pipeline_records_a_timeline(pipeline_jobs):
+    results, run = pipeline_jobs("timeline: 1f1b")
     check_against_reference(results, 2, 2, "1f1b", 4, BLOCKS)
     assert [r["blocks"] for r in results] == [BLOCKS[:4], BLOCKS[4:]]
     tl = load_timeline(run)
@@ -208,6 +189,37 @@ def test_tf_pipeline_records_a_timeline(tmp_path):
         kinds = [(e["kind"], e["mb"]) for e in rank["events"] if e["step"] == 1]
         for kind in ("forward", "backward"):
             assert sorted(mb for k, mb in kinds if k == kind) == [0, 1, 2, 3]
+
+
+# Every case above, by its id, as (the job's grid, the case's own flags): the cases of one grid run
+# in one job (tests/pipeline_jobs.py), each checked by its test.
+def grid(np_: int, stages: int, p2p: str = "socket", tp: int = 1, chunks: int = 1) -> tuple:
+    return np_, stages, p2p, tp, chunks
+
+
+JOB_CASES: dict[str, tuple[tuple, dict]] = {}
+for np_, stages, schedule, m, p2p, extra, what in PIPELINE_CASES:
+    JOB_CASES[what] = grid(np_, stages, p2p), {"schedule": schedule, "micro_batches": m,
+                                               "regularize": "--regularize" in extra}
+for model, np_, stages, schedule, m, clip, steps, batch, tp, what in WORKLOAD_CASES:
+    JOB_CASES[what] = grid(np_, stages, tp=tp), {"schedule": schedule, "micro_batches": m, "model": model,
+                                                 "clip_norm": clip, "steps": steps, "batch": batch}
+for np_, stages, chunks, m, p2p, model, clip, batch, what in INTERLEAVED_CASES:
+    # the MLP with L2 kernel regularizers: each chunk's terms under its own tape
+    JOB_CASES[what] = grid(np_, stages, p2p, chunks=chunks), {
+        "schedule": "interleaved-1f1b", "micro_batches": m, "clip_norm": clip, "batch": batch,
+        **({"regularize": True} if model == "mlp" else {"model": model})}
+JOB_CASES["timeline: 1f1b"] = grid(2, 2), {"schedule": "1f1b", "micro_batches": 4, "steps": 3, "partition": "b4",
+                                           "run_dir": True}
+assert len(JOB_CASES) == len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(INTERLEAVED_CASES) + 1
+
+
+@pytest.fixture(scope="module")
+def pipeline_jobs(tmp_path_factory, tf_workload_projects):
+    """results(case id) -> (every rank's results, the case's run folder): the first case asked for
+    of a grid runs that grid's job, all its cases; the others read theirs."""
+    return grid_jobs(tmp_path_factory.mktemp("pipeline_jobs"), SCRIPTS / "tf_pipeline_step.py", JOB_CASES,
+                     tf_workload_projects)
 
 
 MODEL_SPLIT_CASES = [

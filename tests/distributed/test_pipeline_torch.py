@@ -19,6 +19,7 @@ from torch import nn
 
 from helpers import horovodrun_path, run_horovod, venv_env
 from pipeline_checks import TOL, check_against_reference
+from pipeline_jobs import grid_jobs
 from hvd_runtime.pipeline.partition import PartitionError
 from hvd_runtime.pipeline.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError
@@ -263,10 +264,8 @@ def timeline_chunks(schedule: str) -> int:
     return 2 if schedule == "interleaved-1f1b" else 1
 
 
-# Every case above, by its id, as (the job's grid, the case's own flags). A job's start-up (two
-# processes importing torch and its compiler stack, Horovod and the links: 16 CPU-s at np=2) costs
-# as much as a case, so the cases of one grid (init_pipeline's stages, link, tp, chunks, at one
-# -np) run in one job, one after the other (pipeline_step.py --cases), each checked by its test.
+# Every case above, by its id, as (the job's grid, the case's own flags): the cases of one grid run
+# in one job (tests/pipeline_jobs.py), each checked by its test.
 def grid(np_: int, stages: int, p2p: str = "torch", tp: int = 1, chunks: int = 1) -> tuple:
     return np_, stages, p2p, tp, chunks
 
@@ -291,39 +290,8 @@ assert len(JOB_CASES) == len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(INTERLE
 def pipeline_jobs(tmp_path_factory, workload_projects):
     """results(case id) -> (every rank's results, the case's run folder): the first case asked for
     of a grid runs that grid's job, all its cases; the others read theirs."""
-    root = tmp_path_factory.mktemp("pipeline_jobs")
-    done: dict[tuple, dict | Exception] = {}
-
-    def run(job: tuple) -> dict:
-        np_, stages, p2p, tp, chunks = job
-        folder = root / f"job{len(done)}"
-        folder.mkdir()
-        cases, where = [], {}
-        for k, (what, flags) in enumerate((w, f) for w, (j, f) in JOB_CASES.items() if j == job):
-            case = {**flags, "out": str(folder / f"case{k}.json")}
-            if "model" in case:
-                case["project"] = str(workload_projects[case["model"]])
-            case["run_dir"] = str(folder / f"run{k}") if flags.get("run_dir") else None
-            cases.append(case)
-            where[what] = (Path(case["out"]), case["run_dir"] and Path(case["run_dir"]))
-        (folder / "cases.json").write_text(json.dumps(cases, indent=1))
-        run_horovod(np_, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", str(stages), "--p2p", p2p,
-                          "--tp", str(tp), "--chunks", str(chunks), "--cases", str(folder / "cases.json")],
-                    cwd=folder, timeout=120 + 150 * len(cases))
-        return {what: (json.loads(out.read_text()), run_dir) for what, (out, run_dir) in where.items()}
-
-    def results(what: str) -> tuple[list[dict], Path | None]:
-        job = JOB_CASES[what][0]
-        if job not in done:
-            try:
-                done[job] = run(job)
-            except Exception as failed:   # every case of the job fails with it, without running it again
-                done[job] = failed
-        if isinstance(done[job], Exception):
-            raise done[job]
-        return done[job][what]
-
-    return results
+    return grid_jobs(tmp_path_factory.mktemp("pipeline_jobs"), SCRIPTS / "pipeline_step.py", JOB_CASES,
+                     workload_projects)
 
 
 MODEL_SPLIT_CASES = [

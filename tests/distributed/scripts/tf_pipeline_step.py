@@ -14,6 +14,9 @@ different seeds too, so split_stage's start-up broadcast is checked as well, and
 update is compared with its slice of the reference's.
 """
 
+import copy
+import faulthandler
+import json
 import sys
 from pathlib import Path
 
@@ -104,12 +107,24 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, piec
 
 
 def main():
-    args = parse_args(pipeline=True, p2p="socket")
+    args = parse_args(pipeline=True, p2p="socket", cases=True)
+    if not (args.cases or args.out):
+        raise SystemExit("give --out FILE (one case, the command line's) or --cases FILE")
+    _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
+    for case in json.loads(Path(args.cases).read_text()) if args.cases else [{}]:
+        case_args = copy.copy(args)
+        for flag, value in case.items():
+            setattr(case_args, flag, value.split(",") if flag == "partition" and value not in ("params", "time")
+                    else value)
+        faulthandler.dump_traceback_later(case_args.watchdog, exit=True)   # per case: a hung one still ends the job
+        write_results(hvd, run_case(case_args, dims), case_args.out)
+
+
+def run_case(args, dims) -> dict:
+    """Train args.steps steps with this rank's stage and with the unsplit model; return what to compare."""
     work = load_workload(args.model, args.project,
                          lambda seed=1234: make_model(seed, args.flatten_first, args.regularize), mlp_batch,
                          (["flat"] if args.flatten_first else []) + BLOCKS)
-
-    ctx, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
     tp_rank = dims.tensor_group.rank if dims.tensor_group else 0
     rng = np.random.default_rng(7)
     global_batch = args.batch * dims.replicas
@@ -154,7 +169,7 @@ def main():
               "blocks": list(stage.plan.stage_names(dims.stage)),
               "chunk_blocks": [[layer.name for layer in stage.chunk_layers(c)] for c in range(dims.chunks)], "ref_losses": ref_losses, "ref_accs": ref_accs,
               "ref_val_loss": ref_val, "update_err": update_err, "clipped": clipped, **run}
-    write_results(hvd, result, args.out)
+    return result
 
 
 if __name__ == "__main__":

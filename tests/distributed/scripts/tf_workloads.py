@@ -17,6 +17,9 @@ import numpy as np
 
 from hvd_runtime.config import ModelConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from project_module import project_module  # noqa: E402
+
 # Tiny sizes: the check is about splitting exactly, not about learning.
 IMAGE = (3, 16, 16)     # (C, H, W), as data.py gives images; 16 x 16: the last stage still normalises 2 x 2 positions
 CLASSES = 5
@@ -39,8 +42,7 @@ def load_workload(name: str, project: str | None, mlp_build, mlp_batch, mlp_bloc
     """vocab, tied: the gpt's vocabulary (one that does not divide by tp splits unevenly) and its head's tie."""
     if name == "mlp":
         return Workload(mlp_build, mlp_batch, mlp_blocks, batch_norm=False)
-    sys.path.insert(0, str(Path(project).resolve()))
-    from model import build_model
+    build_model = project_module(project, "model").build_model
 
     if name == "resnet18":
         cfg, shape, classes = ModelConfig(width=4), IMAGE, CLASSES

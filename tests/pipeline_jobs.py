@@ -1,0 +1,62 @@
+"""Many pipeline cases, few horovodrun jobs: the cases that share a grid run in one job.
+
+A step-script job's start-up (every rank importing its framework, starting Horovod, opening the
+pipeline's links: 16 CPU-s for two torch ranks) costs as much as a small case. The step scripts
+take `--cases FILE` (a JSON list of cases, each a dict of flags over the command line's), run
+on one init_pipeline, whose arguments (-np, stages, link, tp, chunks) are the grid. A test asks
+for its case's results; the first case asked for of a grid runs that grid's job, with all of
+its cases, and the rest read theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from helpers import run_horovod
+
+Grid = tuple[int, int, str, int, int]   # -np, stages, p2p link, tp, chunks
+
+
+def grid_jobs(root: Path, script: Path, job_cases: dict[str, tuple[Grid, dict]],
+              projects: dict[str, Path | None]) -> Callable[[str], tuple[list[dict], Path | None]]:
+    """results(case id) -> (every rank's results, the case's run folder or None).
+
+    job_cases: case id -> (its grid, its flags); a flag `model` names a generated project in
+    `projects`, `run_dir: True` asks for a run folder (the timeline). A failed job fails every
+    one of its cases, without running again.
+    """
+    done: dict[Grid, dict | Exception] = {}
+
+    def run(job: Grid) -> dict:
+        np_, stages, p2p, tp, chunks = job
+        folder = root / f"job{len(done)}"
+        folder.mkdir()
+        cases, where = [], {}
+        for k, (what, flags) in enumerate((w, f) for w, (j, f) in job_cases.items() if j == job):
+            case = {**flags, "out": str(folder / f"case{k}.json"),
+                    "run_dir": str(folder / f"run{k}") if flags.get("run_dir") else None}
+            if "model" in case:
+                case["project"] = str(projects[case["model"]])
+            cases.append(case)
+            where[what] = (Path(case["out"]), case["run_dir"] and Path(case["run_dir"]))
+        (folder / "cases.json").write_text(json.dumps(cases, indent=1))
+        run_horovod(np_, [sys.executable, str(script), "--stages", str(stages), "--p2p", p2p, "--tp", str(tp),
+                          "--chunks", str(chunks), "--cases", str(folder / "cases.json")],
+                    cwd=folder, timeout=120 + 150 * len(cases))
+        return {what: (json.loads(out.read_text()), run_dir) for what, (out, run_dir) in where.items()}
+
+    def results(what: str) -> tuple[list[dict], Path | None]:
+        job = job_cases[what][0]
+        if job not in done:
+            try:
+                done[job] = run(job)
+            except Exception as failed:
+                done[job] = failed
+        if isinstance(done[job], Exception):
+            raise done[job]
+        return done[job][what]
+
+    return results
