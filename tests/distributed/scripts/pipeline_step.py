@@ -15,9 +15,6 @@ command line's). A job's start-up (torch, its compiler stack, Horovod, the links
 a case: test_pipeline_torch.py runs the cases that share a grid in one job.
 """
 
-import copy
-import faulthandler
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +29,7 @@ from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
+from step_driver import drive_pipeline, each_case, parse_args, write_results  # noqa: E402
 from workloads import VOCAB, load_workload  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
@@ -80,17 +77,10 @@ def reference_step(ref, opt, x, y, micro_batches: int | None, clip_norm: float) 
 
 def main():
     args = parse_args(pipeline=True, cases=True)
-    if not (args.cases or args.out):
-        raise SystemExit("give --out FILE (one case, the command line's) or --cases FILE")
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
     _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
-    for case in json.loads(Path(args.cases).read_text()) if args.cases else [{}]:
-        case_args = copy.copy(args)
-        for flag, value in case.items():
-            setattr(case_args, flag, value.split(",") if flag == "partition" and value not in ("params", "time")
-                    else value)
-        faulthandler.dump_traceback_later(case_args.watchdog, exit=True)   # per case: a hung one still ends the job
+    for case_args in each_case(args):
         write_results(hvd, run_case(case_args, dims), case_args.out)
 
 

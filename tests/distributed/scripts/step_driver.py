@@ -40,10 +40,27 @@ def parse_args(pipeline: bool, p2p: str = "torch", cases: bool = False) -> argpa
         ap.add_argument("--regularize", action="store_true",
                         help="TensorFlow: L2 kernel regularizers on the MLP's Dense layers, on every stage")
     args = ap.parse_args()
+    if cases and not (args.cases or args.out):
+        ap.error("give --out FILE (one case, the command line's) or --cases FILE")
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
-    if pipeline and args.partition not in ("params", "time"):
-        args.partition = args.partition.split(",")
+    if pipeline:
+        args.partition = _partition(args.partition)
     return args
+
+
+def _partition(value):
+    """params, time, or the blocks that start each stage but the first (`4` or `2,4,6`)."""
+    return value if not isinstance(value, str) or value in ("params", "time") else value.split(",")
+
+
+def each_case(args: argparse.Namespace):
+    """The command line's case, or each case of --cases over it: a copy of args per case, with
+    its own watchdog (a hung case still ends the job)."""
+    for case in json.loads(Path(args.cases).read_text()) if args.cases else [{}]:
+        case_args = argparse.Namespace(**{**vars(args), **case})
+        case_args.partition = _partition(case_args.partition)
+        faulthandler.dump_traceback_later(case_args.watchdog, exit=True)
+        yield case_args
 
 
 def loop_step(engine, x, y, step: int) -> tuple[float, dict[str, float]]:

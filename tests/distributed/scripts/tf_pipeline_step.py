@@ -14,9 +14,6 @@ different seeds too, so split_stage's start-up broadcast is checked as well, and
 update is compared with its slice of the reference's.
 """
 
-import copy
-import faulthandler
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +29,7 @@ from hvd_runtime.tf.vocab_parallel import VocabObjective
 from hvd_runtime.tf.tensor_state import SplitVariables
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import drive_pipeline, parse_args, write_results  # noqa: E402
+from step_driver import drive_pipeline, each_case, parse_args, write_results  # noqa: E402
 from tf_workloads import VOCAB, load_workload  # noqa: E402
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
@@ -108,15 +105,8 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, piec
 
 def main():
     args = parse_args(pipeline=True, p2p="socket", cases=True)
-    if not (args.cases or args.out):
-        raise SystemExit("give --out FILE (one case, the command line's) or --cases FILE")
     _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
-    for case in json.loads(Path(args.cases).read_text()) if args.cases else [{}]:
-        case_args = copy.copy(args)
-        for flag, value in case.items():
-            setattr(case_args, flag, value.split(",") if flag == "partition" and value not in ("params", "time")
-                    else value)
-        faulthandler.dump_traceback_later(case_args.watchdog, exit=True)   # per case: a hung one still ends the job
+    for case_args in each_case(args):
         write_results(hvd, run_case(case_args, dims), case_args.out)
 
 
