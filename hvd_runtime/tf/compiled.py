@@ -22,7 +22,7 @@ def compiled(fn=None, **options):
     return tf.function(fn, autograph=False, **options)
 
 
-def compiled_for_any_batch(fn, **options):
+def compiled_for_any_batch(fn, at_least: int = 1, **options):
     """compiled(fn), traced once for every batch size: the first call fixes each tensor argument's
     dtype and all but its first dimension, and leaves that one open.
 
@@ -32,11 +32,18 @@ def compiled_for_any_batch(fn, **options):
     the first short batch (`reduce_retracing` then relaxes the shape: still two traces); traced
     for any batch size, once. The arguments are tensors or arrays (nested structures of them),
     each with a batch dimension, always of the same dtypes and trailing shapes.
+
+    at_least: batches smaller than this are traced per size instead (for a model whose trace
+    depends on a small batch's exact size: ModelSplit cuts a batch into at most as many
+    micro-batches as it has samples).
     """
     traced = None
+    per_size = compiled(fn, **options) if at_least > 1 else None
 
     def call(*args):
         nonlocal traced
+        if per_size is not None and _batch_size(args) < at_least:
+            return per_size(*args)
         if traced is None:
             spec = tf.nest.map_structure(_any_batch_spec, list(args))
             traced = compiled(fn, input_signature=spec, **options)
@@ -49,3 +56,7 @@ def compiled_for_any_batch(fn, **options):
 def _any_batch_spec(value) -> tf.TensorSpec:
     t = tf.convert_to_tensor(value)
     return tf.TensorSpec([None, *t.shape[1:]], t.dtype)
+
+
+def _batch_size(args) -> int:
+    return int(tf.nest.flatten(args)[0].shape[0])

@@ -55,12 +55,11 @@ class ModelSplit:
     """The model's layers in `stages` groups, each on its device; calling it moves activations along.
 
     A batch is cut into min(micro_batches, its size) micro-batches, a number fixed when a step is
-    traced: so a step calling it is traced for each batch size (`static_batch`), never for any
-    size, where a short batch would make empty micro-batches, and BatchNorm's statistics of an
-    empty one are NaN.
+    traced: a step traced for any batch size cuts every batch into micro_batches, so a batch
+    smaller than that would make empty micro-batches (and BatchNorm's statistics of an empty one
+    are NaN). TrainStep traces its steps once for every batch of at least micro_batches samples
+    (`min_batch_for_any_size`) and once per size below.
     """
-
-    static_batch = True   # hvd_runtime.tf.step.TrainStep traces its steps per batch size
 
     def __init__(self, model, stages: int = 2, devices: Sequence[str] | None = None,
                  partition: Partition | str | Sequence = "params", micro_batches: int = 1, sample=None):
@@ -72,6 +71,7 @@ class ModelSplit:
         if len(self.devices) != stages:
             raise ValueError(f"got {len(self.devices)} devices for {stages} stages: give one device per stage")
         self.micro_batches = micro_batches
+        self.min_batch_for_any_size = micro_batches   # hvd_runtime.tf.step.TrainStep: smaller batches traced per size
         self.stages = [build_stage(model, k, self.plan) for k in range(stages)]
 
     def __call__(self, x, training: bool = False):

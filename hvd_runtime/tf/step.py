@@ -52,13 +52,13 @@ class TrainStep:
         self.sum_over_ranks = sum_over_ranks
         k = backward_passes_per_step
         self.accumulator = GradientAccumulator(self.variables, k) if k > 1 else None
-        # traced once for every batch size, or once per size for a model that cuts batches by their
-        # size (ModelSplit's micro-batches)
-        per_batch = compiled if getattr(model, "static_batch", False) else compiled_for_any_batch
-        self._step = per_batch(self._train_on_batch)
-        self._accumulate = per_batch(self._accumulate_batch)
+        # traced once for every batch size; batches too small for the model's cut into micro-batches
+        # (ModelSplit's) once per size
+        at_least = getattr(model, "min_batch_for_any_size", 1)
+        self._step = compiled_for_any_batch(self._train_on_batch, at_least)
+        self._accumulate = compiled_for_any_batch(self._accumulate_batch, at_least)
         self._apply_accumulated = compiled(self._apply_accumulated_fn)
-        self._eval_totals = per_batch(self._eval_totals_fn)
+        self._eval_totals = compiled_for_any_batch(self._eval_totals_fn, at_least)
 
     def _forward_backward(self, x, y):
         with tf.GradientTape() as tape:

@@ -268,7 +268,8 @@ def test_a_train_step_is_traced_once_for_every_batch_size(one_rank):
 def test_a_model_split_steps_batches_shorter_than_its_micro_batches(one_rank):
     """ModelSplit cuts a batch into min(micro_batches, its size): a step traced for any batch size
     would cut a batch of 2 into 4, two of them empty, and BatchNorm's statistics of an empty
-    micro-batch are NaN. TrainStep traces a ModelSplit per batch size instead."""
+    micro-batch are NaN. TrainStep traces a ModelSplit's step once for every batch of at least
+    micro_batches samples, and per size below that."""
     from hvd_runtime.tf.gradients import GradientSync
     from hvd_runtime.tf.model_split import ModelSplit
     from hvd_runtime.tf.step import TrainStep
@@ -277,16 +278,19 @@ def test_a_model_split_steps_batches_shorter_than_its_micro_batches(one_rank):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
                               keras.layers.ReLU(), keras.layers.Dense(2)])
     split = ModelSplit(model, stages=2, devices=["/CPU:0", "/CPU:0"], micro_batches=4)
-    step = TrainStep(split, keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                     GradientSync())
+    traces = []
+    loss_fn = _counted(keras.losses.SparseCategoricalCrossentropy(from_logits=True), traces)
+    step = TrainStep(split, keras.optimizers.SGD(0.1), loss_fn, GradientSync())
     rng = np.random.default_rng(1)
-    batches = [(rng.normal(size=(n, 3)).astype(np.float32), np.arange(n) % 2) for n in (8, 2, 1)]
+    batches = [(rng.normal(size=(n, 3)).astype(np.float32), np.arange(n) % 2) for n in (8, 5, 2, 1, 2)]
     for x, y in batches:
         loss, _ = step(x, y)
         assert np.isfinite(loss)
     assert all(np.isfinite(v.numpy()).all() for v in model.variables), "BatchNorm took an empty micro-batch"
-    val_loss, _ = step.evaluate(batches)
+    assert len(traces) == 3, "one trace for batches of 8 and 5, one each for 2 and 1"
+    val_loss, _ = step.evaluate(batches[:3])
     assert np.isfinite(val_loss)
+    assert len(traces) == 5
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "1f1b-batched-w"])
