@@ -157,9 +157,28 @@ def stage_state_variables(stage: Stage, optimizer) -> list:
     return [v for v in stage.variables if "float" in str(v.dtype)] + list(optimizer.variables)
 
 
-def _compiled_chunk(stage: Stage, chunk: int, training: bool):
-    """The stage's chunk `chunk` as one compiled call of its input, in training mode or not."""
-    return compiled_for_any_batch(lambda x: stage.call_chunk(chunk, x, training=training))
+def _compiled_chunk(stage: Stage, chunk: int, training: bool, loss_fn=None):
+    """The stage's chunk `chunk` as one compiled call of its input, in training mode or not.
+
+    With loss_fn (the model's last chunk), a call of (input, targets) returning (output, loss):
+    the loss in the same call, not as Keras' few dozen small ops dispatched one by one.
+    """
+    if loss_fn is None:
+        return compiled_for_any_batch(lambda x: stage.call_chunk(chunk, x, training=training))
+
+    def output_and_loss(x, y):
+        out = stage.call_chunk(chunk, x, training=training)
+        return out, loss_fn(y, out)
+    return compiled_for_any_batch(output_and_loss)
+
+
+def _added(sums: list, grads: list) -> list:
+    """sums + grads, element by element; a None gradient (a variable the micro-batch did not reach) adds nothing.
+
+    Dense: an embedding's IndexedSlices neither add up over micro-batches nor give a true norm (a
+    token's row counts once per occurrence).
+    """
+    return [total if g is None else total + tf.convert_to_tensor(g) for total, g in zip(sums, grads)]
 
 
 class PipelineEngine(PipelineEngineBase):
@@ -189,10 +208,13 @@ class PipelineEngine(PipelineEngineBase):
         self._chunk_slots = [[at[id(v)] for v in chunk] for chunk in self._chunk_variables]
         # compiled once per chunk and mode, for every micro-batch size; a tape around the call
         # still records it, and its gradient is compiled too
-        self._chunk_fns = [{training: _compiled_chunk(stage, c, training) for training in (True, False)}
-                           for c in range(self.chunks)]
-        # the step's end compiled too: Keras' optimizer run eagerly is a few small ops per variable
-        # (AdamW: about 15), dispatched one by one from Python: 100 ms a step for a 2-block GPT stage
+        self._chunk_fns = [{training: _compiled_chunk(stage, c, training, loss_fn if self._is_last(c) else None)
+                            for training in (True, False)} for c in range(self.chunks)]
+        self._compiled_metrics = compiled_for_any_batch(metrics_fn) if metrics_fn is not None else None
+        # the rest of a step compiled too: run eagerly, each is a few small ops per variable (AdamW's
+        # update about 15), dispatched one by one from Python: 100 ms a step for a 2-block GPT stage
+        self._zeros = compiled(lambda: [tf.zeros(v.shape, v.dtype) for v in self.variables])
+        self._add = compiled(_added, reduce_retracing=True)   # an embedding's IndexedSlices vary in length
         self._update = compiled(self._update_fn)
         self._squared_norm = compiled(self._squared_norm_fn)
         self._sync_replicas()
@@ -207,19 +229,16 @@ class PipelineEngine(PipelineEngineBase):
 
     # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
     def _forward(self, c, i, inp, y, weight, train):
-        last = self._is_last(c)
+        last, chunk = self._is_last(c), self._chunk_fns[c][train]
         if not train:
-            out = self._chunk_fns[c][False](inp)
-            loss = self.loss_fn(y, out) if last else None
-            return out, loss
+            return chunk(inp, y) if last else (chunk(inp), None)
         with tf.GradientTape() as tape:
             tape.watch(inp)
-            out = self._chunk_fns[c][True](inp)
+            out, loss = chunk(inp, y) if last else (chunk(inp), None)
             # the chunk's regularisation terms, as Keras adds them to the loss: each micro-batch
             # carries its share (weight), so a step adds them once, whichever stage holds the layers
             terms = [term for layer in self.stage.chunk_layers(c) for term in layer.losses]
             penalty = [tf.add_n(terms) * weight] if terms else []
-            loss = self.loss_fn(y, out) if last else None
             target = [loss * weight if last else out, *penalty]   # on the tape: what the backward differentiates
         if penalty:
             self.penalty = self.penalty + tf.stop_gradient(penalty[0])
@@ -233,24 +252,22 @@ class PipelineEngine(PipelineEngineBase):
         # the output's gradient from the next stage (none at the model's end), and 1 for a penalty
         seeds = [grad if grad is not None else tf.ones_like(target[0])] + [tf.ones_like(t) for t in target[1:]]
         grads = tape.gradient(target, sources, output_gradients=seeds)
-        # dense: an embedding's IndexedSlices neither add up over micro-batches nor give a true norm
-        # (a token's row counts once per occurrence)
-        for slot, g in zip(self._chunk_slots[c], grads if first else grads[1:]):
-            if g is not None:
-                g = tf.convert_to_tensor(g)
-                self._grads[slot] = g if self._grads[slot] is None else self._grads[slot] + g
+        slots = self._chunk_slots[c]
+        sums = self._add([self._grads[slot] for slot in slots], list(grads if first else grads[1:]))
+        for slot, total in zip(slots, sums):
+            self._grads[slot] = total
         if first:
             return None
         return grads[0] if grads[0] is not None else tf.zeros_like(inp)
 
     def _metrics(self, out, y):
-        return self.metrics_fn(out, y)
+        return self._compiled_metrics(out, y)
 
     def _split_batch(self, t, sizes):
         return tf.split(t, sizes, axis=0)
 
     def _begin_step(self):
-        self._grads = [None] * len(self.variables)
+        self._grads = self._zeros() if self.variables else []   # each micro-batch's gradients add to these
 
     def _finish_step(self):
         if not self.variables:  # a weight-free stage (a lone flatten): nothing to average or update
@@ -258,7 +275,7 @@ class PipelineEngine(PipelineEngineBase):
                 self._clip_factor([])  # but its share (none) of the job-wide norm is still awaited
             self._grads = []
             return
-        grads = [g if g is not None else tf.zeros_like(v) for g, v in zip(self._grads, self.variables)]
+        grads = self._grads
         if self.dims.dp_set is not None:
             # Horovod: average this stage's gradients over its dp replicas only
             grads = self.hvd.grouped_allreduce(grads, op=self.hvd.Average, name="pp.grads",
