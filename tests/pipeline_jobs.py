@@ -60,3 +60,19 @@ def grid_jobs(root: Path, script: Path, job_cases: dict[str, tuple[Grid, dict]],
         return done[job][what]
 
     return results
+
+
+def cases_in_one_job(folder: Path, script: Path, common: list[str], cases: dict[str, dict],
+                     projects: dict[str, Path | None]) -> dict[str, list[dict]]:
+    """Run every case (id -> flags over `common`; a flag `model` names a project in `projects`) in
+    one `horovodrun -np 2` job of `script`; return each case's results, every rank's, by id."""
+    listed = []
+    for k, flags in enumerate(cases.values()):
+        case = {**flags, "out": str(folder / f"case{k}.json")}
+        if "model" in case:
+            case["project"] = projects[case["model"]] and str(projects[case["model"]])
+        listed.append(case)
+    (folder / "cases.json").write_text(json.dumps(listed, indent=1))
+    run_horovod(2, [sys.executable, str(script), *common, "--cases", str(folder / "cases.json")], cwd=folder,
+                timeout=120 + 150 * len(listed))
+    return {what: json.loads(Path(case["out"]).read_text()) for what, case in zip(cases, listed)}

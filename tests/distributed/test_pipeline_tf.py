@@ -5,7 +5,6 @@ real `horovodrun --gloo` jobs whose every rank compares itself with a single-pro
 (judged by tests/pipeline_checks.py, the same judgement as for PyTorch).
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -14,14 +13,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import run_horovod
 from hvd_runtime.pipeline.partition import PartitionError
 from hvd_runtime.pipeline.timeline import load_timeline
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.p2p import decode, encode
 from hvd_runtime.tf.stage import build_stage, plan_stages
 from pipeline_checks import TOL, check_against_reference
-from pipeline_jobs import grid_jobs
+from pipeline_jobs import cases_in_one_job, grid_jobs
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -233,16 +231,19 @@ MODEL_SPLIT_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def model_split_results(tmp_path_factory, tf_workload_projects) -> dict[str, list[dict]]:
+    """Every MODEL_SPLIT_CASES case's results (every rank's), all from one horovodrun job."""
+    cases = {what: {"model": model, "clip_norm": clip, "steps": steps} for model, clip, steps, what in MODEL_SPLIT_CASES}
+    return cases_in_one_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "tf_model_split_step.py", ["--micro-batches", "3"],
+                            cases, tf_workload_projects)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("model,clip,steps,what", MODEL_SPLIT_CASES, ids=[c[-1] for c in MODEL_SPLIT_CASES])
-def test_tf_model_split_with_horovod_data_parallel_matches_single_process(tmp_path, tf_workload_projects, model, clip,
-                                                                          steps, what):
-    out = tmp_path / "result.json"
-    run_horovod(2, [sys.executable, str(SCRIPTS / "tf_model_split_step.py"), "--micro-batches", "3", "--out", str(out),
-                    "--model", model, "--project", str(tf_workload_projects[model]), "--clip-norm", str(clip),
-                    "--steps", str(steps)], cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+def test_tf_model_split_with_horovod_data_parallel_matches_single_process(model_split_results, model, clip, steps, what):
+    results = model_split_results[what]
     assert len(results) == 2
     for r in results:
         # two stages on two devices of their own, every block in one of them

@@ -19,7 +19,7 @@ from torch import nn
 
 from helpers import horovodrun_path, run_horovod, venv_env
 from pipeline_checks import TOL, check_against_reference
-from pipeline_jobs import grid_jobs
+from pipeline_jobs import cases_in_one_job, grid_jobs
 from hvd_runtime.pipeline.partition import PartitionError
 from hvd_runtime.pipeline.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError
@@ -304,17 +304,19 @@ MODEL_SPLIT_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def model_split_results(tmp_path_factory, workload_projects) -> dict[str, list[dict]]:
+    """Every MODEL_SPLIT_CASES case's results (every rank's), all from one horovodrun job."""
+    cases = {what: {"model": model, "clip_norm": clip, "steps": steps} for model, clip, steps, what in MODEL_SPLIT_CASES}
+    return cases_in_one_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "model_split_step.py", ["--micro-batches", "3"],
+                            cases, workload_projects)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("model,clip,steps,what", MODEL_SPLIT_CASES, ids=[c[-1] for c in MODEL_SPLIT_CASES])
-def test_model_split_with_horovod_data_parallel_matches_single_process(tmp_path, workload_projects, model, clip, steps,
-                                                                       what):
-    out = tmp_path / "result.json"
-    run_horovod(2, [sys.executable, str(SCRIPTS / "model_split_step.py"), "--micro-batches", "3", "--out", str(out),
-                    "--model", model, "--project", str(workload_projects[model]), "--clip-norm", str(clip),
-                    "--steps", str(steps)],
-                cwd=tmp_path, timeout=280)
-    results = json.loads(out.read_text())
+def test_model_split_with_horovod_data_parallel_matches_single_process(model_split_results, model, clip, steps, what):
+    results = model_split_results[what]
     assert len(results) == 2
     for r in results:
         for got, want in zip(r["losses"], r["ref_losses"]):

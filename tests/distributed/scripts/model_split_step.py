@@ -2,6 +2,7 @@
 
     horovodrun -np 2 --gloo python model_split_step.py --micro-batches 3 --out r.json
     horovodrun -np 2 --gloo python model_split_step.py --model gpt --project DIR --clip-norm 0.1 --out r.json
+    horovodrun -np 2 --gloo python model_split_step.py --cases cases.json   # several cases, one job
 
 Every rank also trains the unsplit model on the whole global batch in-process and compares the
 losses and its parameters after the steps (for a model with BatchNorm, the reference sees each
@@ -18,7 +19,7 @@ import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import parse_args, write_results  # noqa: E402
+from step_driver import each_case, parse_args, write_results  # noqa: E402
 from pipeline_step import make_model, mlp_batch, rel  # noqa: E402
 from workloads import load_workload  # noqa: E402
 
@@ -39,10 +40,15 @@ def reference_chunks(x, y, workers: int, micro_batches: int | None):
 
 
 def main():
-    args = parse_args(pipeline=False)
-    work = load_workload(args.model, args.project, make_model, mlp_batch)
+    args = parse_args(pipeline=False, cases=True)
     hvd.init()
     torch.set_num_threads(1)
+    for case_args in each_case(args):
+        run_case(case_args)
+
+
+def run_case(args):
+    work = load_workload(args.model, args.project, make_model, mlp_batch)
     g = torch.Generator().manual_seed(7)
     n = args.batch * hvd.size()
     batches = [work.batch(g, n) for _ in range(args.steps)]

@@ -58,7 +58,8 @@ def each_case(args: argparse.Namespace):
     its own watchdog (a hung case still ends the job)."""
     for case in json.loads(Path(args.cases).read_text()) if args.cases else [{}]:
         case_args = argparse.Namespace(**{**vars(args), **case})
-        case_args.partition = _partition(case_args.partition)
+        if hasattr(case_args, "partition"):   # pipeline scripts
+            case_args.partition = _partition(case_args.partition)
         faulthandler.dump_traceback_later(case_args.watchdog, exit=True)
         yield case_args
 

@@ -2,6 +2,7 @@
 
     horovodrun -np 2 --gloo python tf_model_split_step.py --micro-batches 3 --out r.json
     horovodrun -np 2 --gloo python tf_model_split_step.py --model gpt --project DIR --clip-norm 0.1 --out r.json
+    horovodrun -np 2 --gloo python tf_model_split_step.py --cases cases.json   # several cases, one job
 
 Each worker sees two logical CPU devices (GPUs when it has them) and runs one stage on each;
 gradients are averaged across workers by the same TrainStep a generated project uses, and with
@@ -21,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import parse_args, write_results  # noqa: E402
+from step_driver import each_case, parse_args, write_results  # noqa: E402
 from tf_pipeline_step import BLOCKS, LOSS, make_model, mlp_batch, named_variables, reference, rel, sized_chunks  # noqa: E402
 from tf_workloads import load_workload  # noqa: E402
 
@@ -39,9 +40,14 @@ def worker_micro_batches(workers: int, micro_batches: int):
 
 
 def main():
-    args = parse_args(pipeline=False)
-    work = load_workload(args.model, args.project, make_model, mlp_batch, BLOCKS)
+    args = parse_args(pipeline=False, cases=True)
     ctx = init_horovod(seed=0, threads_per_rank=1, devices_per_rank=2)
+    for case_args in each_case(args):
+        run_case(case_args, ctx)
+
+
+def run_case(args, ctx):
+    work = load_workload(args.model, args.project, make_model, mlp_batch, BLOCKS)
     rng = np.random.default_rng(7)
     n = args.batch * ctx.size
     batches = [work.batch(rng, n) for _ in range(args.steps)]
