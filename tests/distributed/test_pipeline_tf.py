@@ -234,9 +234,10 @@ MODEL_SPLIT_CASES = [
 @pytest.fixture(scope="module")
 def model_split_results(tmp_path_factory, tf_workload_projects) -> dict[str, list[dict]]:
     """Every MODEL_SPLIT_CASES case's results (every rank's), all from one horovodrun job."""
-    cases = {what: {"model": model, "clip_norm": clip, "steps": steps} for model, clip, steps, what in MODEL_SPLIT_CASES}
-    return cases_in_one_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "tf_model_split_step.py", ["--micro-batches", "3"],
-                            cases, tf_workload_projects)
+    cases = {what: {"model": model, "clip_norm": clip, "steps": steps}
+             for model, clip, steps, what in MODEL_SPLIT_CASES}
+    return cases_in_one_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "tf_model_split_step.py",
+                            ["--micro-batches", "3"], cases, tf_workload_projects)
 
 
 @pytest.mark.slow
