@@ -5,7 +5,8 @@ pipeline's links: 16 CPU-s for two torch ranks) costs as much as a small case. T
 take `--cases FILE` (a JSON list of cases, each a dict of flags over the command line's), run
 on one init_pipeline, whose arguments (-np, stages, link, tp, chunks) are the grid. A test asks
 for its case's results; the first case asked for of a grid runs that grid's job, with all of
-its cases, and the rest read theirs.
+its cases, and the rest read theirs. The model-split step scripts have no grid (every case runs
+on two workers): `cases_in_one_job` runs all of a file's cases in one job.
 """
 
 from __future__ import annotations
