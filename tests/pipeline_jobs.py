@@ -6,7 +6,7 @@ take `--cases FILE` (a JSON list of cases, each a dict of flags over the command
 on one init_pipeline, whose arguments (-np, stages, link, tp, chunks) are the grid. A test asks
 for its case's results; the first case asked for of a grid runs that grid's job, with all of
 its cases, and the rest read theirs. The model-split step scripts have no grid (every case runs
-on two workers): `cases_in_one_job` runs all of a file's cases in one job.
+on two workers): `model_split_job` runs all of a file's cases in one job.
 """
 
 from __future__ import annotations
@@ -35,19 +35,13 @@ def grid_jobs(root: Path, script: Path, job_cases: dict[str, tuple[Grid, dict]],
         np_, stages, p2p, tp, chunks = job
         folder = root / f"job{len(done)}"
         folder.mkdir()
-        cases, where = [], {}
-        for k, (what, flags) in enumerate((w, f) for w, (j, f) in job_cases.items() if j == job):
-            case = {**flags, "out": str(folder / f"case{k}.json"),
-                    "run_dir": str(folder / f"run{k}") if flags.get("run_dir") else None}
-            if "model" in case:
-                case["project"] = str(projects[case["model"]])
-            cases.append(case)
-            where[what] = (Path(case["out"]), case["run_dir"] and Path(case["run_dir"]))
-        (folder / "cases.json").write_text(json.dumps(cases, indent=1))
+        ids = [what for what, (j, _) in job_cases.items() if j == job]
+        cases = _write_cases(folder, [job_cases[what][1] for what in ids], projects)
         run_horovod(np_, [sys.executable, str(script), "--stages", str(stages), "--p2p", p2p, "--tp", str(tp),
                           "--chunks", str(chunks), "--cases", str(folder / "cases.json")],
                     cwd=folder, timeout=120 + 150 * len(cases))
-        return {what: (json.loads(out.read_text()), run_dir) for what, (out, run_dir) in where.items()}
+        return {what: (json.loads(Path(case["out"]).read_text()), case.get("run_dir") and Path(case["run_dir"]))
+                for what, case in zip(ids, cases)}
 
     def results(what: str) -> tuple[list[dict], Path | None]:
         job = job_cases[what][0]
@@ -63,17 +57,27 @@ def grid_jobs(root: Path, script: Path, job_cases: dict[str, tuple[Grid, dict]],
     return results
 
 
-def cases_in_one_job(folder: Path, script: Path, common: list[str], cases: dict[str, dict],
-                     projects: dict[str, Path | None]) -> dict[str, list[dict]]:
-    """Run every case (id -> flags over `common`; a flag `model` names a project in `projects`) in
-    one `horovodrun -np 2` job of `script`; return each case's results, every rank's, by id."""
-    listed = []
-    for k, flags in enumerate(cases.values()):
+def model_split_job(folder: Path, script: Path, rows: list[tuple], projects: dict[str, Path | None]) -> dict[str, list[dict]]:
+    """Every row (model, clip norm, steps, id) of a model-split table run in one `horovodrun -np 2`
+    job of `script`, 3 micro-batches each; each case's results, every rank's, by id."""
+    ids = [row[-1] for row in rows]
+    cases = _write_cases(folder, [{"model": model, "clip_norm": clip, "steps": steps}
+                                  for model, clip, steps, _ in rows], projects)
+    run_horovod(2, [sys.executable, str(script), "--micro-batches", "3", "--cases", str(folder / "cases.json")],
+                cwd=folder, timeout=120 + 150 * len(cases))
+    return {what: json.loads(Path(case["out"]).read_text()) for what, case in zip(ids, cases)}
+
+
+def _write_cases(folder: Path, flag_sets: list[dict], projects: dict[str, Path | None]) -> list[dict]:
+    """Each flag set as a case, written to folder/cases.json: its own results file, a flag `model`'s
+    project from `projects` (none for the tests' own MLP), a run folder where `run_dir` is True."""
+    cases = []
+    for k, flags in enumerate(flag_sets):
         case = {**flags, "out": str(folder / f"case{k}.json")}
+        if flags.get("run_dir"):
+            case["run_dir"] = str(folder / f"run{k}")
         if "model" in case:
             case["project"] = projects[case["model"]] and str(projects[case["model"]])
-        listed.append(case)
-    (folder / "cases.json").write_text(json.dumps(listed, indent=1))
-    run_horovod(2, [sys.executable, str(script), *common, "--cases", str(folder / "cases.json")], cwd=folder,
-                timeout=120 + 150 * len(listed))
-    return {what: json.loads(Path(case["out"]).read_text()) for what, case in zip(cases, listed)}
+        cases.append(case)
+    (folder / "cases.json").write_text(json.dumps(cases, indent=1))
+    return cases

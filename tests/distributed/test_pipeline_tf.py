@@ -19,7 +19,7 @@ from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.p2p import decode, encode
 from hvd_runtime.tf.stage import build_stage, plan_stages
 from pipeline_checks import TOL, check_against_reference
-from pipeline_jobs import cases_in_one_job, grid_jobs
+from pipeline_jobs import grid_jobs, model_split_job
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -234,10 +234,7 @@ MODEL_SPLIT_CASES = [
 @pytest.fixture(scope="module")
 def model_split_results(tmp_path_factory, tf_workload_projects) -> dict[str, list[dict]]:
     """Every MODEL_SPLIT_CASES case's results (every rank's), all from one horovodrun job."""
-    cases = {what: {"model": model, "clip_norm": clip, "steps": steps}
-             for model, clip, steps, what in MODEL_SPLIT_CASES}
-    return cases_in_one_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "tf_model_split_step.py",
-                            ["--micro-batches", "3"], cases, tf_workload_projects)
+    return model_split_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "tf_model_split_step.py", MODEL_SPLIT_CASES, tf_workload_projects)
 
 
 @pytest.mark.slow

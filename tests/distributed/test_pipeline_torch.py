@@ -19,7 +19,7 @@ from torch import nn
 
 from helpers import horovodrun_path, run_horovod, venv_env
 from pipeline_checks import TOL, check_against_reference
-from pipeline_jobs import cases_in_one_job, grid_jobs
+from pipeline_jobs import grid_jobs, model_split_job
 from hvd_runtime.pipeline.partition import PartitionError
 from hvd_runtime.pipeline.timeline import load_timeline
 from hvd_runtime.torch.grid import PipelineConfigError
@@ -307,10 +307,7 @@ MODEL_SPLIT_CASES = [
 @pytest.fixture(scope="module")
 def model_split_results(tmp_path_factory, workload_projects) -> dict[str, list[dict]]:
     """Every MODEL_SPLIT_CASES case's results (every rank's), all from one horovodrun job."""
-    cases = {what: {"model": model, "clip_norm": clip, "steps": steps}
-             for model, clip, steps, what in MODEL_SPLIT_CASES}
-    return cases_in_one_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "model_split_step.py",
-                            ["--micro-batches", "3"], cases, workload_projects)
+    return model_split_job(tmp_path_factory.mktemp("model_split"), SCRIPTS / "model_split_step.py", MODEL_SPLIT_CASES, workload_projects)
 
 
 @pytest.mark.slow
