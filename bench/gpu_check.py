@@ -4,6 +4,7 @@
     python bench/gpu_check.py --out R --find-links DIR         # offline: the horovod sdist from DIR, no index
     python bench/gpu_check.py --out R --projects DIR           # projects generated elsewhere (DIR/{mlp,resnet18,gpt})
     python bench/gpu_check.py --out R --wheel-cache DIR        # a wheel built elsewhere for this stack: no build
+    python bench/gpu_check.py --out R --steps bench --rounds 3 # the build, then only the bench, 3 rounds each
 
 No CI machine has a GPU, so this runs by hand where one is at hand; docs/gpu.md holds what it
 reported. Steps, in order of what matters most, each under its own time limit and recorded
@@ -18,7 +19,7 @@ whatever its outcome (one failure does not hide the rest), within one overall de
    fp16 (loss-scaled) and fp32; the train loss must fall; samples/s from metrics.jsonl;
 4. bench: bench/workload_worker.py on the GPU in bf16, ResNet-18 (images held in memory) and the
    GPT: the generated loop against Horovod's example loop and torch DDP over NCCL, after a
-   warm-up run.
+   warm-up run; with --rounds N, N runs of each loop in alternating order, and the ratios of the medians.
 
 Writes OUT/REPORT.md (a table per step), OUT/results.json and OUT/log.txt (every command's output).
 """
@@ -55,11 +56,12 @@ SMOKE_SIZES = {
 }
 
 
-# The workload bench's loops. A first ResNet-18 run of ours goes before them, kept but not compared:
-# on an H100 (2026-11-26) the first benchmark process on a fresh machine ran at 15,931 images/s,
+# The workload bench's loops. A first run of ours (the first workload's) goes before them, kept but
+# not compared: on an H100 (2026-11-26) the first benchmark process on a fresh machine ran at 15,931 images/s,
 # and the same command at 21,765-21,928 in five runs after it. Those runs also measured Horovod's
 # loop woken on enqueue (hvdgen's CPU setting) against its own 1 ms cycle on a GPU rank: the same.
 BENCH_LOOPS = ("ours", "reference", "ddp")
+STEPS = ("collectives", "projects", "bench")
 
 
 class Checks:
@@ -214,9 +216,12 @@ def bench(checks: Checks, args) -> None:
     x = rng.normal(size=(samples, 3, 32, 32)).astype(np.float32) + y[:, None, None, None] * 0.1
     np.savez(images, x=x, y=y)
     worker = REPO / "bench" / "workload_worker.py"
-    runs = [("resnet18", images, 256, "ours", "warm-up, not compared")]
-    runs += [(model, data, batch, loop, "") for model, data, batch in
-             (("resnet18", images, 256), ("gpt", args.work / "tokens", 32)) for loop in BENCH_LOOPS]
+    workloads = (("gpt", args.work / "tokens", 32), ("resnet18", images, 256))  # the GPT first: its loops run longest
+    runs = [(*workloads[0], "ours", "warm-up, not compared")]
+    for model, data, batch in workloads:
+        for r in range(args.rounds):  # the order alternates: no loop always runs first or last
+            loops = BENCH_LOOPS if r % 2 == 0 else BENCH_LOOPS[::-1]
+            runs += [(model, data, batch, loop, f"round {r + 1}" if args.rounds > 1 else "") for loop in loops]
     for model, data, batch, loop, why in runs:
         command = [str(worker), "--loop", loop, "--model", model, "--project", str(args.projects / model),
                    "--data", str(data), "--batch-size", str(batch), "--precision", "bf16",
@@ -228,6 +233,25 @@ def bench(checks: Checks, args) -> None:
         found = tagged(result["output"], "BENCH ")
         if found:
             checks.note(result, items_per_s=round(found[0]["items_per_s"], 1))
+    ratios(checks)
+
+
+def ratios(checks: Checks) -> None:
+    """Ours over each reference loop, per model: the median of each loop's compared rounds."""
+    import statistics
+
+    rates: dict[tuple[str, str], list[float]] = {}
+    for result in checks.results:
+        if result["step"] == "bench" and "warm-up" not in result["name"] and "items_per_s" in result:
+            model, loop = result["name"].split()[:2]
+            rates.setdefault((model, loop), []).append(result["items_per_s"])
+    for model in ("resnet18", "gpt"):
+        ours = rates.get((model, "ours"))
+        facts = {f"{loop}_per_s": rates.get((model, loop)) for loop in BENCH_LOOPS}
+        facts.update({f"ours_over_{loop}": round(statistics.median(ours) / statistics.median(rates[(model, loop)]), 3)
+                      for loop in BENCH_LOOPS[1:] if ours and rates.get((model, loop))})
+        checks.results.append({"step": "bench", "name": f"{model} ratios (medians)", "status": "computed",
+                               "seconds": 0.0, **facts})
 
 
 def report(checks: Checks, out: Path) -> None:
@@ -266,16 +290,23 @@ def check(args) -> None:
             for model in MODELS:
                 checks.run("generate", model, [PY, "-m", "hvdgen", "new", model, "--model", model, "--no-input",
                                                "--output", str(args.projects)], timeout=60)
-        write_images(args.work / "images", per_class=30 if args.smoke else 1500)
+        if "projects" in args.steps:
+            write_images(args.work / "images", per_class=30 if args.smoke else 1500)
         checks.run("data", "prepare_tokens.py", [PY, "prepare_tokens.py", "--out", str(args.work / "tokens"),
                                                  "--max-bytes", str(100_000 if args.smoke else 4_000_000)],
                    timeout=60, cwd=args.projects / "gpt")
-        collectives(checks, 1)
-        projects(checks, args, ("bf16",))
-        projects(checks, args, ("fp16",))
-        bench(checks, args)
-        projects(checks, args, ("fp32",))
-        collectives(checks, 2)  # two ranks on one GPU: NCCL may refuse
+        steps = set(args.steps)
+        if "collectives" in steps:
+            collectives(checks, 1)
+        if "projects" in steps:
+            projects(checks, args, ("bf16",))
+            projects(checks, args, ("fp16",))
+        if "bench" in steps:
+            bench(checks, args)
+        if "projects" in steps:
+            projects(checks, args, ("fp32",))
+        if "collectives" in steps:
+            collectives(checks, 2)  # two ranks on one GPU: NCCL may refuse
     finally:
         report(checks, args.out)
 
@@ -348,7 +379,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: try the script, no GPU")
     parser.add_argument("--deadline-s", type=float, default=580.0,
                         help="stop starting steps after this long (every step: about 565 s on an H100)")
+    parser.add_argument("--steps", type=lambda text: text.split(","), default=list(STEPS),
+                        help=f"a comma-separated subset of {','.join(STEPS)} (the build always runs "
+                             "unless --skip-build)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="bench: runs of each loop, in alternating order; ratios are of the medians")
     args = parser.parse_args()
+    if unknown := set(args.steps) - set(STEPS):
+        parser.error(f"unknown --steps {','.join(sorted(unknown))}: pick from {','.join(STEPS)}")
     collectives_worker() if args.mode == "collectives-worker" else check(args)
 
 
