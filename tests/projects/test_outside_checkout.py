@@ -104,6 +104,8 @@ def test_project_sets_up_and_passes_its_tests_away_from_the_checkout(moved_proje
     _run(["make", "setup", f"PYTHON={python}"], project, env, timeout=600)
     tests = _run(["make", "test", f"PYTHON={python}"], project, env, timeout=600)
     assert " passed" in tests.stdout and "failed" not in tests.stdout, tests.stdout[-2000:]
+    logged = [name for name in ("mlflow.db", "mlruns") if (project / name).exists()]
+    assert not logged, f"make test logged its runs into the project's MLflow store: {logged}"
 
     where = _run([python, "-c", "import hvd_runtime, hvdgen; print(hvd_runtime.__file__); print(hvdgen.__file__)"],
                  project, env, timeout=60).stdout.split()
