@@ -36,9 +36,9 @@ NO_TF = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
 FRAMEWORKS = ["torch", pytest.param("tensorflow", marks=NO_TF)]
 # MLflow changes nothing that is trained or checkpointed, and costs a 2-rank job of the digits MLP
 # ~8-14 s (its import, a fresh store's migrations, a model logged per epoch in the rank's sender
-# thread): only the elastic jobs whose rank 1 must write nothing keep it (test_data_projects does
-# the same for a job that is not elastic; test_tracking_horovod and test_elastic_across_hosts test
-# the tracking of resumed and elastic jobs).
+# thread). Tracked: the elastic jobs whose rank 1 must write nothing (test_data_projects does the
+# same for a job that is not elastic), and torch's killed and restarted job, whose store is checked
+# (test_elastic_across_hosts checks a new rank 0 taking over the run, with a server).
 UNTRACKED = ["--tracking.enabled", "false"]
 
 
@@ -218,12 +218,14 @@ def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strat
 def test_full_restart_reaches_the_same_result(tmp_path, framework):
     project = generate(tmp_path, "--framework", framework)
     suffix = SUFFIX[framework]
-    common = ["--train.epochs", "5", "--checkpoint.every_steps", "10", *UNTRACKED]
-    run_horovod(2, [sys.executable, "train.py", *common, "--run_dir", str(tmp_path / "a"),
+    common = ["--train.epochs", "5", "--checkpoint.every_steps", "10"]
+    run_horovod(2, [sys.executable, "train.py", *common, *UNTRACKED, "--run_dir", str(tmp_path / "a"),
                     "--checkpoint.dir", str(tmp_path / "a-ckpt")], cwd=project)
 
     ckpt = tmp_path / "b-ckpt"
+    tracked = framework == "torch"  # the killed job's MLflow run goes on in the restart (the same code for TF)
     args = ["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", *common,
+            *([] if tracked else UNTRACKED),
             "--run_dir", str(tmp_path / "b"), "--checkpoint.dir", str(ckpt)]
     steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / 32)
     job = Job(args, cwd=project)
@@ -246,6 +248,15 @@ def test_full_restart_reaches_the_same_result(tmp_path, framework):
         partial = expected["epoch"] == resumed_epoch + 1 and newest % steps_per_epoch
         for key in ("val_loss", "val_accuracy") if partial else ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
             assert got[key] == pytest.approx(expected[key], rel=1e-5), (expected["epoch"], key)
+    if tracked:  # one run: the restart reopened the run id its checkpoint holds, and finished it
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+        runs = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+        assert len(runs) == 1, "the restart opened a new MLflow run"
+        assert runs[0].info.status == "FINISHED"
+        logged = {int(m.value) for m in client.get_metric_history(runs[0].info.run_id, "epoch")}
+        assert set(range(resumed_epoch + 1, 6)) <= logged, logged  # the killed job's last ones may be unsent
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
