@@ -56,9 +56,9 @@ SMOKE_SIZES = {
 }
 
 
-# The workload bench's loops. A first run of ours (the first workload's) goes before them, kept but
-# not compared: on an H100 (2026-11-26) the first benchmark process on a fresh machine ran at 15,931 images/s,
-# and the same command at 21,765-21,928 in five runs after it. Those runs also measured Horovod's
+# The workload bench's loops. A first run of ours (the first workload's) goes before them, kept
+# but not compared: on an H100 (2026-11-26) the first benchmark process on a fresh machine ran at
+# 15,931 images/s, and the same command at 21,765-21,928 in five runs after it. Those runs also measured Horovod's
 # loop woken on enqueue (hvdgen's CPU setting) against its own 1 ms cycle on a GPU rank: the same.
 BENCH_LOOPS = ("ours", "reference", "ddp")
 STEPS = ("collectives", "projects", "bench")
@@ -216,7 +216,8 @@ def bench(checks: Checks, args) -> None:
     x = rng.normal(size=(samples, 3, 32, 32)).astype(np.float32) + y[:, None, None, None] * 0.1
     np.savez(images, x=x, y=y)
     worker = REPO / "bench" / "workload_worker.py"
-    workloads = (("gpt", args.work / "tokens", 32), ("resnet18", images, 256))  # the GPT first: its loops run longest
+    # the GPT first: its loops run longest, and a deadline stops what comes last
+    workloads = (("gpt", args.work / "tokens", 32), ("resnet18", images, 256))
     runs = [(*workloads[0], "ours", "warm-up, not compared")]
     for model, data, batch in workloads:
         for r in range(args.rounds):  # the order alternates: no loop always runs first or last
@@ -290,12 +291,12 @@ def check(args) -> None:
             for model in MODELS:
                 checks.run("generate", model, [PY, "-m", "hvdgen", "new", model, "--model", model, "--no-input",
                                                "--output", str(args.projects)], timeout=60)
-        if "projects" in args.steps:
+        steps = set(args.steps)
+        if "projects" in steps:
             write_images(args.work / "images", per_class=30 if args.smoke else 1500)
         checks.run("data", "prepare_tokens.py", [PY, "prepare_tokens.py", "--out", str(args.work / "tokens"),
                                                  "--max-bytes", str(100_000 if args.smoke else 4_000_000)],
                    timeout=60, cwd=args.projects / "gpt")
-        steps = set(args.steps)
         if "collectives" in steps:
             collectives(checks, 1)
         if "projects" in steps:
@@ -387,6 +388,8 @@ def main() -> None:
     args = parser.parse_args()
     if unknown := set(args.steps) - set(STEPS):
         parser.error(f"unknown --steps {','.join(sorted(unknown))}: pick from {','.join(STEPS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     collectives_worker() if args.mode == "collectives-worker" else check(args)
 
 
