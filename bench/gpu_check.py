@@ -218,11 +218,13 @@ def bench(checks: Checks, args) -> None:
     worker = REPO / "bench" / "workload_worker.py"
     # the GPT first: its loops run longest, and a deadline stops what comes last
     workloads = (("gpt", args.work / "tokens", 32), ("resnet18", images, 256))
-    runs = [(*workloads[0], "ours", "warm-up, not compared")]
+    warm_up = "warm-up, not compared"
+    runs = [(*workloads[0], "ours", warm_up)]
     for model, data, batch in workloads:
         for r in range(args.rounds):  # the order alternates: no loop always runs first or last
             loops = BENCH_LOOPS if r % 2 == 0 else BENCH_LOOPS[::-1]
             runs += [(model, data, batch, loop, f"round {r + 1}" if args.rounds > 1 else "") for loop in loops]
+    rates: dict[str, dict[str, list[float]]] = {model: {} for model, _, _ in workloads}  # compared runs only
     for model, data, batch, loop, why in runs:
         command = [str(worker), "--loop", loop, "--model", model, "--project", str(args.projects / model),
                    "--data", str(data), "--batch-size", str(batch), "--precision", "bf16",
@@ -234,25 +236,23 @@ def bench(checks: Checks, args) -> None:
         found = tagged(result["output"], "BENCH ")
         if found:
             checks.note(result, items_per_s=round(found[0]["items_per_s"], 1))
-    ratios(checks)
+            if why != warm_up:
+                rates[model].setdefault(loop, []).append(result["items_per_s"])
+    for model, by_loop in rates.items():
+        checks.results.append({"step": "bench", "name": f"{model} ratios (medians)", "status": "computed",
+                               "seconds": 0.0, **ratios(by_loop)})
 
 
-def ratios(checks: Checks) -> None:
-    """Ours over each reference loop, per model: the median of each loop's compared rounds."""
+def ratios(by_loop: dict[str, list[float]]) -> dict:
+    """One model's rates per loop, and ours over each reference loop: the medians of the rounds."""
     import statistics
 
-    rates: dict[tuple[str, str], list[float]] = {}
-    for result in checks.results:
-        if result["step"] == "bench" and "warm-up" not in result["name"] and "items_per_s" in result:
-            model, loop = result["name"].split()[:2]
-            rates.setdefault((model, loop), []).append(result["items_per_s"])
-    for model in ("resnet18", "gpt"):
-        ours = rates.get((model, "ours"))
-        facts = {f"{loop}_per_s": rates.get((model, loop)) for loop in BENCH_LOOPS}
-        facts.update({f"ours_over_{loop}": round(statistics.median(ours) / statistics.median(rates[(model, loop)]), 3)
-                      for loop in BENCH_LOOPS[1:] if ours and rates.get((model, loop))})
-        checks.results.append({"step": "bench", "name": f"{model} ratios (medians)", "status": "computed",
-                               "seconds": 0.0, **facts})
+    facts = {f"{loop}_per_s": by_loop.get(loop) for loop in BENCH_LOOPS}
+    if "ours" in by_loop:
+        ours = statistics.median(by_loop["ours"])
+        facts.update({f"ours_over_{loop}": round(ours / statistics.median(by_loop[loop]), 3)
+                      for loop in BENCH_LOOPS[1:] if loop in by_loop})
+    return facts
 
 
 def report(checks: Checks, out: Path) -> None:
