@@ -39,7 +39,7 @@ def grid_jobs(root: Path, script: Path, job_cases: dict[str, tuple[Grid, dict]],
         cases = _write_cases(folder, [job_cases[what][1] for what in ids], projects)
         run_horovod(np_, [sys.executable, str(script), "--stages", str(stages), "--p2p", p2p, "--tp", str(tp),
                           "--chunks", str(chunks), "--cases", str(folder / "cases.json")],
-                    cwd=folder, timeout=120 + 150 * len(cases))
+                    cwd=folder, timeout=_job_timeout(cases))
         return {what: (json.loads(Path(case["out"]).read_text()), case.get("run_dir") and Path(case["run_dir"]))
                 for what, case in zip(ids, cases)}
 
@@ -64,8 +64,13 @@ def model_split_job(folder: Path, script: Path, rows: list[tuple], projects: dic
     cases = _write_cases(folder, [{"model": model, "clip_norm": clip, "steps": steps}
                                   for model, clip, steps, _ in rows], projects)
     run_horovod(2, [sys.executable, str(script), "--micro-batches", "3", "--cases", str(folder / "cases.json")],
-                cwd=folder, timeout=120 + 150 * len(cases))
+                cwd=folder, timeout=_job_timeout(cases))
     return {what: json.loads(Path(case["out"]).read_text()) for what, case in zip(ids, cases)}
+
+
+def _job_timeout(cases: list) -> float:
+    """A job's start-up (ranks, rendezvous, links) plus a single case's own limit per case."""
+    return 120 + 150 * len(cases)
 
 
 def _write_cases(folder: Path, flag_sets: list[dict], projects: dict[str, Path | None]) -> list[dict]:
