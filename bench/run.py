@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine_speed
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 DOCS = REPO / "docs"
@@ -121,7 +123,7 @@ def machine() -> str:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "horovod"))
     return (f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB, no GPU; Python {platform.python_version()}, "
-            f"{versions}, Gloo; load average at start {os.getloadavg()[0]:.1f}")
+            f"{versions}, Gloo; load average at start {os.getloadavg()[0]:.1f}; {machine_speed.described()}")
 
 
 def plot_throughput(results: dict[str, dict[str, dict[int, list[float]]]], path: Path) -> None:

@@ -26,6 +26,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+import machine_speed
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RUNS = {1: (1, 2), 2: (2, 1)}  # tp -> (processes, threads each): the whole machine either way
@@ -63,7 +65,7 @@ def main() -> None:
     library = {"torch": "PyTorch", "tensorflow": "TensorFlow (Keras 3)"}[args.framework]
     sizes = ["--width", str(args.width)]
     results: dict[int, list[list[dict]]] = {1: [], 2: []}
-    load_before = os.getloadavg()[0]
+    load_before, speed = os.getloadavg()[0], machine_speed.described()
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([str(BIN / "hvdgen"), "new", "proj", "--strategy", "tensor", "--framework", args.framework,
                         "--output", tmp], check=True, capture_output=True)
@@ -81,7 +83,7 @@ def main() -> None:
              f"`python bench/tensor_parallel_bench.py --framework {args.framework}` on {when}, "
              f"{os.cpu_count()} cores, CPU (Gloo), "
              f"{args.rounds} rounds alternating tp 1 and tp 2 (medians; the step-time ratio within a round); "
-             f"1-minute load average {load_before:.1f} before. The generated GPT (model.py unchanged): 4 layers, "
+             f"1-minute load average {load_before:.1f} before, {speed}. The generated GPT (model.py unchanged): 4 layers, "
              f"width {args.width}, 8 heads, context 128, vocabulary 256 (head tied to the token embedding), batch 16, "
              "AdamW, clipping at norm 1; 20 timed steps after 3 warm-up steps.", "",
              "| | tp 1 (1 process x 2 threads) | tp 2 (2 processes x 1 thread) | tp 2 / tp 1 |",

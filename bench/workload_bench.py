@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import machine_speed
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 LOOPS = ("ours", "reference", "ddp")
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks-workloads.md")
     args = parser.parse_args()
     results: dict[tuple[str, int, str], list[float]] = {}
+    speed = machine_speed.described()
     with tempfile.TemporaryDirectory() as tmp:
         setup = prepare(Path(tmp))
         for round_ in range(args.rounds):
@@ -113,7 +116,8 @@ def main() -> None:
              "64 wide, context 64), same files on disk, per-rank batch 32, one thread per rank, no loader worker "
              "processes, CPU (Gloo). Ours is the runtime as generated projects run it, which on a CPU rank keeps "
              "the memory a step frees (hvd_runtime.host_memory); the other two loops run with glibc's malloc "
-             "defaults, as a user starts them (docs/horovod-on-cpu.md, item 6, has DDP with the same settings).", "",
+             "defaults, as a user starts them (docs/horovod-on-cpu.md, item 6, has DDP with the same settings). "
+             f"At the start, {speed}.", "",
              "| model | np | ours | Horovod example | DDP (torchrun) | ours / example | ours / DDP |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for model, unit in MODELS.items():

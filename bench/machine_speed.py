@@ -1,0 +1,62 @@
+"""How fast this machine is right now, in two figures that do not depend on what is benchmarked.
+
+The reports used to describe the machine by its load average alone. That says how busy the
+cores are, not how fast they are: on a shared host the same machine measured `hvdgen --help` at
+52 ms one day and 154 ms on another (2026-11-28), with a load average of 0.4 at the start of the
+slow run, and every figure of that run came out 1.5-3x slower. A report's figures can only be
+compared with another day's beside a reference that moves with the machine and not with the code:
+
+- a one-thread 512x512 fp32 matrix product (BLAS: what large layers cost), and
+- a million-step Python loop (the interpreter: what small steps, messages and schedules cost).
+
+Each is the best of a few runs, since other jobs only ever add time: it estimates what the
+machine can do, where the load average says how much of it the benchmark got.
+"""
+
+from __future__ import annotations
+
+import time
+
+MATMUL_SIZE = 512
+LOOP_STEPS = 1_000_000
+
+
+def _best_seconds(run, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _python_loop() -> int:
+    total = 0
+    for i in range(LOOP_STEPS):
+        total += i
+    return total
+
+
+def measure() -> tuple[float, float]:
+    """(GFLOP/s of a one-thread fp32 matrix product, ms of a million-step Python loop)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+        seconds = _best_seconds(lambda: a @ a, repeats=7)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * MATMUL_SIZE ** 3 / seconds / 1e9, _best_seconds(_python_loop, repeats=3) * 1000
+
+
+def described() -> str:
+    """The reference as a report's machine line says it."""
+    gflops, loop_ms = measure()
+    return (f"speed reference {gflops:.1f} GFLOP/s (one thread, {MATMUL_SIZE}x{MATMUL_SIZE} fp32 matmul) and "
+            f"{loop_ms:.0f} ms (a million-step Python loop), best of a few runs (bench/machine_speed.py)")
+
+
+if __name__ == "__main__":
+    print(described())
