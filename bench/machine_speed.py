@@ -3,7 +3,7 @@
 The reports used to describe the machine by its load average alone. That says how busy the
 cores are, not how fast they are: on a shared host the same machine measured `hvdgen --help` at
 52 ms one day and 154 ms on another (2026-11-28), with a load average of 0.4 at the start of the
-slow run, and every figure of that run came out 1.5-3x slower. A report's figures can only be
+slow run, and the figures of that run came out 1.5 to 3.2 times slower. A report's figures can only be
 compared with another day's beside a reference that moves with the machine and not with the code:
 
 - a one-thread 512x512 fp32 matrix product (BLAS: what large layers cost), and
@@ -48,7 +48,7 @@ def measure() -> tuple[float, float]:
         seconds = _best_seconds(lambda: a @ a, repeats=7)
     finally:
         torch.set_num_threads(threads)
-    return 2 * MATMUL_SIZE ** 3 / seconds / 1e9, _best_seconds(_python_loop, repeats=3) * 1000
+    return 2 * MATMUL_SIZE ** 3 / seconds / 1e9, _best_seconds(_python_loop, repeats=5) * 1000
 
 
 def described() -> str:
