@@ -58,8 +58,9 @@ SMOKE_SIZES = {
 
 # The workload bench's loops. A first run of ours (the first workload's) goes before them, kept
 # but not compared: on an H100 (2026-11-26) the first benchmark process on a fresh machine ran at
-# 15,931 images/s, and the same command at 21,765-21,928 in five runs after it. Those runs also measured Horovod's
-# loop woken on enqueue (hvdgen's CPU setting) against its own 1 ms cycle on a GPU rank: the same.
+# 15,931 images/s, and the same command at 21,765-21,928 in five runs after it. Those runs also
+# measured Horovod's loop woken on enqueue (hvdgen's CPU setting) against its own 1 ms cycle on a
+# GPU rank: the same.
 BENCH_LOOPS = ("ours", "reference", "ddp")
 STEPS = ("collectives", "projects", "bench")
 

@@ -45,20 +45,6 @@ def _python_loop() -> int:
     return total
 
 
-def measure() -> tuple[float, float]:
-    """(GFLOP/s of a one-thread fp32 matrix product, ms of a million-step Python loop)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
-        seconds = _best_seconds(lambda: a @ a, repeats=7)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * MATMUL_SIZE ** 3 / seconds / 1e9, _best_seconds(_python_loop, repeats=5) * 1000
-
-
 def _product_worker(count: int, conn) -> None:
     """One process of the pair: on each go, `count` one-thread products; sends back their seconds."""
     import torch
@@ -73,11 +59,12 @@ def _product_worker(count: int, conn) -> None:
         conn.send(time.perf_counter() - started)
 
 
-def pair_share(count: int = 300, rounds: int = 3) -> float:
-    """How much of one process's speed each of two processes gets when both compute at once (1.0: all).
+def matmul_speeds(count: int = 300, rounds: int = 3) -> tuple[float, float]:
+    """(GFLOP/s of one process alone, the share of that speed each of two gets when both compute at once).
 
-    Two spawned processes (no thread pool inherited) each run alone, then both at once, `rounds`
-    times; the fastest run alone against the fastest run together, as for the figures above.
+    Two spawned processes (one thread each, no thread pool inherited) each run alone, then both at
+    once, `rounds` times; both figures come from the fastest runs. The products run there, not
+    here: the process that writes a report keeps its own thread settings.
     """
     context = multiprocessing.get_context("spawn")
     pipes = [context.Pipe() for _ in range(2)]
@@ -99,15 +86,16 @@ def pair_share(count: int = 300, rounds: int = 3) -> float:
             end.send(False)
         for worker in workers:
             worker.join()
-    return min(alone) / min(together)
+    return 2 * MATMUL_SIZE ** 3 * count / min(alone) / 1e9, min(alone) / min(together)
 
 
 def described() -> str:
     """The reference as a report's machine line says it."""
-    gflops, loop_ms = measure()
+    gflops, share = matmul_speeds()
+    loop_ms = _best_seconds(_python_loop, repeats=5) * 1000
     return (f"speed reference {gflops:.1f} GFLOP/s (one thread, {MATMUL_SIZE}x{MATMUL_SIZE} fp32 matmul) and "
             f"{loop_ms:.0f} ms (a million-step Python loop), best of a few runs; two processes at once each "
-            f"ran the products at {pair_share():.2f} of one alone (bench/machine_speed.py)")
+            f"ran the products at {share:.2f} of one alone (bench/machine_speed.py)")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def model_split_job(folder: Path, script: Path, rows: list[tuple], projects: dic
     return {what: json.loads(Path(case["out"]).read_text()) for what, case in zip(ids, cases)}
 
 
-def _job_timeout(cases: list) -> float:
+def _job_timeout(cases: list) -> int:
     """A job's start-up (ranks, rendezvous, links) plus a single case's own limit per case."""
     return 120 + 150 * len(cases)
 
