@@ -35,8 +35,12 @@ class BatchSource:
     target_shape: tuple[int, ...] = ()   # one class per sample; a language model's split has one per token
 
     def first(self, n: int) -> np.ndarray:
-        """The inputs of the first n samples: an example batch (tracing, partitioning, model signatures)."""
-        return self.take(np.arange(min(n, len(self))))[0]
+        """The inputs of the first n samples: an example batch (tracing, model signatures)."""
+        return self.examples(n)[0]
+
+    def examples(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first n samples, inputs and targets: what a time-balanced pipeline split is timed on."""
+        return self.take(np.arange(min(n, len(self))))
 
 
 @dataclass(frozen=True)

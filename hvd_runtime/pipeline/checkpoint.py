@@ -23,8 +23,36 @@ def gather_stages(hvd, dims, model_state, optimizer_state, rng) -> tuple[dict[in
     return {p["stage"]: p for p in parts if p["replica"] == 0}, [p["rng"] for p in parts]
 
 
-def checkpoint_payload(stages: dict[int, dict], rngs: list, state: TrainState) -> dict:
-    return {"stages": stages, "state": state_fields(state), "rng": rngs}
+def checkpoint_payload(stages: dict[int, dict], rngs: list, state: TrainState, plan=None) -> dict:
+    """`plan`: the Partition every stage was cut by, kept so that a run cut elsewhere is told so."""
+    payload = {"stages": stages, "state": state_fields(state), "rng": rngs}
+    if plan is not None:
+        payload["cut"] = {"names": list(plan.names), "bounds": [list(b) for b in plan.bounds]}
+    return payload
+
+
+def _split_points(cut: dict) -> str:
+    """Where stages 2.. start, as --parallel.partition takes it (block names)."""
+    return ",".join(cut["names"][start] for start, _ in cut["bounds"][1:])
+
+
+def refuse_another_cut(payload: dict, plan, where: str) -> None:
+    """Stop with one line when the checkpoint's stages were cut elsewhere than this run's.
+
+    Each stage's part holds that stage's blocks only, so another cut (another `parallel.partition`,
+    or `time`, which times the blocks afresh at every start) would find blocks missing from every
+    part. Every rank has the same plan and payload, so every rank stops with the same line.
+    Checkpoints written before the cut was kept are not checked here.
+    """
+    saved = payload.get("cut")
+    if saved is None or plan is None:
+        return
+    mine = {"names": list(plan.names), "bounds": [list(b) for b in plan.bounds]}
+    if saved["names"] != mine["names"] or len(saved["bounds"]) != len(mine["bounds"]) or saved == mine:
+        return      # another model, or another count of stages or chunks: the part checks name those
+    raise ConfigError(f"{where} was written by stages cut elsewhere (stages 2.. start at blocks "
+                      f"{_split_points(saved)} there, {_split_points(mine)} here): resume with --parallel.partition "
+                      f"{_split_points(saved)}, point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
 
 
 def own_stage(payload: dict, dims, where: str) -> dict:
@@ -81,15 +109,17 @@ def fitting_own_stage(hvd, payload: dict, dims, where: str, misfit_of: Callable[
 
 
 def restore_own_stage(hvd, payload: dict | None, dims, where: str, misfit_of: Callable[[dict], str | None],
-                      load: Callable[[dict], None], set_rng_state: Callable) -> TrainState:
+                      load: Callable[[dict], None], set_rng_state: Callable, plan=None) -> TrainState:
     """Every rank calls, with the payload rank 0 read and broadcast (None: nothing to resume).
 
-    Each rank checks its own stage's part (fitting_own_stage), loads it with `load(part)` (its
-    framework's, a tensor-parallel stage taking its slices), and takes its RNG state back when the
-    job has the size that wrote the checkpoint. Returns where training stands.
+    Each rank checks that the checkpoint's stages were cut as this run's `plan` cuts them and its
+    own stage's part fits (fitting_own_stage), loads it with `load(part)` (its framework's, a
+    tensor-parallel stage taking its slices), and takes its RNG state back when the job has the
+    size that wrote the checkpoint. Returns where training stands.
     """
     if payload is None:
         return TrainState()
+    refuse_another_cut(payload, plan, where)
     load(fitting_own_stage(hvd, payload, dims, where, misfit_of))
     rng = own_rng(payload, hvd.rank(), hvd.size())
     if rng is not None:

@@ -62,11 +62,12 @@ class ModelSplit:
     """
 
     def __init__(self, model, stages: int = 2, devices: Sequence[str] | None = None,
-                 partition: Partition | str | Sequence = "params", micro_batches: int = 1, sample=None):
+                 partition: Partition | str | Sequence = "params", micro_batches: int = 1, sample=None,
+                 tail=None):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.model = model
-        self.plan = plan_stages(model, stages, partition, sample)
+        self.plan = plan_stages(model, stages, partition, sample, tail)
         self.devices = list(devices) if devices is not None else split_devices(stages)
         if len(self.devices) != stages:
             raise ValueError(f"got {len(self.devices)} devices for {stages} stages: give one device per stage")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import keras
+import tensorflow as tf
 
 from hvd_runtime.config import partition_spec
 from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
@@ -30,6 +31,7 @@ from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.optim import make_optimizer
 from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
 from hvd_runtime.tf.precision import loss_scaled
+from hvd_runtime.tf.stage import plan_stages
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.tf.tensor_parallel import apply_tp
@@ -50,17 +52,39 @@ class Parallel:
     split: SplitVariables | None = None      # tensor parallelism: the checkpoints' view of the slices
 
 
-def apply_pipeline(model: keras.Model, dims: PipelineRank, parallel_cfg, sample) -> Stage:
-    """This rank's stage of the unchanged model, split over its tensor-parallel group (if any)."""
-    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample)
+def apply_pipeline(model: keras.Model, dims: PipelineRank, parallel_cfg, sample, tail=None) -> Stage:
+    """This rank's stage of the unchanged model, split over its tensor-parallel group (if any).
+
+    `sample` (a micro-batch) and `tail` (the last stage's loss and metrics) are what
+    `partition: time` times."""
+    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample, tail=tail)
     return split_stage(stage, dims)
 
 
-def apply_model_split(model: keras.Model, parallel_cfg) -> ModelSplit:
+def timing_sample(dataset, cfg) -> tuple:
+    """What `partition: time` times the layers on: a micro-batch of the training set (stages run
+    micro-batches, where a call's fixed cost weighs most), and the tail the last stage adds, the
+    metrics and the loss on its targets (the whole model's output: timing precedes any split)."""
+    x, y = dataset.train.examples(max(1, cfg.train.batch_size // cfg.parallel.micro_batches))
+    objective, targets = VocabObjective.of(None, dataset.num_classes), tf.convert_to_tensor(y)
+
+    def tail(out):
+        objective.accuracy(tf.stop_gradient(out), targets)
+        return objective.cross_entropy(targets, out)
+    return x, tail
+
+
+def apply_model_split(model: keras.Model, parallel_cfg, sample=None, tail=None) -> ModelSplit:
     """The model's layers over this rank's devices (its GPUs, or logical CPU devices), micro-batched;
-    the split shares the model's variables."""
-    return ModelSplit(model, stages=parallel_cfg.stages, partition=partition_spec(parallel_cfg.partition),
-                      micro_batches=parallel_cfg.micro_batches)
+    the split shares the model's variables. `sample` and `tail` as apply_pipeline's."""
+    partition = partition_spec(parallel_cfg.partition)
+    if partition == "time":
+        import horovod.tensorflow as hvd
+
+        # timings differ from rank to rank: every worker cuts where rank 0 does, one model layout
+        partition = hvd.broadcast_object(plan_stages(model, parallel_cfg.stages, "time", sample, tail), root_rank=0,
+                                         name="ms.partition")
+    return ModelSplit(model, stages=parallel_cfg.stages, partition=partition, micro_batches=parallel_cfg.micro_batches)
 
 
 def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
@@ -83,8 +107,14 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
     by the whole model's norm, summed over the stages."""
+    import horovod.tensorflow as hvd
+
     dims = ctx.pipeline
-    stage = apply_pipeline(model, dims, cfg.parallel, dataset.train.first(cfg.train.batch_size))
+    # Every rank built the whole model under its own seed: make it rank 0's on all, so that each
+    # stage starts from the same model wherever the stages cut (`partition: time` may cut
+    # differently from one start to the next) and a run is the same at any cut.
+    hvd.broadcast_variables([v.value for v in model.variables if "float" in str(v.dtype)], root_rank=0)
+    stage = apply_pipeline(model, dims, cfg.parallel, *timing_sample(dataset, cfg))
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, dims), steps_per_epoch, clip=False)
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
@@ -110,7 +140,7 @@ def parallelize(model: keras.Model, strategy: str, ctx: Context, cfg, dataset, s
         model = trained = apply_tp(model, group)
         split = SplitVariables(model)
     elif strategy == "model-split":
-        trained = apply_model_split(model, cfg.parallel)
+        trained = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
     objective = VocabObjective.of(group, dataset.num_classes)
     optimizer, step = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)
     return Parallel(model, optimizer, step, split)

@@ -115,11 +115,13 @@ def replica_context(ctx: Context, dims: PipelineRank) -> ReplicaContext:
                           ctx.device)
 
 
-def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "params", sample=None) -> Stage:
+def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "params", sample=None,
+                tail=None) -> Stage:
     """This rank's stage of `model`, cut the same way on every rank (a timed plan comes from rank 0);
-    with chunks (interleaved schedules) its pieces stage, stage + p, ... of p x chunks."""
+    with chunks (interleaved schedules) its pieces stage, stage + p, ... of p x chunks.
+    partition="time" times the layers on `sample`, and `tail` (time_costs') with the last."""
     pieces = dims.stages * dims.chunks
-    plan = plan_stages(model, pieces, partition, sample)
+    plan = plan_stages(model, pieces, partition, sample, tail)
     if partition == "time":
         import horovod.tensorflow as hvd
 

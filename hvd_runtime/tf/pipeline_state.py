@@ -46,7 +46,7 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: Stage, optimizer, st
     stages, rngs = _gather_stages(stage, optimizer, dims, split)
     if not store.is_writer:
         return None
-    payload = checkpoint_payload(stages, rngs, state)
+    payload = checkpoint_payload(stages, rngs, state, getattr(stage, "plan", None))
 
     def write(path: Path) -> None:
         with open(path, "wb") as f:
@@ -83,7 +83,8 @@ def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resu
             _assign(optimizer.variables, moments if split is None else split.local_optimizer_arrays(optimizer, moments),
                     "optimizer", Path(path))
 
-    return restore_own_stage(hvd, payload, dims, f"the checkpoint {path}", misfit_of, load, set_rng_state)
+    return restore_own_stage(hvd, payload, dims, f"the checkpoint {path}", misfit_of, load, set_rng_state,
+                             getattr(stage, "plan", None))
 
 
 def gather_full_model(model, stage: Stage, dims, split=None):

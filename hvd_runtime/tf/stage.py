@@ -40,10 +40,16 @@ def param_costs(model) -> list[int]:
     return [int(layer.count_params()) if layer.built else 0 for _, layer in named_blocks(model)]
 
 
-def time_costs(model, sample, repeats: int = 3) -> list[float]:
-    """Seconds of forward + backward per block on `sample`, the fastest of `repeats` runs."""
+def time_costs(model, sample, repeats: int = 3, tail=None) -> list[float]:
+    """Seconds of forward + backward per block on `sample`, the fastest of `repeats` runs.
+
+    `tail(output) -> loss` is what the last stage does beyond its layers (the loss and the
+    metrics): its forward and backward count to the last layer, which always runs there.
+    """
     costs, x = [], tf.convert_to_tensor(sample)
-    for _, layer in named_blocks(model):
+    layers = named_blocks(model)
+    kept = [(v, v.numpy()) for _, layer in layers for v in layer.non_trainable_variables]  # BatchNorm's statistics
+    for _, layer in layers:
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
@@ -55,13 +61,31 @@ def time_costs(model, sample, repeats: int = 3) -> list[float]:
             best = min(best, time.perf_counter() - start)
         costs.append(best)
         x = layer(x, training=False)
+    if tail is not None:
+        costs[-1] += _tail_seconds(tail, x, repeats)
+    for variable, before in kept:   # timing trains nothing: the statistics it moved go back
+        variable.assign(before)
     return costs
 
 
-def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None) -> Partition:
-    """Partition the model's layers: by="params", by="time" (needs sample), or split points."""
+def _tail_seconds(tail, out, repeats: int) -> float:
+    """The fastest of `repeats` runs of tail(out) and its gradient down to the model's output."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with tf.GradientTape() as tape:
+            tape.watch(out)
+            loss = tail(out)
+        tape.gradient(loss, out)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None, tail=None) -> Partition:
+    """Partition the model's layers: by="params", by="time" (needs sample; `tail` as time_costs'),
+    or split points."""
     names = [n for n, _ in named_blocks(model)]
-    timing = (lambda: time_costs(model, sample)) if sample is not None else None
+    timing = (lambda: time_costs(model, sample, tail=tail)) if sample is not None else None
     plan = plan_partition(names, stages, by, lambda: param_costs(model), timing)
     refuse_weights_shared_across_stages(plan, [(name, layer.variables) for name, layer in named_blocks(model)])
     return plan

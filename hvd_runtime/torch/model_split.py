@@ -9,6 +9,10 @@ into chunks issued as a wavefront (stage s works on chunk i while stage s+1 work
 CUDA runs kernels asynchronously, so on GPUs the stages overlap. On CPU the result is the same,
 only without overlap. The output is the whole batch's, so the loss and the gradients are exactly
 those of the unsplit model (BatchNorm aside: it sees one chunk at a time).
+
+Its state_dict() is the unsplit model's, under the model's own keys ("2.0.weight", not
+"stages.1.2.0.weight"): a checkpoint does not depend on where the stages cut (`partition: time`
+may cut elsewhere at the next start) and loads into the plain model too.
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ class ModelSplit(nn.Module):
 
     def __init__(self, model, stages: int = 2, devices: Sequence | None = None,
                  partition: Partition | str | Sequence = "params", micro_batches: int = 1,
-                 sample: torch.Tensor | None = None):
+                 sample: torch.Tensor | None = None, tail=None):
         super().__init__()
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-        plan = plan_stages(model, stages, partition, sample)
+        plan = plan_stages(model, stages, partition, sample, tail)
         if devices is None:
             devices = split_devices(stages, *local_rank_and_size("horovod.torch"))
         devices = [torch.device(d) for d in devices]
@@ -53,6 +57,9 @@ class ModelSplit(nn.Module):
             raise ValueError(f"got {len(devices)} devices for {stages} stages: give one device per stage")
         self.plan, self.devices, self.micro_batches = plan, devices, micro_batches
         self.stages = nn.ModuleList(build_stage(model, k, plan).to(d) for k, d in enumerate(devices))
+        self._stage_of = {name: k for k in range(plan.stages) for name in plan.stage_names(k)}
+        self.register_state_dict_post_hook(_model_keys)
+        self.register_load_state_dict_pre_hook(_split_keys)
 
     @property
     def output_device(self) -> torch.device:
@@ -68,3 +75,19 @@ class ModelSplit(nn.Module):
                 if 0 <= i < m:
                     chunks[i] = self.stages[s](chunks[i].to(self.devices[s], non_blocking=True))
         return torch.cat(chunks) if m > 1 else chunks[0]
+
+
+def _model_keys(split: ModelSplit, state: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook: "stages.1.2.0.weight" becomes the model's own "2.0.weight"."""
+    for key in [k for k in state if k.startswith(prefix + "stages.")]:
+        _, rest = key[len(prefix) + len("stages."):].split(".", 1)   # the stage index, then the model's key
+        state[prefix + rest] = state.pop(key)
+
+
+def _split_keys(split: ModelSplit, state: dict, prefix: str, *_) -> None:
+    """load_state_dict hook: the model's own keys go to the stage that holds their block now."""
+    for key in [k for k in state if k.startswith(prefix)]:
+        rest = key[len(prefix):]
+        block = rest.split(".", 1)[0]
+        if block in split._stage_of:
+            state[f"{prefix}stages.{split._stage_of[block]}.{rest}"] = state.pop(key)

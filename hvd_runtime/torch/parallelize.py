@@ -23,6 +23,7 @@ ones where tensor parallelism leaves the logits split (hvd_runtime.torch.vocab_p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
 from hvd_runtime.torch.precision import Precision
+from hvd_runtime.torch.stage import plan_stages
 from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.torch.tensor_parallel import apply_tp
@@ -55,16 +57,41 @@ class Parallel:
     split: SplitParameters | None = None     # tensor parallelism: the checkpoints' view of the slices
 
 
-def apply_pipeline(model: nn.Module, dims: PipelineRank, parallel_cfg, sample: torch.Tensor) -> nn.Module:
-    """This rank's stage of the unchanged model, split over its tensor-parallel group (if any)."""
-    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample)
+def apply_pipeline(model: nn.Module, dims: PipelineRank, parallel_cfg, sample: torch.Tensor, tail=None) -> nn.Module:
+    """This rank's stage of the unchanged model, split over its tensor-parallel group (if any).
+
+    `sample` (a micro-batch) and `tail` (the last stage's loss and metrics) are what
+    `partition: time` times."""
+    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample, tail=tail)
     return split_stage(stage, dims)
 
 
-def apply_model_split(model: nn.Module, parallel_cfg) -> ModelSplit:
-    """The model's blocks over this rank's devices (its GPUs, or the CPU), micro-batched."""
-    return ModelSplit(model, stages=parallel_cfg.stages, partition=partition_spec(parallel_cfg.partition),
-                      micro_batches=parallel_cfg.micro_batches)
+def timing_sample(dataset, cfg) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """What `partition: time` times the blocks on: a micro-batch of the training set (stages run
+    micro-batches, where a call's fixed cost weighs most), and the tail the last stage adds, the
+    metrics and the loss on its targets (the whole model's output: timing precedes any split)."""
+    micro_batch = max(1, cfg.train.batch_size // cfg.parallel.micro_batches)
+    x, y = (torch.from_numpy(a) for a in dataset.train.examples(micro_batch))
+    objective = VocabObjective.of(None, dataset.num_classes)
+
+    def tail(out: torch.Tensor) -> torch.Tensor:
+        objective.accuracy(out.detach(), y)
+        return objective.cross_entropy(out, y)
+    return x, tail
+
+
+def apply_model_split(model: nn.Module, parallel_cfg, sample: torch.Tensor | None = None, tail=None) -> ModelSplit:
+    """The model's blocks over this rank's devices (its GPUs, or the CPU), micro-batched; `sample`
+    and `tail` as apply_pipeline's."""
+    partition = partition_spec(parallel_cfg.partition)
+    if partition == "time":
+        import horovod.torch as hvd
+
+        # timings differ from rank to rank, and the parameters' names (which the allreduce pairs
+        # up across workers) follow the cut: every worker cuts where rank 0 does
+        partition = hvd.broadcast_object(plan_stages(model, parallel_cfg.stages, "time", sample, tail), root_rank=0,
+                                         name="ms.partition")
+    return ModelSplit(model, stages=parallel_cfg.stages, partition=partition, micro_batches=parallel_cfg.micro_batches)
 
 
 def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
@@ -83,9 +110,14 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
     by the whole model's norm, summed over the stages."""
+    import horovod.torch as hvd
+
     dims = ctx.pipeline
-    sample = torch.from_numpy(dataset.train.first(cfg.train.batch_size))
-    stage = apply_pipeline(model, dims, cfg.parallel, sample).to(ctx.device)
+    # Every rank built the whole model under its own seed: make it rank 0's on all, so that each
+    # stage starts from the same model wherever the stages cut (`partition: time` may cut
+    # differently from one start to the next) and a run is the same at any cut.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    stage = apply_pipeline(model, dims, cfg.parallel, *timing_sample(dataset, cfg)).to(ctx.device)
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
     optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))
@@ -108,7 +140,7 @@ def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, ste
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     if strategy == "model-split":
-        model = apply_model_split(model, cfg.parallel)  # it places each block on its own device
+        model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))  # it places each block on its own device
     else:
         model = (apply_tp(model, ctx.tensor.group) if strategy == "tensor" else model).to(ctx.device)
     split = SplitParameters(model) if strategy == "tensor" else None

@@ -42,7 +42,7 @@ def save_pipeline_checkpoint(store: CheckpointStore, stage: nn.Module, optimizer
     stages, rngs = _gather_stages(stage, optimizer, dims, split)
     if not store.is_writer:
         return None
-    payload = checkpoint_payload(stages, rngs, state)
+    payload = checkpoint_payload(stages, rngs, state, getattr(stage, "plan", None))
     return store.save(state.step, lambda path: torch.save(payload, path))
 
 
@@ -65,7 +65,8 @@ def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, 
             optimizer.load_state_dict(moments if split is None else split.local_optimizer_state(optimizer, moments))
 
     return restore_own_stage(hvd, payload, dims, f"the checkpoint in {store.directory}",
-                             lambda part: model_misfit(part["model"], saved_shapes(stage, split)), load, set_rng_state)
+                             lambda part: model_misfit(part["model"], saved_shapes(stage, split)), load, set_rng_state,
+                             getattr(stage, "plan", None))
 
 
 def gather_full_model(model: nn.Module, stage: nn.Module, dims, split=None) -> nn.Module:

@@ -43,14 +43,19 @@ def param_costs(model) -> list[int]:
     return [sum(p.numel() for p in block.parameters()) for _, block in named_blocks(model)]
 
 
-def time_costs(model, sample: torch.Tensor, repeats: int = 3) -> list[float]:
+def time_costs(model, sample: torch.Tensor, repeats: int = 3, tail=None) -> list[float]:
     """Seconds of forward + backward per block on `sample` (a batch like the training ones).
 
     Each block is timed alone on the activation it really receives; the fastest of `repeats`
-    runs counts, since noise only ever adds time.
+    runs counts, since noise only ever adds time. `tail(output) -> loss` is what the last stage
+    does beyond its blocks (the loss and the metrics): its forward and backward count to the last
+    block, which always runs there. Left out, a time-balanced split gives the last stage more
+    than its share, most on small blocks, where the loss costs as much as a layer.
     """
     costs, x = [], sample
-    for _, block in named_blocks(model):
+    blocks = named_blocks(model)
+    kept = [b.detach().clone() for _, block in blocks for b in block.buffers()]  # BatchNorm's statistics
+    for _, block in blocks:
         best = float("inf")
         for _ in range(repeats):
             inp = x.detach().requires_grad_(x.is_floating_point())
@@ -63,13 +68,33 @@ def time_costs(model, sample: torch.Tensor, repeats: int = 3) -> list[float]:
         costs.append(best)
         with torch.no_grad():
             x = block(x)
+    if tail is not None:
+        costs[-1] += _tail_seconds(tail, x, repeats)
+    with torch.no_grad():   # timing trains nothing: the statistics it moved go back
+        for b, before in zip((b for _, block in blocks for b in block.buffers()), kept):
+            b.copy_(before)
     return costs
 
 
-def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch.Tensor | None = None) -> Partition:
-    """Partition the model's blocks: by="params", by="time" (needs sample), or split points (names/indices)."""
+def _tail_seconds(tail, out: torch.Tensor, repeats: int) -> float:
+    """The fastest of `repeats` runs of tail(out) and its backward down to the model's output."""
+    best = float("inf")
+    for _ in range(repeats):
+        inp = out.detach().requires_grad_(out.is_floating_point())
+        start = time.perf_counter()
+        loss = tail(inp)
+        if loss.requires_grad:
+            loss.backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch.Tensor | None = None,
+                tail=None) -> Partition:
+    """Partition the model's blocks: by="params", by="time" (needs sample; `tail` as time_costs'),
+    or split points (names/indices)."""
     names = [n for n, _ in named_blocks(model)]
-    timing = (lambda: time_costs(model, sample)) if sample is not None else None
+    timing = (lambda: time_costs(model, sample, tail=tail)) if sample is not None else None
     plan = plan_partition(names, stages, by, lambda: param_costs(model), timing)
     refuse_weights_shared_across_stages(plan, [(name, block.parameters()) for name, block in named_blocks(model)])
     return plan
@@ -93,10 +118,11 @@ class Stage(nn.Sequential):
 
 
 def build_stage(model, dims, partition: Partition | str | Sequence = "params",
-                sample: torch.Tensor | None = None) -> Stage:
+                sample: torch.Tensor | None = None, tail=None) -> Stage:
     """This rank's stage of `model`. dims: a PipelineRank (its stage and stage count) or a stage index.
 
     With an int, pass a Partition (or plan the stage count from it) so every stage agrees.
+    partition="time" times the blocks on `sample`, and `tail` (time_costs') with the last.
     """
     if isinstance(dims, int):
         if not isinstance(partition, Partition):
@@ -104,7 +130,7 @@ def build_stage(model, dims, partition: Partition | str | Sequence = "params",
         index, stages, chunks = dims, partition.stages, 1
     else:
         index, stages, chunks = dims.stage, dims.stages, dims.chunks
-    plan = plan_stages(model, stages * chunks, partition, sample)
+    plan = plan_stages(model, stages * chunks, partition, sample, tail)
     if not isinstance(dims, int) and partition == "time":
         import horovod.torch as hvd
 

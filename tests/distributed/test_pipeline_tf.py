@@ -6,6 +6,7 @@ real `horovodrun --gloo` jobs whose every rank compares itself with a single-pro
 """
 
 import sys
+import time
 from pathlib import Path
 
 import keras
@@ -43,6 +44,29 @@ def test_stages_share_the_model_layers_and_cover_it():
     assert plan_stages(model, 2, by=["b4"]).bounds == ((0, 4), (4, 7))
     assert plan_stages(model, 2, by=[2]).bounds == ((0, 2), (2, 7))
     assert plan_stages(model, 2, by="time", sample=x).stages == 2
+
+
+def test_time_partition_counts_the_last_stages_loss_with_its_last_layer():
+    """The loss and metrics run on the last stage only: a costly one moves the cut towards the end."""
+    model, x = make_model(), tf.random.normal((6, FEATURES), seed=1)
+    seen = []
+
+    def tail(out):
+        seen.append(out)
+        time.sleep(0.05)   # a loss dearer than every layer: the last layer must then stand alone
+        return tf.reduce_mean(tf.square(out))
+
+    plain, with_tail = plan_stages(model, 2, "time", sample=x), plan_stages(model, 2, "time", sample=x, tail=tail)
+    assert len(seen) == 3
+    np.testing.assert_allclose(seen[0], model(x), rtol=1e-6)
+    assert with_tail.costs[-1] >= 0.05 > max(with_tail.costs[:-1] + plain.costs)
+    assert plain.bounds[-1] != (len(BLOCKS) - 1, len(BLOCKS)) and with_tail.bounds[-1] == (len(BLOCKS) - 1, len(BLOCKS))
+    normed = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                               keras.layers.Dense(CLASSES)])
+    before = [v.numpy() for v in normed.variables]
+    plan_stages(normed, 2, "time", sample=x, tail=lambda out: tf.reduce_mean(tf.square(out)))
+    for variable, value in zip(normed.variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=f"timing moved {variable.path}")
 
 
 def test_stage_cutting_refuses_what_it_cannot_split():

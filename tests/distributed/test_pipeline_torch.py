@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,28 @@ def test_stages_keep_the_model_names_and_cover_it():
     assert timed.stages == 2 and all(c > 0 for c in timed.costs[::2])
     with pytest.raises(PartitionError, match="partition by='time' needs sample="):
         plan_stages(model, 2, "time")
+
+
+def test_time_partition_counts_the_last_stages_loss_with_its_last_block():
+    """The loss and metrics run on the last stage only: a costly one moves the cut towards the end."""
+    model, x = make_model(), torch.randn(4, FEATURES)
+    seen = []
+
+    def tail(out):
+        seen.append(out)
+        time.sleep(0.05)   # a loss dearer than every block: the last block must then stand alone
+        return out.square().mean()
+
+    plain, with_tail = plan_stages(model, 2, "time", sample=x), plan_stages(model, 2, "time", sample=x, tail=tail)
+    blocks = len(plain.names)
+    assert len(seen) == 3 and all(out.requires_grad for out in seen)
+    torch.testing.assert_close(seen[0], model(x), rtol=0, atol=0)
+    assert with_tail.costs[-1] >= 0.05 > max(with_tail.costs[:-1] + plain.costs)
+    assert plain.bounds[-1] != (blocks - 1, blocks) and with_tail.bounds[-1] == (blocks - 1, blocks)
+    normed = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, CLASSES))
+    before = {k: v.clone() for k, v in normed.state_dict().items()}
+    plan_stages(normed, 2, "time", sample=x, tail=lambda out: out.square().mean())
+    assert all(torch.equal(v, before[k]) for k, v in normed.state_dict().items()), "timing moved BatchNorm's statistics"
     with pytest.raises(PartitionError, match="partition 'speed' is unknown"):
         plan_stages(model, 2, "speed")
     with pytest.raises(PartitionError, match="cannot split a Linear: give an nn.Sequential or a list of blocks"):
@@ -116,6 +139,12 @@ def test_model_split_in_one_process_matches_the_unsplit_model(micro_batches):
             assert rel(p - before[name], ref.state_dict()[name] - before[name]) < TOL, name
     with pytest.raises(ValueError, match="got 1 devices for 2 stages"):
         ModelSplit(make_model(), stages=2, devices=["cpu"])
+    # its state dict is the model's, under the model's keys: it loads into a split cut elsewhere, and back
+    assert list(split.state_dict()) == list(ref.state_dict())
+    elsewhere = ModelSplit(make_model(), stages=2, devices=["cpu", "cpu"], partition=[len(split.plan.names) - 1])
+    assert elsewhere.plan.bounds != split.plan.bounds
+    elsewhere.load_state_dict(split.state_dict())
+    assert all(torch.equal(v, split.state_dict()[k]) for k, v in elsewhere.state_dict().items())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="Requires: [GPUs>=2]")

@@ -24,11 +24,11 @@ def files_under(path: Path) -> list[str]:
 # others train untracked: MLflow's import, store and model logging cost each run about 15 CPU-s.
 TRACKED = ("tensorflow", "pipeline", 2, ["--parallel.schedule", "gpipe"])
 RUNS = [
-    ("torch", "model-split", 2, []),
+    ("torch", "model-split", 2, ["--parallel.partition", "time"]),   # the defaults: test_documented_commands
     ("torch", "pipeline", 2, ["--parallel.schedule", "gpipe"]),
     ("torch", "pipeline", 2, []),                       # 1f1b, the default
     ("torch", "pipeline", 4, []),                       # 2 stages x 2 replicas
-    ("tensorflow", "model-split", 2, []),               # 2 logical CPU devices per worker
+    ("tensorflow", "model-split", 2, ["--parallel.partition", "time"]),   # 2 logical CPU devices per worker
     TRACKED,
     ("tensorflow", "pipeline", 4, []),
 ]
@@ -98,3 +98,59 @@ def test_bad_stage_setting_stops_with_one_line(tmp_path, framework, strategy, ov
     assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-2000:]
     assert proc.stderr.count("config error") == 1
     assert list(workdir.iterdir()) == [], "nothing written"
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_pipeline_trains_alike_at_any_cut_and_resumes_only_at_its_own(tmp_path, framework):
+    """Where the stages cut changes nothing but speed: every stage starts from rank 0's model. A
+    checkpoint holds each stage's blocks, so a run cut elsewhere (another partition, or `time`
+    timing afresh) stops with one line naming the checkpoint's cut, and leaves its files alone."""
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", "pipeline",
+                    "--output", str(tmp_path)], check=True)
+    project = tmp_path / "proj"
+
+    def train(ranks: Path, cut: str, epochs: int, check: bool = True) -> subprocess.CompletedProcess:
+        return run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
+                               "--train.epochs", str(epochs), "--parallel.partition", cut, "--tracking.enabled", "false"],
+                           cwd=project, env={"SKIP_DIGEST": "1"}, timeout=300, check=check)
+
+    histories = []
+    for cut in ("2", "3"):
+        train(tmp_path / f"cut{cut}", cut, epochs=1)
+        [record] = [json.loads(line) for line in
+                    (tmp_path / f"cut{cut}" / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
+        histories.append(record)
+    for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
+        assert histories[0][key] == pytest.approx(histories[1][key], rel=1e-5, abs=1e-6), key
+
+    ranks = tmp_path / "cut3"
+    before = {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()}
+    proc = train(ranks, "2", epochs=2, check=False)
+    assert proc.returncode != 0
+    # train_in_rank_dir calls train() itself: the ConfigError that train.py prints as its one line
+    errors = [line for line in proc.stderr.splitlines() if "ConfigError: " in line]
+    assert errors and all(" was written by stages cut elsewhere (stages 2.. start at blocks " in e and
+                              "): resume with --parallel.partition " in e for e in errors), proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_model_split_resumes_exactly_at_another_cut(tmp_path, framework):
+    """A model-split checkpoint holds the model under its own names, whatever the cut: a run resumed
+    at another `parallel.partition` (or wherever `time` cuts at its next start) goes on exactly as
+    one that ran through at that cut."""
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy",
+                    "model-split", "--output", str(tmp_path)], check=True)
+    project = tmp_path / "proj"
+
+    def train(ranks: Path, cut: str, epochs: int) -> dict:
+        run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
+                        "--train.epochs", str(epochs), "--parallel.partition", cut, "--tracking.enabled", "false"],
+                    cwd=project, timeout=300)
+        return json.loads((ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()[-1])
+
+    train(tmp_path / "resumed", "2", epochs=1)
+    resumed, through = train(tmp_path / "resumed", "3", epochs=2), train(tmp_path / "through", "3", epochs=2)
+    assert resumed["epoch"] == through["epoch"] == 2
+    for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
+        assert resumed[key] == pytest.approx(through[key], rel=1e-6, abs=1e-7), key
