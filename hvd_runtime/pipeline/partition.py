@@ -54,7 +54,7 @@ class Partition:
         for k, cost in enumerate(self.stage_costs()):
             names = self.stage_names(k)
             span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-            parts.append(f"stage {k}: {span} ({len(names)} blocks, cost {cost:g})")
+            parts.append(f"stage {k}: {span} ({len(names)} block{'' if len(names) == 1 else 's'}, cost {cost:g})")
         return "; ".join(parts)
 
 

@@ -39,6 +39,7 @@ def test_balance_by_parameter_count_of_a_typical_mlp():
     assert plan.stage_names(1) == ["relu2", "fc3", "relu3", "head"]
     assert plan.imbalance() == pytest.approx(16576 / ((16576 + 8906) / 2))
     assert "stage 0: fc1..fc2 (3 blocks, cost 16576)" in plan.describe()
+    assert "stage 1: head (1 block, cost 650)" in partition(names, params, 2, split=["head"]).describe()
 
 
 def test_override_by_names_and_by_indices_agree():
