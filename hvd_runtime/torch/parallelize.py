@@ -140,7 +140,8 @@ def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, ste
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     if strategy == "model-split":
-        model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))  # it places each block on its own device
+        # it places each block on its own device
+        model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
     else:
         model = (apply_tp(model, ctx.tensor.group) if strategy == "tensor" else model).to(ctx.device)
     split = SplitParameters(model) if strategy == "tensor" else None

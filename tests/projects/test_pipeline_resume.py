@@ -7,7 +7,9 @@ back, so epoch 2 of the resumed run repeats epoch 2 of the uninterrupted one.
 model-split: resumed mid-epoch. The uninterrupted run checkpoints every few steps; a second run
 starts from a copy of one mid-epoch checkpoint of epoch 1 alone, which is what a job stopped at
 that step leaves behind (rank 0 is the only writer), and must end on the same losses, metrics,
-step and final weights.
+step and final weights. It resumes at another cut (stage 1 from block 3, not the parameter
+balance's 2): a model-split checkpoint holds the model under its own names, so where `time`
+cuts at the next start does not matter.
 """
 
 import json
@@ -83,7 +85,7 @@ def test_model_split_resumes_exactly_mid_epoch(tmp_path, framework):
     shutil.copy(tmp_path / "straight" / "rank0" / "checkpoints" / name,
                 tmp_path / "resumed" / "rank0" / "checkpoints" / name)
 
-    resumed, out = train(project, tmp_path / "resumed", 2, *every)
+    resumed, out = train(project, tmp_path / "resumed", 2, *every, "--parallel.partition", "3")
     assert f"resuming from checkpoints/{name}: epoch 0, step 10" in out
     # epoch 1 trained only its last steps after the resume: its train totals are partial, the rest must match
     assert_same(resumed[0], straight[0], ("val_loss", "val_accuracy"))

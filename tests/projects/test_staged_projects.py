@@ -132,25 +132,3 @@ def test_pipeline_trains_alike_at_any_cut_and_resumes_only_at_its_own(tmp_path, 
     assert errors and all(" was written by stages cut elsewhere (stages 2.. start at blocks " in e and
                               "): resume with --parallel.partition " in e for e in errors), proc.stderr[-3000:]
     assert {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()} == before
-
-
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_model_split_resumes_exactly_at_another_cut(tmp_path, framework):
-    """A model-split checkpoint holds the model under its own names, whatever the cut: a run resumed
-    at another `parallel.partition` (or wherever `time` cuts at its next start) goes on exactly as
-    one that ran through at that cut."""
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy",
-                    "model-split", "--output", str(tmp_path)], check=True)
-    project = tmp_path / "proj"
-
-    def train(ranks: Path, cut: str, epochs: int) -> dict:
-        run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
-                        "--train.epochs", str(epochs), "--parallel.partition", cut, "--tracking.enabled", "false"],
-                    cwd=project, timeout=300)
-        return json.loads((ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()[-1])
-
-    train(tmp_path / "resumed", "2", epochs=1)
-    resumed, through = train(tmp_path / "resumed", "3", epochs=2), train(tmp_path / "through", "3", epochs=2)
-    assert resumed["epoch"] == through["epoch"] == 2
-    for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
-        assert resumed[key] == pytest.approx(through[key], rel=1e-6, abs=1e-7), key
