@@ -36,6 +36,18 @@ def _split_points(cut: dict) -> str:
     return ",".join(cut["names"][start] for start, _ in cut["bounds"][1:])
 
 
+def cut_to_resume(saved: dict | None, names: list[str], pieces: int) -> list[str] | None:
+    """The split points a `partition: time` run resumes at: the checkpoint's, when it cut these
+    blocks into as many pieces; None to time afresh (nothing to resume, or another model).
+
+    Timing afresh would often cut elsewhere (stages a few tenths of a millisecond apart swap
+    places between starts), and a pipeline checkpoint loads only at its own cut.
+    """
+    if saved is None or saved["names"] != list(names) or len(saved["bounds"]) != pieces:
+        return None
+    return [saved["names"][start] for start, _ in saved["bounds"][1:]]
+
+
 def refuse_another_cut(payload: dict, plan, where: str) -> None:
     """Stop with one line when the checkpoint's stages were cut elsewhere than this run's.
 

@@ -24,14 +24,16 @@ import tensorflow as tf
 
 from hvd_runtime.config import partition_spec
 from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
+from hvd_runtime.pipeline.checkpoint import cut_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.gradients import GradientSync
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.optim import make_optimizer
 from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
+from hvd_runtime.tf.pipeline_state import newest_cut
 from hvd_runtime.tf.precision import loss_scaled
-from hvd_runtime.tf.stage import plan_stages
+from hvd_runtime.tf.stage import named_blocks, plan_stages
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.tf.tensor_parallel import apply_tp
@@ -52,12 +54,12 @@ class Parallel:
     split: SplitVariables | None = None      # tensor parallelism: the checkpoints' view of the slices
 
 
-def apply_pipeline(model: keras.Model, dims: PipelineRank, parallel_cfg, sample, tail=None) -> Stage:
+def apply_pipeline(model: keras.Model, dims: PipelineRank, partition, sample, tail=None) -> Stage:
     """This rank's stage of the unchanged model, split over its tensor-parallel group (if any).
 
-    `sample` (a micro-batch) and `tail` (the last stage's loss and metrics) are what
-    `partition: time` times."""
-    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample, tail=tail)
+    `partition`: as config.partition_spec gives it; `sample` (a micro-batch) and `tail` (the last
+    stage's loss and metrics) are what `time` times."""
+    stage = build_stage(model, dims, partition=partition, sample=sample, tail=tail)
     return split_stage(stage, dims)
 
 
@@ -103,6 +105,17 @@ def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, s
     return optimizer, step
 
 
+def pipeline_partition(model, dims: PipelineRank, ctx: Context, cfg):
+    """cfg.parallel.partition, except that `time` resumes at the newest checkpoint's cut: timed
+    afresh, stages a few tenths of a millisecond apart may swap places, and a pipeline checkpoint
+    loads only at its own cut. A fresh start (or another model) times."""
+    partition = partition_spec(cfg.parallel.partition)
+    if partition != "time":
+        return partition
+    names = [name for name, _ in named_blocks(model)]
+    return cut_to_resume(newest_cut(cfg.checkpoint, ctx), names, dims.stages * dims.chunks) or partition
+
+
 def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
     """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
@@ -114,7 +127,7 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     # stage starts from the same model wherever the stages cut (`partition: time` may cut
     # differently from one start to the next) and a run is the same at any cut.
     hvd.broadcast_variables([v.value for v in model.variables if "float" in str(v.dtype)], root_rank=0)
-    stage = apply_pipeline(model, dims, cfg.parallel, *timing_sample(dataset, cfg))
+    stage = apply_pipeline(model, dims, pipeline_partition(model, dims, ctx, cfg), *timing_sample(dataset, cfg))
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, dims), steps_per_epoch, clip=False)
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,

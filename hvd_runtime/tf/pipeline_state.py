@@ -20,7 +20,7 @@ from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.pipeline.checkpoint import checkpoint_payload, gather_stages, restore_own_stage
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.stage import Stage, rank_stage
-from hvd_runtime.tf.state import _assign, load_latest, misfit, rng_state, set_rng_state
+from hvd_runtime.tf.state import _assign, _read, checkpoint_store, load_latest, misfit, rng_state, set_rng_state
 
 
 def _gather_stages(stage: Stage, optimizer, dims, split=None) -> tuple[dict[int, dict], list[dict]]:
@@ -85,6 +85,18 @@ def restore_pipeline(store: CheckpointStore, stage: Stage, optimizer, dims, resu
 
     return restore_own_stage(hvd, payload, dims, f"the checkpoint {path}", misfit_of, load, set_rng_state,
                              getattr(stage, "plan", None))
+
+
+def newest_cut(checkpoint_cfg, ctx) -> dict | None:
+    """Where the newest checkpoint's stages were cut (rank 0 reads it, every rank gets it); None
+    when there is none to resume, or it predates kept cuts. Read before the stages are built."""
+    import horovod.tensorflow as hvd
+
+    cut = None
+    if ctx.is_root and checkpoint_cfg.resume:
+        found = checkpoint_store(checkpoint_cfg, ctx).load_latest(_read)
+        cut = found[1].get("cut") if found else None
+    return hvd.broadcast_object(cut, root_rank=0, name="pp.newest_cut")
 
 
 def gather_full_model(model, stage: Stage, dims, split=None):

@@ -30,13 +30,15 @@ from torch import nn
 
 from hvd_runtime.config import partition_spec
 from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
+from hvd_runtime.pipeline.checkpoint import cut_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
+from hvd_runtime.torch.pipeline_state import newest_cut
 from hvd_runtime.torch.precision import Precision
-from hvd_runtime.torch.stage import plan_stages
+from hvd_runtime.torch.stage import named_blocks, plan_stages
 from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.torch.tensor_parallel import apply_tp
@@ -57,12 +59,12 @@ class Parallel:
     split: SplitParameters | None = None     # tensor parallelism: the checkpoints' view of the slices
 
 
-def apply_pipeline(model: nn.Module, dims: PipelineRank, parallel_cfg, sample: torch.Tensor, tail=None) -> nn.Module:
+def apply_pipeline(model: nn.Module, dims: PipelineRank, partition, sample: torch.Tensor, tail=None) -> nn.Module:
     """This rank's stage of the unchanged model, split over its tensor-parallel group (if any).
 
-    `sample` (a micro-batch) and `tail` (the last stage's loss and metrics) are what
-    `partition: time` times."""
-    stage = build_stage(model, dims, partition=partition_spec(parallel_cfg.partition), sample=sample, tail=tail)
+    `partition`: as config.partition_spec gives it; `sample` (a micro-batch) and `tail` (the last
+    stage's loss and metrics) are what `time` times."""
+    stage = build_stage(model, dims, partition=partition, sample=sample, tail=tail)
     return split_stage(stage, dims)
 
 
@@ -106,6 +108,17 @@ def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabOb
     return optimizer, step
 
 
+def pipeline_partition(model, dims: PipelineRank, ctx: Context, cfg):
+    """cfg.parallel.partition, except that `time` resumes at the newest checkpoint's cut: timed
+    afresh, stages a few tenths of a millisecond apart may swap places, and a pipeline checkpoint
+    loads only at its own cut. A fresh start (or another model) times."""
+    partition = partition_spec(cfg.parallel.partition)
+    if partition != "time":
+        return partition
+    names = [name for name, _ in named_blocks(model)]
+    return cut_to_resume(newest_cut(cfg.checkpoint, ctx), names, dims.stages * dims.chunks) or partition
+
+
 def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
     """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
@@ -117,7 +130,8 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     # stage starts from the same model wherever the stages cut (`partition: time` may cut
     # differently from one start to the next) and a run is the same at any cut.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    stage = apply_pipeline(model, dims, cfg.parallel, *timing_sample(dataset, cfg)).to(ctx.device)
+    partition = pipeline_partition(model, dims, ctx, cfg)
+    stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg)).to(ctx.device)
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
     optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))

@@ -17,7 +17,8 @@ from torch import nn
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.pipeline.checkpoint import checkpoint_payload, gather_stages, restore_own_stage
 from hvd_runtime.torch.buffers import average_buffers
-from hvd_runtime.torch.state import _to_cpu, load_latest, model_misfit, rng_state, saved_shapes, set_rng_state
+from hvd_runtime.torch.state import (_to_cpu, checkpoint_store, load_latest, model_misfit, rng_state, saved_shapes,
+                                     set_rng_state)
 
 
 def _gather_stages(stage: nn.Module, optimizer, dims, split=None) -> tuple[dict[int, dict], list[dict]]:
@@ -67,6 +68,19 @@ def restore_pipeline(store: CheckpointStore, stage: nn.Module, optimizer, dims, 
     return restore_own_stage(hvd, payload, dims, f"the checkpoint in {store.directory}",
                              lambda part: model_misfit(part["model"], saved_shapes(stage, split)), load, set_rng_state,
                              getattr(stage, "plan", None))
+
+
+def newest_cut(checkpoint_cfg, ctx) -> dict | None:
+    """Where the newest checkpoint's stages were cut (rank 0 reads it, every rank gets it); None
+    when there is none to resume, or it predates kept cuts. Read before the stages are built."""
+    import horovod.torch as hvd
+
+    cut = None
+    if ctx.is_root and checkpoint_cfg.resume:
+        found = checkpoint_store(checkpoint_cfg, ctx).load_latest(
+            lambda path: torch.load(path, map_location="cpu", weights_only=False))
+        cut = found[1].get("cut") if found else None
+    return hvd.broadcast_object(cut, root_rank=0, name="pp.newest_cut")
 
 
 def gather_full_model(model: nn.Module, stage: nn.Module, dims, split=None) -> nn.Module:

@@ -103,8 +103,8 @@ def test_bad_stage_setting_stops_with_one_line(tmp_path, framework, strategy, ov
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_pipeline_trains_alike_at_any_cut_and_resumes_only_at_its_own(tmp_path, framework):
     """Where the stages cut changes nothing but speed: every stage starts from rank 0's model. A
-    checkpoint holds each stage's blocks, so a run cut elsewhere (another partition, or `time`
-    timing afresh) stops with one line naming the checkpoint's cut, and leaves its files alone."""
+    checkpoint holds each stage's blocks, so a run cut elsewhere stops with one line naming the
+    checkpoint's cut and leaves its files alone; `time` resumes at the checkpoint's cut."""
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", "pipeline",
                     "--output", str(tmp_path)], check=True)
     project = tmp_path / "proj"
@@ -132,3 +132,7 @@ def test_pipeline_trains_alike_at_any_cut_and_resumes_only_at_its_own(tmp_path, 
     assert errors and all(" was written by stages cut elsewhere (stages 2.. start at blocks " in e and
                               "): resume with --parallel.partition " in e for e in errors), proc.stderr[-3000:]
     assert {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()} == before
+    # `time` resumes where the checkpoint cut (stage 1: block 3 alone), whatever its timings would say
+    resumed = train(ranks, "time", epochs=2)
+    assert "resuming from checkpoints/ckpt-" in resumed.stdout and "; stage 1: " in resumed.stdout
+    assert resumed.stdout.split("; stage 1: ", 1)[1].split("\n", 1)[0].endswith("(1 block, cost 650)")
