@@ -36,15 +36,21 @@ def _split_points(cut: dict) -> str:
     return ",".join(cut["names"][start] for start, _ in cut["bounds"][1:])
 
 
-def cut_to_resume(saved: dict | None, names: list[str], pieces: int) -> list[str] | None:
-    """The split points a `partition: time` run resumes at: the checkpoint's, when it cut these
-    blocks into as many pieces; None to time afresh (nothing to resume, or another model).
+def partition_to_resume(partition, names: list[str], pieces: int, newest_cut: Callable[[], dict | None]):
+    """The partition to cut a pipeline by: `partition` (as config.partition_spec gives it), except
+    that `time` resumes at the newest checkpoint's split points when it cut these blocks into as
+    many pieces; a fresh start, or a checkpoint of another model, times.
 
     Timing afresh would often cut elsewhere (stages a few tenths of a millisecond apart swap
-    places between starts), and a pipeline checkpoint loads only at its own cut.
+    places between starts), and a pipeline checkpoint loads only at its own cut. `newest_cut`
+    (the framework's pipeline_state.newest_cut: rank 0 reads the checkpoint) is called for `time`
+    only.
     """
+    if partition != "time":
+        return partition
+    saved = newest_cut()
     if saved is None or saved["names"] != list(names) or len(saved["bounds"]) != pieces:
-        return None
+        return partition
     return [saved["names"][start] for start, _ in saved["bounds"][1:]]
 
 

@@ -50,33 +50,26 @@ def time_costs(model, sample, repeats: int = 3, tail=None) -> list[float]:
     layers = named_blocks(model)
     kept = [(v, v.numpy()) for _, layer in layers for v in layer.non_trainable_variables]  # BatchNorm's statistics
     for _, layer in layers:
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                out = layer(x, training=True)
-                total = tf.reduce_sum(tf.cast(out, tf.float32))
-            tape.gradient(total, [x, *layer.trainable_variables])
-            best = min(best, time.perf_counter() - start)
-        costs.append(best)
+        costs.append(_fastest_gradient(lambda inp: tf.reduce_sum(tf.cast(layer(inp, training=True), tf.float32)),
+                                       x, layer.trainable_variables, repeats))
         x = layer(x, training=False)
     if tail is not None:
-        costs[-1] += _tail_seconds(tail, x, repeats)
+        costs[-1] += _fastest_gradient(tail, x, [], repeats)
     for variable, before in kept:   # timing trains nothing: the statistics it moved go back
         variable.assign(before)
     return costs
 
 
-def _tail_seconds(tail, out, repeats: int) -> float:
-    """The fastest of `repeats` runs of tail(out) and its gradient down to the model's output."""
+def _fastest_gradient(fn, x, variables, repeats: int) -> float:
+    """The fastest of `repeats` runs of fn(x) -> a scalar and its gradient for x and `variables`
+    (a layer and its weights, or the tail)."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         with tf.GradientTape() as tape:
-            tape.watch(out)
-            loss = tail(out)
-        tape.gradient(loss, out)
+            tape.watch(x)
+            value = fn(x)
+        tape.gradient(value, [x, *variables])
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from hvd_runtime.config import partition_spec
 from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
-from hvd_runtime.pipeline.checkpoint import cut_to_resume
+from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.model_split import ModelSplit
@@ -109,14 +109,9 @@ def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabOb
 
 
 def pipeline_partition(model, dims: PipelineRank, ctx: Context, cfg):
-    """cfg.parallel.partition, except that `time` resumes at the newest checkpoint's cut: timed
-    afresh, stages a few tenths of a millisecond apart may swap places, and a pipeline checkpoint
-    loads only at its own cut. A fresh start (or another model) times."""
-    partition = partition_spec(cfg.parallel.partition)
-    if partition != "time":
-        return partition
-    names = [name for name, _ in named_blocks(model)]
-    return cut_to_resume(newest_cut(cfg.checkpoint, ctx), names, dims.stages * dims.chunks) or partition
+    """cfg.parallel.partition; `time` resumes at the newest checkpoint's cut (partition_to_resume)."""
+    return partition_to_resume(partition_spec(cfg.parallel.partition), [name for name, _ in named_blocks(model)],
+                               dims.stages * dims.chunks, lambda: newest_cut(cfg.checkpoint, ctx))
 
 
 def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:

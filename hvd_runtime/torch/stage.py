@@ -56,35 +56,28 @@ def time_costs(model, sample: torch.Tensor, repeats: int = 3, tail=None) -> list
     blocks = named_blocks(model)
     kept = [b.detach().clone() for _, block in blocks for b in block.buffers()]  # BatchNorm's statistics
     for _, block in blocks:
-        best = float("inf")
-        for _ in range(repeats):
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            out = block(inp)
-            if out.requires_grad:
-                out.float().sum().backward()
-            best = min(best, time.perf_counter() - start)
+        costs.append(_fastest_forward_backward(lambda inp: block(inp).float().sum(), x, repeats))
         block.zero_grad(set_to_none=True)
-        costs.append(best)
         with torch.no_grad():
             x = block(x)
     if tail is not None:
-        costs[-1] += _tail_seconds(tail, x, repeats)
+        costs[-1] += _fastest_forward_backward(tail, x, repeats)
     with torch.no_grad():   # timing trains nothing: the statistics it moved go back
         for b, before in zip((b for _, block in blocks for b in block.buffers()), kept):
             b.copy_(before)
     return costs
 
 
-def _tail_seconds(tail, out: torch.Tensor, repeats: int) -> float:
-    """The fastest of `repeats` runs of tail(out) and its backward down to the model's output."""
+def _fastest_forward_backward(fn, x: torch.Tensor, repeats: int) -> float:
+    """The fastest of `repeats` runs of fn(x) -> a scalar and its backward down to x (a block and
+    its parameters, or the tail)."""
     best = float("inf")
     for _ in range(repeats):
-        inp = out.detach().requires_grad_(out.is_floating_point())
+        inp = x.detach().requires_grad_(x.is_floating_point())
         start = time.perf_counter()
-        loss = tail(inp)
-        if loss.requires_grad:
-            loss.backward()
+        value = fn(inp)
+        if value.requires_grad:
+            value.backward()
         best = min(best, time.perf_counter() - start)
     return best
 
