@@ -18,9 +18,11 @@ from hvdgen.errors import HvdgenError
 @click.option("--out", "-o", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG to write (default: RUN_DIR/timeline.png).")
 def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
-    """Draw a pipeline run's timeline and print its measured bubble against the schedule's theory."""
+    """Draw a pipeline run's timeline and print its measured bubble against the schedule's theory
+    and against the schedule replayed with the run's own compute times."""
     from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, schedule_bubble, theory_peak_in_flight
-    from hvd_runtime.pipeline.timeline import load_timeline, measured_bubble, peak_in_flight, plot_timeline, step_bubble
+    from hvd_runtime.pipeline.timeline import (load_timeline, measured_bubble, peak_in_flight, plot_timeline,
+                                               replayed_bubble, step_bubble, step_replayed_bubble)
 
     try:
         tl = load_timeline(run_dir)
@@ -51,6 +53,9 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
         formula = ("the schedule on ideal hardware, weight halves one unit each" if name == "zb-h1" else
                    "the schedule on ideal hardware, weight halves one unit each as if not batched")
     click.echo(f"theory   bubble {schedule_bubble(name, p, m, v):.3f} = {formula}")
+    replayed = step_replayed_bubble(tl, step) if step is not None else replayed_bubble(tl)
+    click.echo(f"replayed bubble {replayed:.3f}: this run's compute times on the schedule, messages free; "
+               "above it, messages and the work between actions; between it and theory, unequal stages")
     shown_step = step if step is not None else tl.steps[-1]
     peaks = peak_in_flight(tl, shown_step)
     stages = {r["rank"]: r["stage"] for r in tl.ranks}

@@ -21,7 +21,8 @@ import numpy as np
 
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
 from hvd_runtime.pipeline.schedule import INTERLEAVED, Op, build_schedule, interleaved_misfit, schedule_bubble
-from hvd_runtime.pipeline.timeline import TimelineRecorder, load_timeline, measured_bubble, plot_timeline, save_timeline
+from hvd_runtime.pipeline.timeline import (TimelineRecorder, load_timeline, measured_bubble, plot_timeline, replayed_bubble,
+                                           save_timeline)
 
 
 class PipelineEngineBase:
@@ -327,7 +328,8 @@ class PipelineEngineBase:
             save_timeline(run_dir, records, meta)
 
     def close_timeline(self, run_dir) -> dict | None:
-        """Every rank calls: gather the timelines; rank 0 draws them and returns the bubble against theory.
+        """Every rank calls: gather the timelines; rank 0 draws them and returns the bubble against theory,
+        and replayed: this run's compute times on the schedule with free messages (timeline.replayed_bubble).
 
         None on other ranks, and when this run trained no step (a restart after the last epoch).
         """
@@ -340,4 +342,5 @@ class PipelineEngineBase:
         stages, m = self.dims.stages, self.micro_batches
         return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),
                 "bubble_measured": measured_bubble(timeline),
+                "bubble_replayed": replayed_bubble(timeline),
                 "bubble_theory": schedule_bubble(self.schedule, stages, m, self.chunks)}

@@ -346,11 +346,15 @@ class Slot:
 
 
 def simulate(schedule: Sequence[Sequence[Action]], forward_time: float = 1.0,
-             backward_time: float = 1.0, weight_time: float = 0.0) -> list[list[Slot]]:
+             backward_time: float = 1.0, weight_time: float = 0.0,
+             durations: Callable[[int, Action], float] | None = None, latency: float = 0.0) -> list[list[Slot]]:
     """Play a schedule on ideal hardware: compute takes fixed time, messages are free.
 
     Times are a whole stage's: an input backward takes `backward_time`, a weight backward
     `weight_time`, and a whole backward both; with v chunks per rank, a chunk's action 1/v of that.
+    `durations(stage, action)`, where given, is each compute action's own time instead (a measured
+    run's, to replay it: hvd_runtime.pipeline.timeline.replayed_bubble). `latency` delays every
+    message by that much between its send and the earliest receive.
 
     Sends are non-blocking; a receive waits for its matching send. Messages from one rank to
     another of one kind (activations, gradients) arrive in the order sent, as on the pipeline's
@@ -383,10 +387,10 @@ def simulate(schedule: Sequence[Sequence[Action]], forward_time: float = 1.0,
                         raise RuntimeError(f"stage {s} at {a} would receive {kind} of micro-batch {mb} for chunk "
                                            f"{chunk} first: its messages from stage {source % p} are out of order")
                     queue.pop(0)
-                    start = max(start, sent_at)
+                    start = max(start, sent_at + latency)
                     end = start
                 elif a.op in COMPUTE:
-                    end = start + cost[a.op] / chunks
+                    end = start + (durations(s, a) if durations is not None else cost[a.op] / chunks)
                 else:
                     kind, dest = ("act", virtual + 1) if a.op is Op.SEND_ACT else ("grad", virtual - 1)
                     if not 0 <= dest < p * chunks:

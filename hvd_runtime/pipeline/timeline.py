@@ -6,6 +6,7 @@ Each rank records forward, backward (or its input and weight halves), send and r
 
     tl = load_timeline(run_dir)
     measured_bubble(tl)            # idle share of the schedule, to set beside schedule_bubble(name, p, m)
+    replayed_bubble(tl)            # the same schedule with this run's compute times and free messages
     plot_timeline(tl, "timeline.png")
 
 Times are wall-clock seconds (`time.time()`), comparable across the ranks of one host and, with
@@ -19,6 +20,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hvd_runtime.pipeline.schedule import COMPUTE as COMPUTE_OPS
+from hvd_runtime.pipeline.schedule import build_schedule, simulate
 
 FILE = "timeline.json"
 KINDS = ("forward", "backward", "backward_input", "backward_weight", "send", "recv", "idle")
@@ -152,6 +156,50 @@ def measured_bubble(tl: Timeline, skip_first: bool = True) -> float:
     if skip_first and len(steps) > 1:
         steps = steps[1:]
     return sum(step_bubble(tl, s) for s in steps) / len(steps)
+
+
+def step_replayed_bubble(tl: Timeline, step: int) -> float:
+    """The bubble of `step` replayed: its schedule played with the step's own compute times and free messages.
+
+    Each compute action takes what it took in the step, each starts as soon as its stage is free
+    and its input has been sent (schedule.simulate), so the replay's span is the least these
+    compute times allow in this order and the measured span can only be longer. What separates
+    the two is the price of the messages (sends, the link's delivery, the wait for a late rank)
+    and of the work between actions. What separates the replay from `schedule_bubble` is the
+    compute itself: stages of unequal cost (the cut), the last stage's loss, micro-batches of
+    unequal size. Replicas replay apart, over the step's longest replay, as step_bubble counts them.
+    """
+    meta = tl.meta
+    stages, chunks = int(meta.get("stages", 1)), int(meta.get("chunks", 1))
+    replicas: dict[int, dict[int, list[dict]]] = {}
+    for rank, events in tl.step_events(step):
+        replicas.setdefault(rank.get("replica", 0), {})[rank["stage"]] = events
+    busy, spans = 0.0, []
+    for by_stage in replicas.values():
+        took: dict[tuple, float] = {}
+        for stage, events in by_stage.items():
+            for e in events:
+                if e["kind"] in COMPUTE:
+                    key = (stage, e["kind"], e["mb"], e.get("chunk", 0))
+                    took[key] = took.get(key, 0.0) + e["end"] - e["start"]
+        # an epoch's last batch may have fewer micro-batches than configured: count what ran
+        m = len({mb for (_, kind, mb, _) in took if kind == "forward"})
+        if not m:
+            continue
+        slots = simulate(build_schedule(meta.get("schedule", "1f1b"), stages, m, chunks),
+                         durations=lambda s, a: took.get((s, a.op.value, a.micro_batch, a.chunk), 0.0))
+        busy += sum(sl.end - sl.start for row in slots for sl in row if sl.action.op in COMPUTE_OPS)
+        spans.append(max((sl.end for row in slots for sl in row), default=0.0))
+    span = max(spans, default=0.0)
+    return 1.0 - busy / (len(tl.ranks) * span) if span > 0 else 0.0
+
+
+def replayed_bubble(tl: Timeline, skip_first: bool = True) -> float:
+    """Mean replayed bubble over the recorded steps (step_replayed_bubble), skipping the first as measured_bubble does."""
+    steps = tl.steps
+    if skip_first and len(steps) > 1:
+        steps = steps[1:]
+    return sum(step_replayed_bubble(tl, s) for s in steps) / len(steps)
 
 
 def peak_in_flight(tl: Timeline, step: int) -> dict[int, int]:

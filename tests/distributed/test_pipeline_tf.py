@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from hvd_runtime.pipeline.partition import PartitionError
-from hvd_runtime.pipeline.timeline import load_timeline
+from hvd_runtime.pipeline.timeline import load_timeline, step_bubble, step_replayed_bubble
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.p2p import decode, encode
 from hvd_runtime.tf.stage import build_stage, plan_stages
@@ -211,6 +211,9 @@ def test_tf_pipeline_records_a_timeline(pipeline_jobs):
         kinds = [(e["kind"], e["mb"]) for e in rank["events"] if e["step"] == 1]
         for kind in ("forward", "backward"):
             assert sorted(mb for k, mb in kinds if k == kind) == [0, 1, 2, 3]
+    # the schedule replayed with these steps' compute times and free messages can only be shorter
+    for step in tl.steps:
+        assert 0.0 <= step_replayed_bubble(tl, step) <= step_bubble(tl, step) + 1e-9
 
 
 # Every case above, by its id, as (the job's grid, the case's own flags): the cases of one grid run

@@ -22,7 +22,7 @@ from helpers import horovodrun_path, run_horovod, venv_env
 from pipeline_checks import TOL, check_against_reference
 from pipeline_jobs import grid_jobs, model_split_job
 from hvd_runtime.pipeline.partition import PartitionError
-from hvd_runtime.pipeline.timeline import load_timeline
+from hvd_runtime.pipeline.timeline import load_timeline, replayed_bubble, step_bubble, step_replayed_bubble
 from hvd_runtime.torch.grid import PipelineConfigError
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.p2p import _header, _read_header
@@ -283,10 +283,14 @@ def test_pipeline_records_a_timeline_the_cli_can_draw(pipeline_jobs, schedule):
             # a rank sends and receives once per micro-batch and chunk, but for the model's two ends
             messages = 4 * (2 * chunks - 1)
             assert sum(k == "send" for k, _, _ in kinds) == messages and sum(k == "recv" for k, _, _ in kinds) == messages
+    # the schedule replayed with these steps' compute times and free messages can only be shorter
+    for step in tl.steps:
+        assert 0.0 <= step_replayed_bubble(tl, step) <= step_bubble(tl, step) + 1e-9
     result = CliRunner().invoke(cli, ["timeline", str(run)])
     assert result.exit_code == 0, result.output
     assert theory in result.output and (run / "timeline.png").exists()
     assert f"micro-batches in flight, step 2: {held}" in result.output
+    assert f"replayed bubble {replayed_bubble(tl):.3f}: " in result.output
 
 
 def timeline_chunks(schedule: str) -> int:

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from hvd_runtime.pipeline import timeline
 from hvd_runtime.pipeline.schedule import Op, build_schedule, bubble_fraction, schedule_bubble, simulate
 from hvd_runtime.pipeline.timeline import (TimelineRecorder, load_timeline, measured_bubble, peak_in_flight, plot_timeline,
-                                  save_timeline, step_bubble)
+                                           replayed_bubble, save_timeline, step_bubble, step_replayed_bubble)
 from hvdgen.cli import main
 
 KIND = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_ACT: "send", Op.SEND_GRAD: "send",
@@ -17,20 +17,32 @@ KIND = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_ACT: "send", Op.
         Op.BACKWARD_WEIGHT: "backward_weight"}
 
 
-def simulated_records(name, p, m, steps=2, tb=2.0):
-    """Per-rank records of an ideal run: each step starts where the previous ended, times in ms.
+def simulated_records(name, p, m, steps=2, tb=2.0, chunks=1, replicas=1, slower=None, latency=0.0, last_m=None):
+    """Per-rank records of a run played by the simulator: each step starts where the previous ended, times in ms.
 
-    A whole backward takes tb; a zero-bubble schedule's halves take half of it each."""
-    recs = [TimelineRecorder(rank=s, stage=s) for s in range(p)]
+    A whole backward takes tb; a split backward's halves take half of it each. `slower`: {stage:
+    factor} for stages whose compute takes longer; `latency`: ms between a send and its receive;
+    `last_m`: the micro-batches of the last step (an epoch's short last batch). Rank r is stage
+    r % p of replica r // p; replica k computes (1 + k / 10) times slower, so replicas differ."""
+    recs = [TimelineRecorder(rank=r, stage=r % p, replica=r // p) for r in range(p * replicas)]
     t0 = 1000.0
     for step in range(steps):
-        times = (1.0, tb) if name != "zb-h1" else (1.0, tb / 2, tb / 2)
-        slots = simulate(build_schedule(name, p, m), *times)
-        for s, row in enumerate(slots):
-            recs[s].step = step
-            for sl in row:
-                recs[s].add(KIND[sl.action.op], sl.action.micro_batch, t0 + sl.start / 1e3, t0 + sl.end / 1e3)
-        t0 += max(sl.end for row in slots for sl in row) / 1e3 + 0.001
+        mb = last_m if last_m and step == steps - 1 else m
+        end = 0.0
+        for k in range(replicas):
+            def took(stage, action):
+                base = {Op.FORWARD: 1.0, Op.BACKWARD: tb}.get(action.op, tb / 2)
+                return base / chunks * (slower or {}).get(stage, 1.0) * (1 + k / 10)
+
+            slots = simulate(build_schedule(name, p, mb, chunks), durations=took, latency=latency)
+            for s, row in enumerate(slots):
+                rec = recs[k * p + s]
+                rec.step = step
+                for sl in row:
+                    rec.add(KIND[sl.action.op], sl.action.micro_batch, t0 + sl.start / 1e3, t0 + sl.end / 1e3,
+                            sl.action.chunk)
+            end = max(end, max(sl.end for row in slots for sl in row))
+        t0 += end / 1e3 + 0.001
     return [r.record() for r in recs]
 
 
@@ -44,6 +56,45 @@ def test_measured_bubble_of_an_ideal_run_matches_theory(tmp_path, name, m):
     assert measured_bubble(tl) == pytest.approx(schedule_bubble(name, 2, m), rel=1e-6)
     if name != "zb-h1":
         assert schedule_bubble(name, 2, m) == bubble_fraction(2, m)
+
+
+SHAPES = [("gpipe", 2, 4, 1), ("1f1b", 2, 8, 1), ("1f1b", 3, 4, 1), ("zb-h1", 3, 6, 1), ("1f1b-batched-w", 2, 4, 1),
+          ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 3, 2)]
+
+
+@pytest.mark.parametrize("name, p, m, chunks", SHAPES)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_replayed_bubble_tells_message_cost_from_unequal_stages(tmp_path, name, p, m, chunks, replicas):
+    """The replay keeps each action's measured time and makes messages free: it equals the measured
+    bubble where messages were free, whatever the stages cost, and stays there when they are not."""
+    def bubbles(**run):
+        meta = {"schedule": name, "stages": p, "replicas": replicas, "micro_batches": m, "chunks": chunks}
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        save_timeline(folder, simulated_records(name, p, m, steps=3, chunks=chunks, replicas=replicas, **run), meta)
+        tl = load_timeline(folder)
+        return measured_bubble(tl), replayed_bubble(tl)
+
+    measured, replayed = bubbles()
+    assert replayed == pytest.approx(measured, rel=1e-9)
+    if replicas == 1:   # unit costs (a split backward's halves one unit each): the theory's own case
+        assert measured == pytest.approx(schedule_bubble(name, p, m, chunks), rel=1e-6)
+    slow_link, replayed_slow_link = bubbles(latency=0.4)       # each message 0.4 of a forward late
+    assert slow_link > measured + 0.02
+    assert replayed_slow_link == pytest.approx(replayed, rel=1e-9)    # the same compute: the same replay
+    unequal, replayed_unequal = bubbles(slower={p - 1: 1.5})   # the last stage's compute 1.5 times the others'
+    assert replayed_unequal == pytest.approx(unequal, rel=1e-9) and unequal > measured + 0.02
+    both, replayed_both = bubbles(slower={p - 1: 1.5}, latency=0.4)
+    assert replayed_both == pytest.approx(unequal, rel=1e-9) and both > unequal + 1e-3
+
+
+def test_replay_plays_a_short_last_batch_with_its_own_micro_batches(tmp_path):
+    """An epoch's last batch may hold fewer micro-batches than configured; the replay counts what ran."""
+    save_timeline(tmp_path, simulated_records("1f1b", 2, 4, steps=3, last_m=2),
+                  {"schedule": "1f1b", "stages": 2, "replicas": 1, "micro_batches": 4, "chunks": 1})
+    tl = load_timeline(tmp_path)
+    assert step_replayed_bubble(tl, 2) == pytest.approx(step_bubble(tl, 2), rel=1e-9)
+    assert step_bubble(tl, 2) == pytest.approx(bubble_fraction(2, 2), rel=1e-6)
+    assert step_replayed_bubble(tl, 1) == pytest.approx(bubble_fraction(2, 4), rel=1e-6)
 
 
 def test_idle_fills_every_gap_so_each_row_covers_the_step(tmp_path):
@@ -104,6 +155,7 @@ def test_cli_prints_measured_and_theory_and_writes_png(tmp_path):
     measured = float(result.output.split("measured bubble ")[1].split()[0])
     assert measured == pytest.approx(0.2, abs=0.01)
     assert "theory   bubble 0.200 = (p-1)/(m+p-1)" in result.output
+    assert "replayed bubble 0.200: this run's compute times on the schedule, messages free" in result.output
     assert "micro-batches in flight, step 2: stage 0: 2, stage 1: 1 (theory: at most 2)" in result.output
     assert (tmp_path / "timeline.png").exists()
     result = CliRunner().invoke(main, ["timeline", str(tmp_path), "--step", "1", "-o", str(tmp_path / "s1.png")])
