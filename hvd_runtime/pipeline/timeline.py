@@ -150,12 +150,17 @@ def step_bubble(tl: Timeline, step: int) -> float:
     return 1.0 - busy / (len(tl.ranks) * span) if span > 0 else 0.0
 
 
-def measured_bubble(tl: Timeline, skip_first: bool = True) -> float:
-    """Mean bubble over the recorded steps; the first is skipped (warm-up) when there are others."""
+def _mean_over_steps(tl: Timeline, per_step, skip_first: bool) -> float:
+    """Mean of `per_step(tl, step)` over the recorded steps; the first is skipped (warm-up) when there are others."""
     steps = tl.steps
     if skip_first and len(steps) > 1:
         steps = steps[1:]
-    return sum(step_bubble(tl, s) for s in steps) / len(steps)
+    return sum(per_step(tl, s) for s in steps) / len(steps)
+
+
+def measured_bubble(tl: Timeline, skip_first: bool = True) -> float:
+    """Mean bubble over the recorded steps; the first is skipped (warm-up) when there are others."""
+    return _mean_over_steps(tl, step_bubble, skip_first)
 
 
 def step_replayed_bubble(tl: Timeline, step: int) -> float:
@@ -196,10 +201,7 @@ def step_replayed_bubble(tl: Timeline, step: int) -> float:
 
 def replayed_bubble(tl: Timeline, skip_first: bool = True) -> float:
     """Mean replayed bubble over the recorded steps (step_replayed_bubble), skipping the first as measured_bubble does."""
-    steps = tl.steps
-    if skip_first and len(steps) > 1:
-        steps = steps[1:]
-    return sum(step_replayed_bubble(tl, s) for s in steps) / len(steps)
+    return _mean_over_steps(tl, step_replayed_bubble, skip_first)
 
 
 def peak_in_flight(tl: Timeline, step: int) -> dict[int, int]:
