@@ -53,9 +53,13 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
         formula = ("the schedule on ideal hardware, weight halves one unit each" if name == "zb-h1" else
                    "the schedule on ideal hardware, weight halves one unit each as if not batched")
     click.echo(f"theory   bubble {schedule_bubble(name, p, m, v):.3f} = {formula}")
-    replayed = step_replayed_bubble(tl, step) if step is not None else replayed_bubble(tl)
-    click.echo(f"replayed bubble {replayed:.3f}: this run's compute times on the schedule, messages free; "
-               "above it, messages and the work between actions; between it and theory, unequal stages")
+    if meta.get("schedule", "1f1b") in SCHEDULES:
+        replayed = step_replayed_bubble(tl, step) if step is not None else replayed_bubble(tl)
+        click.echo(f"replayed bubble {replayed:.3f}: this run's compute times on the schedule, messages free; "
+                   "above it, messages and the work between actions; between it and theory, unequal stages")
+    else:   # a schedule this hvdgen does not know (a newer one's file): it cannot be played again
+        click.echo(f"replayed bubble: not for schedule {meta['schedule']!r}, which this hvdgen cannot play "
+                   f"(it knows {', '.join(SCHEDULES)})")
     shown_step = step if step is not None else tl.steps[-1]
     peaks = peak_in_flight(tl, shown_step)
     stages = {r["rank"]: r["stage"] for r in tl.ranks}

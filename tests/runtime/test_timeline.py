@@ -187,6 +187,16 @@ def test_cli_on_a_run_that_trained_no_step_says_so_in_one_line_and_draws_nothing
     assert sorted(tmp_path.iterdir()) == before
 
 
+def test_cli_on_a_schedule_it_does_not_know_draws_and_says_it_cannot_replay(tmp_path):
+    """A timeline of a schedule this hvdgen lacks (a newer hvdgen's): the theory falls back to
+    1F1B's as before, and the replay, which needs the real schedule, says so in one line."""
+    save_timeline(tmp_path, simulated_records("1f1b", 2, 4), {"schedule": "weird", "stages": 2, "micro_batches": 4})
+    result = CliRunner().invoke(main, ["timeline", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "replayed bubble: not for schedule 'weird', which this hvdgen cannot play (it knows gpipe, " in result.output
+    assert "replayed bubble 0" not in result.output and (tmp_path / "timeline.png").exists()
+
+
 def test_step_bubble_of_a_missing_step(tmp_path):
     save_timeline(tmp_path, simulated_records("gpipe", 2, 2, steps=1), {})
     with pytest.raises(ValueError, match="no events in step 5"):
