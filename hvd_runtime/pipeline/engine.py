@@ -178,7 +178,7 @@ class PipelineEngineBase:
                     out, loss = self._forward(c, i, inp, y, sizes[i] / total, train)
                     if last:
                         stats = self._stats(loss, out, y, sizes[i])
-                        sums = stats if sums is None else [a + b for a, b in zip(sums, stats)]
+                        sums = stats if sums is None else self._add_stats(sums, stats)
                     else:
                         outputs[key] = out
                     if train or not last:
@@ -226,6 +226,11 @@ class PipelineEngineBase:
                 self._metric_names = sorted(metrics)
             values += [metrics[k] * n for k in self._metric_names]
         return values
+
+    @staticmethod
+    def _add_stats(sums, more):
+        """Two micro-batches' (or batches') sums added, as _stats gives them: a list, element by element."""
+        return [a + b for a, b in zip(sums, more)]
 
     def _metrics(self, out, y) -> dict[str, float]:
         return self.metrics_fn(out, y)
@@ -314,7 +319,7 @@ class PipelineEngineBase:
                 xs, ys, sizes, n = self._split(x, y, None)
                 s = self._run(self._actions_for(len(sizes))[1], xs, ys, sizes, n, train=False)
                 if s is not None:   # the last stage
-                    sums = s if sums is None else [a + b for a, b in zip(sums, s)]
+                    sums = s if sums is None else self._add_stats(sums, s)
         finally:
             self.recorder.enabled = recording
         return self._report(sums, "pp.eval_report")
