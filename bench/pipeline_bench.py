@@ -141,11 +141,13 @@ def worker(steps: int, full_steps: int, out: Path, p2p: str) -> None:
             busy = [sum(e["end"] - e["start"] for r, evs in tl.step_events(s) for e in evs
                         if e["kind"] in COMPUTE and r["stage"] == 0) for s in tl.steps[2:]]
             ratios = [b / t for b, t in zip(base_times[2:], times[2:])]
-            rows.append({"schedule": schedule, "m": m, "batch": size, "step_s": min(times[2:]), "base_s": min(base_times[2:]),
+            rows.append({"schedule": schedule, "m": m, "batch": size, "step_s": min(times[2:]),
+                         "base_s": min(base_times[2:]),
                          "speedup": statistics.median(ratios), "speedup_best": min(base_times[2:]) / min(times[2:]),
                          "bubble": statistics.median(bubbles), "bubble_best": min(bubbles),
                          "replayed": statistics.median(replays),
-                         "peaks": all_peaks, "run": str(run), "steps": timed, "span_s": min(spans), "stage0_compute_s": min(busy)})
+                         "peaks": all_peaks, "run": str(run), "steps": timed, "span_s": min(spans),
+                         "stage0_compute_s": min(busy)})
     if hvd.rank() == 0:
         Path(out).write_text(json.dumps(rows, indent=1))
 
@@ -285,8 +287,8 @@ def main() -> None:
         horovodrun = Path(sys.executable).with_name("horovodrun")
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         subprocess.run([str(horovodrun), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, __file__,
-                        "--worker", "--steps", str(args.steps), "--full-steps", str(args.full_steps), "--p2p", args.p2p, "--out", str(out)], check=True,
-                       env=env)
+                        "--worker", "--steps", str(args.steps), "--full-steps", str(args.full_steps),
+                        "--p2p", args.p2p, "--out", str(out)], check=True, env=env)
         rows = json.loads(out.read_text())
         from hvd_runtime.pipeline.timeline import load_timeline, plot_timeline
 
