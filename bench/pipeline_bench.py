@@ -215,8 +215,8 @@ def write_report(all_rows: list[dict], load: tuple[float, float], pngs: tuple[st
     best = max(rows, key=lambda r: r["speedup_best"])
     lines += [
         "",
-        f"Best: {best['schedule']} at m={best['m']}, **{best['speedup_best']:.2f}x** over one process "
-        f"(fastest steps; median of per-step ratios {best['speedup']:.2f}x).",
+        f"Best at batch {BATCH}: {best['schedule']} at m={best['m']}, **{best['speedup_best']:.2f}x** over one process "
+        f"(fastest steps; median of per-step ratios {best['speedup']:.2f}x){tall_speedups(full)}.",
         "",
         "Timelines of the last step at m=4 (`hvdgen timeline`), 1F1B, ZB-H1, interleaved 1F1B "
         "(boxes labelled micro-batch@chunk), then 1F1B with batched weight gradients (the one weight pass "
@@ -234,6 +234,14 @@ def write_report(all_rows: list[dict], load: tuple[float, float], pngs: tuple[st
     if full:
         lines += full_report(full, probe, theory)
     return "\n".join(lines)
+
+
+def tall_speedups(rows: list[dict]) -> str:
+    """The range of the speed-ups on tall micro-batches, for the line that gives the best at batch BATCH."""
+    if not rows:
+        return ""
+    values = [r[key] for r in rows for key in ("speedup_best", "speedup")]
+    return f"; on {FULL_BATCH // FULL_MICRO_BATCHES}-row micro-batches, below, {min(values):.2f}-{max(values):.2f}x"
 
 
 def full_report(rows: list[dict], probe: dict[int, float], theory) -> list[str]:
