@@ -29,7 +29,8 @@ MATMUL_SIZE = 512
 LOOP_STEPS = 1_000_000
 
 
-def _best_seconds(run, repeats: int) -> float:
+def best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` calls of run(), in seconds: other jobs only ever add time."""
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
@@ -92,7 +93,7 @@ def matmul_speeds(count: int = 300, rounds: int = 3) -> tuple[float, float]:
 def described() -> str:
     """The reference as a report's machine line says it."""
     gflops, share = matmul_speeds()
-    loop_ms = _best_seconds(_python_loop, repeats=5) * 1000
+    loop_ms = best_seconds(_python_loop, repeats=5) * 1000
     return (f"speed reference {gflops:.1f} GFLOP/s (one thread, {MATMUL_SIZE}x{MATMUL_SIZE} fp32 matmul) and "
             f"{loop_ms:.0f} ms (a million-step Python loop), best of a few runs; two processes at once each "
             f"ran the products at {share:.2f} of one alone (bench/machine_speed.py)")

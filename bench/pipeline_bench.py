@@ -78,12 +78,7 @@ def matmul_speed(rows: int) -> float:
     torch.set_num_threads(1)
     block = nn.Linear(WIDTH, WIDTH)
     x = torch.randn(rows, WIDTH, requires_grad=True)
-    best = float("inf")
-    for _ in range(8):
-        start = time.perf_counter()
-        block(x).sum().backward()
-        best = min(best, time.perf_counter() - start)
-    return 6 * rows * WIDTH * WIDTH / best / 1e9
+    return 6 * rows * WIDTH * WIDTH / machine_speed.best_seconds(lambda: block(x).sum().backward(), 8) / 1e9
 
 
 class Baseline:
