@@ -24,24 +24,30 @@ import sys
 import hvd_runtime.tf
 import keras.src.visualization.plot_image_gallery as gallery
 import keras.src.wrappers.fixes as fixes
-print(fixes.sklearn is not None, gallery.plt is not None, "sklearn" in sys.modules, "matplotlib" in sys.modules)
-import matplotlib.pyplot, sklearn.datasets  # afterwards, both import as usual
-print(sys.modules["sklearn"] is sklearn, sys.modules["matplotlib.pyplot"] is matplotlib.pyplot)
+import keras.src.trainers.data_adapters.array_slicing as slicing
+print(fixes.sklearn is not None, gallery.plt is not None, slicing.pandas is not None,
+      "sklearn" in sys.modules, "matplotlib" in sys.modules, "pandas" in sys.modules)
+import matplotlib.pyplot, sklearn.datasets, pandas  # afterwards, all import as usual
+print(sys.modules["sklearn"] is sklearn, sys.modules["matplotlib.pyplot"] is matplotlib.pyplot,
+      sys.modules["pandas"] is pandas)
 """
 
 
-@pytest.mark.parametrize("before, keras_sees", [("", "False False False False"),
-                                                ("import sklearn", "True False True False")])
+@pytest.mark.parametrize("before, keras_sees", [("", "False False False False False False"),
+                                                # scikit-learn imports pandas itself: neither is hidden
+                                                ("import sklearn", "True False True True False True"),
+                                                ("import pandas", "False False True False False True")])
 def test_tensorflow_comes_in_without_keras_extras_the_process_has_not_imported(before, keras_sees):
-    """hvd_runtime.tf imports TensorFlow with scikit-learn and matplotlib hidden from Keras (2 s of
-    every rank's start-up), unless the process imported them first; later they import as usual."""
+    """hvd_runtime.tf imports TensorFlow with scikit-learn, matplotlib and pandas hidden from Keras
+    (seconds of every rank's start-up), unless the process imported them first; later they import
+    as usual."""
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-c", LEAN_IMPORT_CHECK.format(before=before)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == [keras_sees, "True True"], proc.stdout
+    assert proc.stdout.splitlines() == [keras_sees, "True True True"], proc.stdout
 
 
 def split(n: int) -> Split:
