@@ -14,6 +14,7 @@ from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.rank_context import RankContext
 from hvd_runtime.scaling import cpu_threads, set_cycle_time
+from hvd_runtime.tf.native_logs import quiet_native_notices
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,15 @@ def rank_gpus(local_rank: int, local_size: int, gpu_count: int, devices_per_rank
     return [local_rank % gpu_count] if gpu_count > 0 else None
 
 
+def physical_gpus() -> list:
+    """tf.config.list_physical_devices("GPU"). The first device query of a process is where a host
+    without NVIDIA driver gets TensorFlow's cuInit "error" notice (hvd_runtime.tf.native_logs)."""
+    import tensorflow as tf
+
+    with quiet_native_notices():
+        return tf.config.list_physical_devices("GPU")
+
+
 def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, devices_per_rank: int = 1) -> str:
     """Show this rank only its own GPU(s) (rank_gpus), growing memory on demand; on CPU, cap its thread pools.
 
@@ -56,7 +66,7 @@ def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, dev
     """
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
+    gpus = physical_gpus()
     mine = rank_gpus(local_rank, local_size, len(gpus), devices_per_rank)
     if mine is not None:
         shown = [gpus[k] for k in mine]
@@ -85,9 +95,8 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float 
     staggered: some ranks queue collectives while others have none (hvd_runtime.scaling.set_cycle_time).
     """
     import horovod.tensorflow as hvd
-    import tensorflow as tf
 
-    set_cycle_time(cycle_time_ms, gpu=bool(tf.config.list_physical_devices("GPU")), staggered=staggered)
+    set_cycle_time(cycle_time_ms, gpu=bool(physical_gpus()), staggered=staggered)
     tensor = None
     if tp is None:
         hvd.init(process_sets=process_sets)  # process sets are fixed here (a pipeline's grid)

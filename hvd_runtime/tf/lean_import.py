@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import sys
 
+from hvd_runtime.tf.native_logs import quiet_native_notices
+
 KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
 
 
 def import_tensorflow() -> None:
-    """Import TensorFlow (and Keras) once, hiding KERAS_EXTRAS that this process has not imported yet."""
+    """Import TensorFlow (and Keras) once, hiding KERAS_EXTRAS that this process has not imported yet,
+    and its native start-up notices (hvd_runtime.tf.native_logs)."""
     if "tensorflow" in sys.modules:
         return
     hidden = [name for name in KERAS_EXTRAS if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]
     try:
-        import tensorflow  # noqa: F401
+        with quiet_native_notices():
+            import tensorflow  # noqa: F401
     finally:
         for name in hidden:
             if sys.modules.get(name, False) is None:

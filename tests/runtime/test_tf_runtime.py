@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+
 import numpy as np
 import pytest
 
@@ -16,6 +20,8 @@ from hvd_runtime.scaling import lr_scaler  # noqa: E402
 from hvd_runtime.tf.optim import WarmupSchedule  # noqa: E402
 from hvd_runtime.tf.state import _assign  # noqa: E402
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm  # noqa: E402
+from hvd_runtime.tf.native_logs import NO_GPU_NOTICE, host_has_nvidia_device, notices  # noqa: E402
+from hvd_runtime.tf.native_logs import quiet_native_notices  # noqa: E402
 
 
 LEAN_IMPORT_CHECK = """
@@ -30,6 +36,8 @@ print(fixes.sklearn is not None, gallery.plt is not None, slicing.pandas is not 
 import matplotlib.pyplot, sklearn.datasets, pandas  # afterwards, all import as usual
 print(sys.modules["sklearn"] is sklearn, sys.modules["matplotlib.pyplot"] is matplotlib.pyplot,
       sys.modules["pandas"] is pandas)
+from hvd_runtime.tf.context import physical_gpus
+physical_gpus()   # the first device query: where a GPU-less host gets its cuInit notice
 """
 
 
@@ -45,9 +53,71 @@ def test_tensorflow_comes_in_without_keras_extras_the_process_has_not_imported(b
     import sys
 
     proc = subprocess.run([sys.executable, "-c", LEAN_IMPORT_CHECK.format(before=before)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [keras_sees, "True True True"], proc.stdout
+    # and TensorFlow's native start-up notices stayed out of stderr (hvd_runtime.tf.native_logs)
+    assert native_notices(proc.stderr) == [], proc.stderr
+
+
+def native_notices(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if any(re.match(notice, line) for notice in notices(gpu_host=False))]
+
+
+def test_tensorflow_start_up_notices_show_with_tf_cpp_min_log_level_0():
+    """The user's way to see everything TensorFlow writes; and proof that this TensorFlow writes
+    the notices the check above finds absent."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", LEAN_IMPORT_CHECK.format(before="")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = native_notices(proc.stderr)
+    assert any("oneDNN custom operations are on" in line for line in shown), proc.stderr
+    assert any(re.match(NO_GPU_NOTICE, line) for line in shown) != host_has_nvidia_device(), proc.stderr
+
+
+NATIVE_NOTICES = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+    "I0000 00:00:1795886042.681730    3625 port.cc:153] oneDNN custom operations are on. You may see slightly "
+    "different numerical results due to floating-point round-off errors from different computation orders. To turn "
+    "them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.\n"
+    "I0000 00:00:1795886042.684269    3625 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will "
+    "not be used.\n"
+    "I0000 00:00:1795886042.827067    3625 cpu_feature_guard.cc:227] This TensorFlow binary is optimized to use "
+    "available CPU instructions in performance-critical operations.\n"
+    "To enable the following instructions: AVX2 AVX512F AMX_TILE FMA, in other operations, rebuild TensorFlow with "
+    "the appropriate compiler flags.\n")
+CUINIT = ("E0000 00:00:1795886044.791680    3625 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: "
+          "Failed call to cuInit: UNKNOWN ERROR (303)\n")
+REAL = "E0000 00:00:1795886044.791680    3625 some_kernel.cc:12] a real error\n"
+
+
+def test_native_notices_are_dropped_from_what_the_block_wrote_and_the_rest_comes_back_in_order(capfd, monkeypatch):
+    """Written to file descriptor 2, as C++ writes: only the notices go; a real error, Python's own
+    lines and output far larger than a pipe holds come back, in order."""
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    big = "x" * 200_000 + "\n"
+    with quiet_native_notices():
+        os.write(2, (NATIVE_NOTICES + REAL).encode())
+        print("python's own line", file=sys.__stderr__, flush=True)   # a process's sys.stderr (pytest swaps its own in)
+        os.write(2, (NATIVE_NOTICES + CUINIT + big).encode())
+    err = capfd.readouterr().err
+    assert err == REAL + "python's own line\n" + ("" if not host_has_nvidia_device() else CUINIT) + big
+
+
+def test_the_cuinit_notice_stays_where_the_host_has_an_nvidia_device(tmp_path):
+    """On a GPU host, cuInit failing is why the GPU goes unused: that line is kept."""
+    def dropped(line: str, gpu_host: bool) -> bool:
+        return any(re.match(pattern, line) for pattern in notices(gpu_host))
+
+    assert dropped(CUINIT, gpu_host=False) and not dropped(CUINIT, gpu_host=True)
+    assert all(dropped(line, gpu_host=True) for line in NATIVE_NOTICES.splitlines())
+    assert not dropped(REAL, gpu_host=False)
+    assert not host_has_nvidia_device(tmp_path)
+    (tmp_path / "nvidiactl").touch()
+    assert host_has_nvidia_device(tmp_path)
 
 
 def split(n: int) -> Split:
