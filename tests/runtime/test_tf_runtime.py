@@ -52,8 +52,9 @@ def test_tensorflow_comes_in_without_keras_extras_the_process_has_not_imported(b
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     proc = subprocess.run([sys.executable, "-c", LEAN_IMPORT_CHECK.format(before=before)], capture_output=True,
-                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"})
+                          text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [keras_sees, "True True True"], proc.stdout
     # and TensorFlow's native start-up notices stayed out of stderr (hvd_runtime.tf.native_logs)
@@ -61,14 +62,14 @@ def test_tensorflow_comes_in_without_keras_extras_the_process_has_not_imported(b
 
 
 def native_notices(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if any(re.match(notice, line) for notice in notices(gpu_host=False))]
+    patterns = notices(gpu_host=False)
+    return [line for line in stderr.splitlines() if any(re.match(pattern, line) for pattern in patterns)]
 
 
 def test_tensorflow_start_up_notices_show_with_tf_cpp_min_log_level_0():
     """The user's way to see everything TensorFlow writes; and proof that this TensorFlow writes
     the notices the check above finds absent."""
     import subprocess
-    import sys
 
     proc = subprocess.run([sys.executable, "-c", LEAN_IMPORT_CHECK.format(before="")], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"})
@@ -101,7 +102,7 @@ def test_native_notices_are_dropped_from_what_the_block_wrote_and_the_rest_comes
     big = "x" * 200_000 + "\n"
     with quiet_native_notices():
         os.write(2, (NATIVE_NOTICES + REAL).encode())
-        print("python's own line", file=sys.__stderr__, flush=True)   # a process's sys.stderr (pytest swaps its own in)
+        print("python's own line", file=sys.__stderr__, flush=True)   # sys.stderr of a process (pytest swaps it)
         os.write(2, (NATIVE_NOTICES + CUINIT + big).encode())
     err = capfd.readouterr().err
     assert err == REAL + "python's own line\n" + ("" if not host_has_nvidia_device() else CUINIT) + big
