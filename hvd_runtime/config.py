@@ -89,7 +89,7 @@ class ParallelConfig:
     #                                 | interleaved-1f1b (1f1b's bubble / virtual_stages; micro_batches a multiple of stages)
     #                                 | 1f1b-batched-w (torch: weight gradients in batches)
     virtual_stages: int = 2         # interleaved-1f1b: the model's chunks per rank (Megatron's virtual pipeline)
-    partition: str = "params"       # params | time | block names or indices where stages 2.. start, e.g. "3" or "2,4"
+    partition: str = "time"         # time | params | block names or indices where stages 2.. start, e.g. "3" or "2,4"
     tp: int = 1                     # tensor: ranks per tensor-parallel group (-np = tp x replicas)
 
 

@@ -25,11 +25,11 @@ def files_under(path: Path) -> list[str]:
 # others train untracked: MLflow's import, store and model logging cost each run about 15 CPU-s.
 TRACKED = ("tensorflow", "pipeline", 2, ["--parallel.schedule", "gpipe"])
 RUNS = [
-    ("torch", "model-split", 2, ["--parallel.partition", "time"]),   # the defaults: test_documented_commands
+    ("torch", "model-split", 2, ["--parallel.partition", "params"]),   # the default, time: test_documented_commands
     ("torch", "pipeline", 2, ["--parallel.schedule", "gpipe"]),
     ("torch", "pipeline", 2, []),                       # 1f1b, the default
     ("torch", "pipeline", 4, []),                       # 2 stages x 2 replicas
-    ("tensorflow", "model-split", 2, ["--parallel.partition", "time"]),   # 2 logical CPU devices per worker
+    ("tensorflow", "model-split", 2, ["--parallel.partition", "params"]),   # 2 logical CPU devices per worker
     TRACKED,
     ("tensorflow", "pipeline", 4, []),
 ]
