@@ -147,6 +147,27 @@ def plan_partition(names: Sequence[str], stages: int, by, param_costs: Callable[
     return partition(names, param_costs(), stages, split=list(by))
 
 
+def plan_on_rank0(plan: Callable[[], Partition], rank: int, broadcast: Callable[[object], object]) -> Partition:
+    """One plan for a whole job: rank 0 calls `plan`, every rank takes rank 0's Partition.
+
+    For a timed plan: timings differ from rank to rank, and every rank must cut alike. The other
+    ranks do not time at all: their timings would be thrown away, and beside rank 0 on shared
+    cores they would skew its. A refusal (PartitionError) travels the same way, so every rank stops
+    with rank 0's one line instead of waiting for a plan that never comes. `broadcast(obj)` is the
+    framework's hvd.broadcast_object from rank 0.
+    """
+    planned = None
+    if rank == 0:
+        try:
+            planned = plan()
+        except PartitionError as refusal:
+            planned = refusal
+    planned = broadcast(planned)
+    if isinstance(planned, PartitionError):
+        raise planned
+    return planned
+
+
 def refuse_weights_shared_across_stages(plan: Partition, block_weights: Sequence[tuple[str, Iterable]]) -> None:
     """Stop with one line if a weight object is held by blocks of two different stages.
 

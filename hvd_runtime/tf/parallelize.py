@@ -33,7 +33,7 @@ from hvd_runtime.tf.optim import make_optimizer
 from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
 from hvd_runtime.tf.pipeline_state import newest_cut
 from hvd_runtime.tf.precision import loss_scaled
-from hvd_runtime.tf.stage import named_blocks, plan_stages
+from hvd_runtime.tf.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.tf.tensor_parallel import apply_tp
@@ -80,12 +80,8 @@ def apply_model_split(model: keras.Model, parallel_cfg, sample=None, tail=None) 
     """The model's layers over this rank's devices (its GPUs, or logical CPU devices), micro-batched;
     the split shares the model's variables. `sample` and `tail` as apply_pipeline's."""
     partition = partition_spec(parallel_cfg.partition)
-    if partition == "time":
-        import horovod.tensorflow as hvd
-
-        # timings differ from rank to rank: every worker cuts where rank 0 does, one model layout
-        partition = hvd.broadcast_object(plan_stages(model, parallel_cfg.stages, "time", sample, tail), root_rank=0,
-                                         name="ms.partition")
+    if partition == "time":  # every worker cuts where rank 0 does: one model layout
+        partition = plan_timed_on_rank0(model, parallel_cfg.stages, sample, tail, "ms.partition")
     return ModelSplit(model, stages=parallel_cfg.stages, partition=partition, micro_batches=parallel_cfg.micro_batches)
 
 

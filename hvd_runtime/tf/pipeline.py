@@ -31,7 +31,7 @@ from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.compiled import compiled, compiled_for_any_batch
 from hvd_runtime.tf.context import Context, init_horovod
-from hvd_runtime.tf.stage import Stage, plan_stages, rank_stage
+from hvd_runtime.tf.stage import Stage, plan_stages, plan_timed_on_rank0, rank_stage
 from hvd_runtime.tf.tensor_parallel import split_layers
 from hvd_runtime.tf.tensor_state import SplitVariables
 
@@ -121,11 +121,10 @@ def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "
     with chunks (interleaved schedules) its pieces stage, stage + p, ... of p x chunks.
     partition="time" times the layers on `sample`, and `tail` (time_costs') with the last."""
     pieces = dims.stages * dims.chunks
-    plan = plan_stages(model, pieces, partition, sample, tail)
     if partition == "time":
-        import horovod.tensorflow as hvd
-
-        plan = hvd.broadcast_object(plan, root_rank=0, name="pp.partition")
+        plan = plan_timed_on_rank0(model, pieces, sample, tail, "pp.partition")
+    else:
+        plan = plan_stages(model, pieces, partition, sample, tail)
     if plan.stages != pieces:
         of = f"{dims.stages} x {dims.chunks} chunks" if dims.chunks > 1 else f"{dims.stages}"
         raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {of}")

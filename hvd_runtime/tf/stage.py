@@ -20,7 +20,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from hvd_runtime.pipeline.partition import Partition, PartitionError, plan_partition, refuse_weights_shared_across_stages
+from hvd_runtime.pipeline.partition import (Partition, PartitionError, plan_on_rank0, plan_partition,
+                                            refuse_weights_shared_across_stages)
 
 
 def named_blocks(model) -> list[tuple[str, object]]:
@@ -82,6 +83,15 @@ def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None, 
     plan = plan_partition(names, stages, by, lambda: param_costs(model), timing)
     refuse_weights_shared_across_stages(plan, [(name, layer.variables) for name, layer in named_blocks(model)])
     return plan
+
+
+def plan_timed_on_rank0(model, stages: int, sample, tail, name: str) -> Partition:
+    """plan_stages(by="time") for a job: rank 0 times the blocks, every rank cuts where it does
+    (pipeline.partition.plan_on_rank0). `name` names the broadcast."""
+    import horovod.tensorflow as hvd
+
+    return plan_on_rank0(lambda: plan_stages(model, stages, "time", sample, tail), hvd.rank(),
+                         lambda planned: hvd.broadcast_object(planned, root_rank=0, name=name))
 
 
 class Stage:

@@ -38,7 +38,7 @@ from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimiz
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
 from hvd_runtime.torch.pipeline_state import newest_cut
 from hvd_runtime.torch.precision import Precision
-from hvd_runtime.torch.stage import named_blocks, plan_stages
+from hvd_runtime.torch.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.torch.tensor_parallel import apply_tp
@@ -87,12 +87,9 @@ def apply_model_split(model: nn.Module, parallel_cfg, sample: torch.Tensor | Non
     and `tail` as apply_pipeline's."""
     partition = partition_spec(parallel_cfg.partition)
     if partition == "time":
-        import horovod.torch as hvd
-
-        # timings differ from rank to rank, and the parameters' names (which the allreduce pairs
-        # up across workers) follow the cut: every worker cuts where rank 0 does
-        partition = hvd.broadcast_object(plan_stages(model, parallel_cfg.stages, "time", sample, tail), root_rank=0,
-                                         name="ms.partition")
+        # the parameters' names (which the allreduce pairs up across workers) follow the cut:
+        # every worker cuts where rank 0 does
+        partition = plan_timed_on_rank0(model, parallel_cfg.stages, sample, tail, "ms.partition")
     return ModelSplit(model, stages=parallel_cfg.stages, partition=partition, micro_batches=parallel_cfg.micro_batches)
 
 

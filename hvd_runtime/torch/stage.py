@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from hvd_runtime.pipeline.partition import Partition, PartitionError, plan_partition, refuse_weights_shared_across_stages
+from hvd_runtime.pipeline.partition import (Partition, PartitionError, plan_on_rank0, plan_partition,
+                                            refuse_weights_shared_across_stages)
 
 
 def named_blocks(model) -> list[tuple[str, nn.Module]]:
@@ -93,6 +94,15 @@ def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch
     return plan
 
 
+def plan_timed_on_rank0(model, stages: int, sample, tail, name: str) -> Partition:
+    """plan_stages(by="time") for a job: rank 0 times the blocks, every rank cuts where it does
+    (pipeline.partition.plan_on_rank0). `name` names the broadcast."""
+    import horovod.torch as hvd
+
+    return plan_on_rank0(lambda: plan_stages(model, stages, "time", sample, tail), hvd.rank(),
+                         lambda planned: hvd.broadcast_object(planned, root_rank=0, name=name))
+
+
 class Stage(nn.Sequential):
     """Blocks [start, stop) of the model, under their original names (with chunks, each chunk's)."""
 
@@ -123,12 +133,10 @@ def build_stage(model, dims, partition: Partition | str | Sequence = "params",
         index, stages, chunks = dims, partition.stages, 1
     else:
         index, stages, chunks = dims.stage, dims.stages, dims.chunks
-    plan = plan_stages(model, stages * chunks, partition, sample, tail)
     if not isinstance(dims, int) and partition == "time":
-        import horovod.torch as hvd
-
-        # timings differ from rank to rank; every rank must cut the model the same way
-        plan = hvd.broadcast_object(plan, root_rank=0, name="pp.partition")
+        plan = plan_timed_on_rank0(model, stages * chunks, sample, tail, "pp.partition")
+    else:
+        plan = plan_stages(model, stages * chunks, partition, sample, tail)
     if plan.stages != stages * chunks:
         of = f"{stages} x {chunks} chunks" if chunks > 1 else f"{stages}"
         raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {of}")

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from hvd_runtime.pipeline.partition import PartitionError, partition
+from hvd_runtime.pipeline.partition import PartitionError, partition, plan_on_rank0
 
 
 def brute_force_best(costs, stages):
@@ -69,3 +69,32 @@ def test_mismatched_costs_and_duplicate_names():
         partition(["a", "b"], [1, 2, 3], 2)
     with pytest.raises(PartitionError, match="block names must be unique"):
         partition(["a", "a"], [1, 2], 2)
+
+
+def test_only_rank0_plans_and_every_rank_takes_its_plan_or_its_refusal():
+    """plan_on_rank0 over a two-rank "broadcast" that hands every rank what rank 0 sent."""
+    names, costs = ["a", "b", "c", "d"], [1.0, 1.0, 1.0, 3.0]
+    calls, sent = [], []
+
+    def broadcast_from(rank):
+        def broadcast(obj):
+            if rank == 0:
+                sent.append(obj)
+            return sent[0]
+        return broadcast
+
+    def plan():
+        calls.append(1)
+        return partition(names, costs, 2)
+    got = [plan_on_rank0(plan, rank, broadcast_from(rank)) for rank in (0, 1)]
+    assert len(calls) == 1, "only rank 0 plans"
+    assert got[0] == got[1] and got[1].bounds == ((0, 3), (3, 4))
+
+    sent.clear()
+
+    def refused():
+        return partition(names, costs, 5)
+    for rank in (0, 1):    # rank 1 raises rank 0's refusal instead of waiting for a plan
+        with pytest.raises(PartitionError, match="cannot split 4 blocks into 5 stages"):
+            plan_on_rank0(refused if rank == 0 else plan, rank, broadcast_from(rank))
+    assert len(calls) == 1
