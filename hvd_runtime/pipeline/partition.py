@@ -26,11 +26,17 @@ class PartitionError(ConfigError):
 
 @dataclass(frozen=True)
 class Partition:
-    """Stage k runs blocks names[bounds[k][0]:bounds[k][1]]."""
+    """Stage k runs blocks names[bounds[k][0]:bounds[k][1]].
+
+    `unit` says what the costs count ("parameters", "s", or "" when the caller did not say), so
+    that the run log's `parallel.partition` line reads unambiguously: a `time` run resumed at its
+    checkpoint's cut, or cut where the user said, shows parameter counts, not seconds.
+    """
 
     names: tuple[str, ...]
     costs: tuple[float, ...]
     bounds: tuple[tuple[int, int], ...]
+    unit: str = ""
 
     @property
     def stages(self) -> int:
@@ -54,8 +60,15 @@ class Partition:
         for k, cost in enumerate(self.stage_costs()):
             names = self.stage_names(k)
             span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-            parts.append(f"stage {k}: {span} ({len(names)} block{'' if len(names) == 1 else 's'}, cost {cost:g})")
+            parts.append(f"stage {k}: {span} ({len(names)} block{'' if len(names) == 1 else 's'}, {self._cost(cost)})")
         return "; ".join(parts)
+
+    def _cost(self, cost: float) -> str:
+        if self.unit == "s":
+            return f"{cost * 1e3:.3g} ms"
+        if self.unit == "parameters":
+            return f"{cost:,.0f} parameters"
+        return f"cost {cost:g}"
 
 
 def _balanced_bounds(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
@@ -106,8 +119,10 @@ def _resolve_split(split: Sequence, names: Sequence[str], stages: int) -> list[i
     return starts
 
 
-def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: Sequence | None = None) -> Partition:
-    """Split blocks into `stages` contiguous non-empty stages, balanced or where `split` says."""
+def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: Sequence | None = None,
+              unit: str = "") -> Partition:
+    """Split blocks into `stages` contiguous non-empty stages, balanced or where `split` says;
+    `unit` names what the costs count (Partition.unit)."""
     names = [str(n) for n in names]
     if len(names) != len(costs):
         raise PartitionError(f"got {len(names)} block names but {len(costs)} costs")
@@ -125,7 +140,7 @@ def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: 
         bounds = list(zip(starts[:-1], starts[1:]))
     else:
         bounds = _balanced_bounds([float(c) for c in costs], stages)
-    return Partition(tuple(names), tuple(float(c) for c in costs), tuple(bounds))
+    return Partition(tuple(names), tuple(float(c) for c in costs), tuple(bounds), unit)
 
 
 def plan_partition(names: Sequence[str], stages: int, by, param_costs: Callable[[], Sequence[float]],
@@ -140,11 +155,11 @@ def plan_partition(names: Sequence[str], stages: int, by, param_costs: Callable[
         if by == "time":
             if time_costs is None:
                 raise PartitionError("partition by='time' needs sample=<a batch of inputs> to time each block")
-            return partition(names, time_costs(), stages)
-        return partition(names, param_costs(), stages)
+            return partition(names, time_costs(), stages, unit="s")
+        return partition(names, param_costs(), stages, unit="parameters")
     if isinstance(by, str):
         raise PartitionError(f"partition {by!r} is unknown: use 'params', 'time', or split points like ['4']")
-    return partition(names, param_costs(), stages, split=list(by))
+    return partition(names, param_costs(), stages, split=list(by), unit="parameters")
 
 
 def plan_on_rank0(plan: Callable[[], Partition], rank: int, broadcast: Callable[[object], object]) -> Partition:

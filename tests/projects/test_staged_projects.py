@@ -138,4 +138,4 @@ def test_pipeline_trains_alike_at_any_cut_and_resumes_only_at_its_own(tmp_path, 
     # `time` resumes where the checkpoint cut (stage 1: block 3 alone), whatever its timings would say
     resumed = train(ranks, "time", epochs=2)
     assert "resuming from checkpoints/ckpt-" in resumed.stdout and "; stage 1: " in resumed.stdout
-    assert resumed.stdout.split("; stage 1: ", 1)[1].split("\n", 1)[0].endswith("(1 block, cost 650)")
+    assert resumed.stdout.split("; stage 1: ", 1)[1].split("\n", 1)[0].endswith("(1 block, 650 parameters)")

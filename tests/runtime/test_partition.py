@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from hvd_runtime.pipeline.partition import PartitionError, partition, plan_on_rank0
+from hvd_runtime.pipeline.partition import PartitionError, partition, plan_on_rank0, plan_partition
 
 
 def brute_force_best(costs, stages):
@@ -40,6 +40,19 @@ def test_balance_by_parameter_count_of_a_typical_mlp():
     assert plan.imbalance() == pytest.approx(16576 / ((16576 + 8906) / 2))
     assert "stage 0: fc1..fc2 (3 blocks, cost 16576)" in plan.describe()
     assert "stage 1: head (1 block, cost 650)" in partition(names, params, 2, split=["head"]).describe()
+
+
+def test_the_log_line_names_what_the_costs_count():
+    """plan_partition says whether it balanced seconds or parameters, so a `time` run that resumed
+    at its checkpoint's cut (planned from split points, hence parameter counts) does not print
+    parameter counts as if they were timings."""
+    names, params, seconds = ["fc1", "fc2", "head"], [8320, 8256, 650], [0.0012, 0.0011, 0.0004]
+    by_time = plan_partition(names, 2, "time", lambda: params, lambda: seconds)
+    assert by_time.unit == "s" and by_time.describe() == "stage 0: fc1 (1 block, 1.2 ms); stage 1: fc2..head (2 blocks, 1.5 ms)"
+    by_params = plan_partition(names, 2, "params", lambda: params)
+    assert by_params.describe() == "stage 0: fc1 (1 block, 8,320 parameters); stage 1: fc2..head (2 blocks, 8,906 parameters)"
+    resumed = plan_partition(names, 2, ["head"], lambda: params, lambda: pytest.fail("a given cut is not timed"))
+    assert resumed.describe().endswith("stage 1: head (1 block, 650 parameters)")
 
 
 def test_override_by_names_and_by_indices_agree():
