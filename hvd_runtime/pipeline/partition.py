@@ -65,7 +65,8 @@ class Partition:
 
     def _cost(self, cost: float) -> str:
         if self.unit == "s":
-            return f"{cost * 1e3:.3g} ms"
+            ms = cost * 1e3
+            return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms"   # never 1.23e+03
         if self.unit == "parameters":
             return f"{cost:,.0f} parameters"
         return f"cost {cost:g}"

@@ -51,6 +51,8 @@ def test_the_log_line_names_what_the_costs_count():
     assert by_time.unit == "s" and by_time.describe() == "stage 0: fc1 (1 block, 1.2 ms); stage 1: fc2..head (2 blocks, 1.5 ms)"
     by_params = plan_partition(names, 2, "params", lambda: params)
     assert by_params.describe() == "stage 0: fc1 (1 block, 8,320 parameters); stage 1: fc2..head (2 blocks, 8,906 parameters)"
+    slow = plan_partition(names, 2, "time", lambda: params, lambda: [1.23456, 0.5, 0.0001])
+    assert slow.describe() == "stage 0: fc1 (1 block, 1,235 ms); stage 1: fc2..head (2 blocks, 500 ms)"
     resumed = plan_partition(names, 2, ["head"], lambda: params, lambda: pytest.fail("a given cut is not timed"))
     assert resumed.describe().endswith("stage 1: head (1 block, 650 parameters)")
 
