@@ -1,6 +1,6 @@
 """All benchmarks, measured side by side in one run; writes docs/benchmarks.md and its plots.
 
-    python bench/run.py                 # about 11 minutes on 2 CPU cores
+    python bench/run.py                 # about 15 minutes on 2 CPU cores
     python bench/run.py --rounds 5      # more rounds, steadier medians
 
 (a) our training loop against one written like Horovod's official PyTorch example, and against
@@ -9,7 +9,9 @@
 (c) the pipeline benchmark (bench/pipeline_bench.py): bubble, activations in flight, speed-up;
 (d) wall time of `hvdgen --help` and `hvdgen new`;
 (e) the workload benchmark (bench/workload_bench.py): ResNet-18 and a GPT from generated
-    projects, on files on disk, in the same three loops at np=1 and np=2.
+    projects, on files on disk, in the same three loops at np=1 and np=2;
+(f) the same for the generated Keras projects: our loop against Horovod's Keras example and
+    TensorFlow's MultiWorkerMirroredStrategy.
 Every figure is the median of several rounds, and every ratio is taken within one round (the
 runs it compares ran back to back), so slow phases of a shared machine cancel out.
 """
@@ -157,8 +159,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--skip-pipeline", action="store_true")
     parser.add_argument("--workload-rounds", type=int, default=2, help="rounds of (e); 0 skips it")
+    parser.add_argument("--tf-workload-rounds", type=int, default=1, help="rounds of (f); 0 skips it")
     args = parser.parse_args()
     started = time.monotonic()
+    minutes: dict[str, float] = {}  # part -> minutes it took
+
+    def took(part: str, since: float) -> float:
+        minutes[part] = (time.monotonic() - since) / 60
+        return time.monotonic()
     DOCS.mkdir(exist_ok=True)
     described = machine()
     print(described, flush=True)
@@ -183,21 +191,30 @@ def main() -> None:
                   f"ours/DDP {ratios[workload]['ddp'][-1]:.2f}, scaling "
                   + ", ".join(f"{loop} {scaling[workload][loop][-1]:.2f}" for loop in LOOPS), flush=True)
     plot_throughput(results, DOCS / "throughput.png")
+    mark = took("(a, b) MLP", started)
 
     hvdgen = str(BIN / "hvdgen")
     help_s = wall_time([hvdgen, "--help"])
     with tempfile.TemporaryDirectory() as tmp:
         new_s = wall_time([hvdgen, "new", "bench", "--output", tmp, "--force"])
 
+    mark = took("(d) CLI", mark)
+
     pipeline_md = ""
     if not args.skip_pipeline:
         subprocess.run([sys.executable, str(REPO / "bench" / "pipeline_bench.py")], check=True)
         pipeline_md = (DOCS / "benchmarks-pipeline.md").read_text()
+        mark = took("(c) pipeline", mark)
     workloads_md = ""
-    if args.workload_rounds > 0:
-        subprocess.run([sys.executable, str(REPO / "bench" / "workload_bench.py"), "--rounds",
-                        str(args.workload_rounds)], check=True)
-        workloads_md = (DOCS / "benchmarks-workloads.md").read_text()
+    for part, framework, rounds, report in (("(e) torch workloads", "torch", args.workload_rounds,
+                                             "benchmarks-workloads.md"),
+                                            ("(f) TensorFlow workloads", "tensorflow", args.tf_workload_rounds,
+                                             "benchmarks-workloads-tensorflow.md")):
+        if rounds > 0:
+            subprocess.run([sys.executable, str(REPO / "bench" / "workload_bench.py"), "--framework", framework,
+                            "--rounds", str(rounds)], check=True)
+            workloads_md += (DOCS / report).read_text() + "\n"
+            mark = took(part, mark)
 
     med = statistics.median
     where = []
@@ -263,7 +280,8 @@ def main() -> None:
         "",
         workloads_md,
         "",
-        f"The whole `python bench/run.py` took {(time.monotonic() - started) / 60:.1f} minutes.",
+        f"The whole `python bench/run.py` took {(time.monotonic() - started) / 60:.1f} minutes: "
+        + ", ".join(f"{part} {m:.1f}" for part, m in minutes.items()) + ".",
     ])
     (DOCS / "benchmarks.md").write_text(report)
     print("\n".join(table))
