@@ -156,7 +156,7 @@ def plot_throughput(results: dict[str, dict[str, dict[int, list[float]]]], path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--skip-pipeline", action="store_true")
     parser.add_argument("--workload-rounds", type=int, default=2, help="rounds of (e); 0 skips it")
     parser.add_argument("--tf-workload-rounds", type=int, default=1, help="rounds of (f); 0 skips it")

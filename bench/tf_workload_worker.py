@@ -7,8 +7,8 @@
 `ours` is the generated project's loop (hvd_runtime.tf: ShardedBatches, parallelize's TrainStep,
 hvd_runtime.loop.train_epoch), started as train.py starts it. `reference` is written as Horovod's
 Keras example is: `horovod.tensorflow.keras`, hvd.DistributedOptimizer around a Keras optimizer,
-`model.fit` with Horovod's broadcast and metric-averaging callbacks (it averages under Keras 3 only
-with the Horovod hvdgen builds). `mwms` is TensorFlow's own answer, tf.distribute's
+`model.fit` with Horovod's broadcast and metric-averaging callbacks (under Keras 3 it averages
+only in the Horovod that `hvdgen install-horovod` builds). `mwms` is TensorFlow's own answer, tf.distribute's
 MultiWorkerMirroredStrategy, in the custom loop of TensorFlow's multi-worker tutorial
 (`strategy.run` in a tf.function, per-worker input from `distribute_datasets_from_function`):
 Keras 3's `model.fit` fails under that strategy with more than one worker (its symbolic build
@@ -17,7 +17,8 @@ reduces a batch of integer labels across workers), so a Keras 3 user writes this
 All three train the same model (the project's model.py) with the same SGD (momentum 0.9, learning
 rate 0.01 x workers), on the same files read from disk by the same reader (the split's `take` in
 tf.data's parallel map), with the same per-rank batch, one thread per rank and no loader worker
-processes. An epoch warms up, the next is timed between barriers; rank 0 prints one `BENCH {...}` line.
+processes. The other two loops read one repeated dataset through one iterator, as they are
+written, with tf.data's autotuning on as users leave it (ours turns it off: hvd_runtime.tf.batches). An epoch warms up, the next is timed between barriers; rank 0 prints one `BENCH {...}` line.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ MODEL_OVERRIDES = {"resnet18": ["model.width=16"], "gpt": []}  # the torch bench
 
 
 def load(args):
-    """The project's config (with the benchmark's optimizer), its dataset and its model."""
+    """The project's config (with the benchmark's optimizer and sizes) and its dataset."""
     from hvd_runtime.config import load_config
     from hvd_runtime.data import load_image_folder, load_npz, load_tokens
 

@@ -37,7 +37,7 @@ MODELS = {"resnet18": "images/s", "gpt": "tokens/s"}
 SUFFIX = {"torch": "", "tensorflow": "-tensorflow"}  # of the report and plot files
 
 
-def write_images(root: Path, per_class: int = 480, classes: int = 4, size: int = 32) -> None:
+def write_images(root: Path, per_class: int = 400, classes: int = 4, size: int = 32) -> None:
     import numpy as np
     from PIL import Image
 
@@ -57,7 +57,7 @@ def prepare(tmp: Path, framework: str = "torch") -> dict[str, tuple[Path, Path]]
                         "--output", str(tmp)], check=True, capture_output=True)
         out[model] = (tmp / model, tmp / f"{model}-data")
     write_images(out["resnet18"][1])
-    subprocess.run([sys.executable, "prepare_tokens.py", "--out", str(out["gpt"][1]), "--max-bytes", "200000"],
+    subprocess.run([sys.executable, "prepare_tokens.py", "--out", str(out["gpt"][1]), "--max-bytes", "160000"],
                    cwd=out["gpt"][0], check=True, capture_output=True)
     return out
 
@@ -85,7 +85,8 @@ def run(loop: str, np_: int, model: str, project: Path, data: Path, framework: s
 
 def tf_workers(np_: int, cmd: list[str], env: dict[str, str]) -> tuple[str, str]:
     """Start `np_` TensorFlow workers of one MultiWorkerMirroredStrategy cluster on this host (a
-    TF_CONFIG each, as a cluster's launcher sets it); rank 0's stdout, every worker's stderr."""
+    TF_CONFIG each, as a cluster's launcher sets it). Returns rank 0's stdout, and the stderr of
+    every worker that failed."""
     ports = []
     for _ in range(np_):
         with socket.socket() as s:  # free now; the workers bind them a moment later
@@ -141,7 +142,8 @@ INTRO = {
                    "`model.fit`; MultiWorkerMirrored is tf.distribute's strategy (its ring collectives over gRPC), "
                    "one process per worker, in the custom loop of TensorFlow's multi-worker tutorial, since Keras 3's "
                    "`model.fit` fails under it with two workers. All three: SGD (momentum 0.9, lr 0.01 x workers), "
-                   "the same reader (the split's `take` in tf.data's parallel map)."),
+                   "the same reader (the split's `take` in tf.data's parallel map; the other two read one repeated "
+                   "dataset through one iterator, as they are written)."),
 }
 
 
