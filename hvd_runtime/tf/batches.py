@@ -49,11 +49,11 @@ class ShardedBatches(EpochShards):
     def batches(self, epoch: int = 0, consumed: int = 0) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
         """This rank's batches of `epoch`, after the first `consumed` samples of its order."""
         failures: list[DataError] = []
-        pipeline = self.pipeline(epoch, consumed, failures)
-        return self._stop_on_data_errors(pipeline, failures) if self.split.streamed else iter(pipeline)
+        dataset = self.dataset(epoch, consumed, failures)
+        return self._stop_on_data_errors(dataset, failures) if self.split.streamed else iter(dataset)
 
-    def pipeline(self, epoch: int = 0, consumed: int = 0, failures: list | None = None) -> tf.data.Dataset:
-        """The tf.data pipeline `batches` iterates; a streamed split's reads put a DataError in `failures`."""
+    def dataset(self, epoch: int = 0, consumed: int = 0, failures: list | None = None) -> tf.data.Dataset:
+        """The tf.data.Dataset `batches` iterates; a streamed split's reads put a DataError in `failures`."""
         indices = tf.data.Dataset.from_tensor_slices(self.indices(epoch, consumed)).batch(self.batch_size)
         indices = _without_autotune(indices)
         if self.split.streamed:

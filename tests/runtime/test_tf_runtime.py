@@ -168,9 +168,9 @@ def test_no_pipeline_autotunes_so_freeing_an_epochs_iterator_never_waits_for_its
 
     write_images(tmp_path)
     for train in (split(13), load_image_folder(tmp_path, image_size=8).train):
-        pipeline = ShardedBatches(train, 4, rank=0, size=1).pipeline(epoch=1)
-        assert pipeline.options().autotune.enabled is False
-        assert len(list(pipeline)) == len(ShardedBatches(train, 4, rank=0, size=1))
+        dataset = ShardedBatches(train, 4, rank=0, size=1).dataset(epoch=1)
+        assert dataset.options().autotune.enabled is False
+        assert len(list(dataset)) == len(ShardedBatches(train, 4, rank=0, size=1))
 
 
 def test_uneven_training_shards_take_the_same_number_of_steps_and_cover_everything():
