@@ -8,8 +8,8 @@
 hvd_runtime.loop.train_epoch), started as train.py starts it. `reference` is written as Horovod's
 Keras example is: `horovod.tensorflow.keras`, hvd.DistributedOptimizer around a Keras optimizer,
 `model.fit` with Horovod's broadcast and metric-averaging callbacks (under Keras 3 it averages
-only in the Horovod that `hvdgen install-horovod` builds). `mwms` is TensorFlow's own answer, tf.distribute's
-MultiWorkerMirroredStrategy, in the custom loop of TensorFlow's multi-worker tutorial
+only in the Horovod that `hvdgen install-horovod` builds). `mwms` is TensorFlow's own answer,
+tf.distribute's MultiWorkerMirroredStrategy, in the custom loop of TensorFlow's multi-worker tutorial
 (`strategy.run` in a tf.function, per-worker input from `distribute_datasets_from_function`):
 Keras 3's `model.fit` fails under that strategy with more than one worker (its symbolic build
 reduces a batch of integer labels across workers), so a Keras 3 user writes this loop.
@@ -18,7 +18,8 @@ All three train the same model (the project's model.py) with the same SGD (momen
 rate 0.01 x workers), on the same files read from disk by the same reader (the split's `take` in
 tf.data's parallel map), with the same per-rank batch, one thread per rank and no loader worker
 processes. The other two loops read one repeated dataset through one iterator, as they are
-written, with tf.data's autotuning on as users leave it (ours turns it off: hvd_runtime.tf.batches). An epoch warms up, the next is timed between barriers; rank 0 prints one `BENCH {...}` line.
+written, with tf.data's autotuning on as users leave it (ours turns it off: hvd_runtime.tf.batches).
+An epoch warms up, the next is timed between barriers; rank 0 prints one `BENCH {...}` line.
 """
 
 from __future__ import annotations
@@ -64,25 +65,21 @@ def build(cfg, dataset):
 
 
 def one_thread() -> None:
-    import tensorflow as tf
+    """One TensorFlow thread, as ours runs (hvd_runtime.tf.context.pin_devices, on a CPU host)."""
+    from hvd_runtime.tf.context import pin_devices
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    pin_devices(local_rank=0, local_size=1, threads_per_rank=1)
 
 
 def read_batches(split, batch_size: int, shard: int, shards: int, seed: int = 0):
     """This worker's batches of the split, read from disk in tf.data's parallel map (as ours does)."""
     import tensorflow as tf
 
-    shape, x_dtype = split.sample_shape, tf.as_dtype(split.input_dtype)
-
-    def read(i):
-        x, y = tf.numpy_function(lambda idx: split.take(idx), [i], [x_dtype, tf.int64], stateful=False)
-        return tf.ensure_shape(x, (None, *shape)), tf.ensure_shape(y, (None, *split.target_shape))
+    from hvd_runtime.tf.batches import split_reader
 
     indices = tf.data.Dataset.range(len(split)).shuffle(len(split), seed=seed).shard(shards, shard)
-    return (indices.batch(batch_size, drop_remainder=True).map(read, num_parallel_calls=tf.data.AUTOTUNE)
-            .prefetch(tf.data.AUTOTUNE))
+    batches = indices.batch(batch_size, drop_remainder=True)
+    return batches.map(split_reader(split), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
 def run_ours(cfg, dataset, args) -> tuple[float, int, int]:

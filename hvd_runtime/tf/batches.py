@@ -38,6 +38,26 @@ def _without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
     return dataset.with_options(options)
 
 
+def split_reader(split: Split, epoch: int = 0, failures: list | None = None):
+    """A tf.data map function: a batch of indices -> the split's (x, y) for them, read by its `take`
+    in tf.data's thread (decoding releases the GIL). A read that fails puts its DataError in
+    `failures`, whole: TensorFlow would wrap it in an op error and a traceback."""
+    shape, x_dtype = split.sample_shape, tf.as_dtype(split.input_dtype)
+    failures = [] if failures is None else failures
+
+    def take(idx):
+        try:
+            return split.take(idx, epoch)
+        except DataError as exc:
+            failures.append(exc)
+            raise
+
+    def read(i):
+        x, y = tf.numpy_function(take, [i], [x_dtype, tf.int64], stateful=False)
+        return tf.ensure_shape(x, (None, *shape)), tf.ensure_shape(y, (None, *split.target_shape))
+    return read
+
+
 class ShardedBatches(EpochShards):
     def __init__(self, split: Split, batch_size: int, rank: int, size: int, *, seed: int = 0, train: bool = True):
         super().__init__(len(split), batch_size, rank, size, seed=seed, train=train)
@@ -57,25 +77,10 @@ class ShardedBatches(EpochShards):
         indices = tf.data.Dataset.from_tensor_slices(self.indices(epoch, consumed)).batch(self.batch_size)
         indices = _without_autotune(indices)
         if self.split.streamed:
-            return indices.map(self._reader(epoch, [] if failures is None else failures), deterministic=True,
+            return indices.map(split_reader(self.split, epoch, failures), deterministic=True,
                                num_parallel_calls=READERS).prefetch(PREFETCH)
         x, y = self.x, self.y
         return indices.map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(PREFETCH)
-
-    def _reader(self, epoch: int, failures: list):
-        split, shape, x_dtype = self.split, self.split.sample_shape, tf.as_dtype(self.split.input_dtype)
-
-        def take(idx):
-            try:
-                return split.take(idx, epoch)
-            except DataError as exc:  # kept whole: TensorFlow would wrap it in an op error and a traceback
-                failures.append(exc)
-                raise
-
-        def read(i):
-            x, y = tf.numpy_function(take, [i], [x_dtype, tf.int64], stateful=False)
-            return tf.ensure_shape(x, (None, *shape)), tf.ensure_shape(y, (None, *split.target_shape))
-        return read
 
     @staticmethod
     def _stop_on_data_errors(dataset: tf.data.Dataset, failures: list) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
