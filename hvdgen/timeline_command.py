@@ -21,8 +21,8 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     """Draw a pipeline run's timeline and print its measured bubble against the schedule's theory
     and against the schedule replayed with the run's own compute times."""
     from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, schedule_bubble, theory_peak_in_flight
-    from hvd_runtime.pipeline.timeline import (load_timeline, measured_bubble, peak_in_flight, plot_timeline,
-                                               replayed_bubble, step_bubble, step_replayed_bubble)
+    from hvd_runtime.pipeline.timeline import (explain_bubble, load_timeline, measured_bubble, peak_in_flight,
+                                               plot_timeline, replayed_bubble, step_bubble, step_replayed_bubble)
 
     try:
         tl = load_timeline(run_dir)
@@ -52,11 +52,13 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     else:
         formula = ("the schedule on ideal hardware, weight halves one unit each" if name == "zb-h1" else
                    "the schedule on ideal hardware, weight halves one unit each as if not batched")
-    click.echo(f"theory   bubble {schedule_bubble(name, p, m, v):.3f} = {formula}")
+    theory_bubble = schedule_bubble(name, p, m, v)
+    click.echo(f"theory   bubble {theory_bubble:.3f} = {formula}")
     if meta.get("schedule", "1f1b") in SCHEDULES:
         replayed = step_replayed_bubble(tl, step) if step is not None else replayed_bubble(tl)
         click.echo(f"replayed bubble {replayed:.3f}: this run's compute times on the schedule, messages free; "
-                   "above it, messages and the work between actions; between it and theory, unequal stages")
+                   "above it, messages and the work between actions; between it and theory, uneven compute")
+        click.echo(explain_bubble(tl, shown, replayed, theory_bubble))
     else:   # a schedule this hvdgen does not know (a newer one's file): it cannot be played again
         click.echo(f"replayed bubble: not for schedule {meta['schedule']!r}, which this hvdgen cannot play "
                    f"(it knows {', '.join(SCHEDULES)})")

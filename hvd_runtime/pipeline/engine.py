@@ -21,8 +21,8 @@ import numpy as np
 
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
 from hvd_runtime.pipeline.schedule import INTERLEAVED, Op, build_schedule, interleaved_misfit, schedule_bubble
-from hvd_runtime.pipeline.timeline import (TimelineRecorder, load_timeline, measured_bubble, plot_timeline, replayed_bubble,
-                                           save_timeline)
+from hvd_runtime.pipeline.timeline import (TimelineRecorder, explain_bubble, load_timeline, measured_bubble, plot_timeline,
+                                           replayed_bubble, save_timeline)
 
 
 class PipelineEngineBase:
@@ -334,7 +334,8 @@ class PipelineEngineBase:
 
     def close_timeline(self, run_dir) -> dict | None:
         """Every rank calls: gather the timelines; rank 0 draws them and returns the bubble against theory,
-        and replayed: this run's compute times on the schedule with free messages (timeline.replayed_bubble).
+        and replayed: this run's compute times on the schedule with free messages (timeline.replayed_bubble),
+        and a line on what makes up the gap to theory and what would shrink it (timeline.explain_bubble).
 
         None on other ranks, and when this run trained no step (a restart after the last epoch).
         """
@@ -345,7 +346,8 @@ class PipelineEngineBase:
         if not timeline.steps:
             return None
         stages, m = self.dims.stages, self.micro_batches
+        measured, replayed = measured_bubble(timeline), replayed_bubble(timeline)
+        theory = schedule_bubble(self.schedule, stages, m, self.chunks)
         return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),
-                "bubble_measured": measured_bubble(timeline),
-                "bubble_replayed": replayed_bubble(timeline),
-                "bubble_theory": schedule_bubble(self.schedule, stages, m, self.chunks)}
+                "bubble_measured": measured, "bubble_replayed": replayed, "bubble_theory": theory,
+                "explanation": explain_bubble(timeline, measured, replayed, theory)}

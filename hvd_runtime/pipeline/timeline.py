@@ -204,6 +204,62 @@ def replayed_bubble(tl: Timeline, skip_first: bool = True) -> float:
     return _mean_over_steps(tl, step_replayed_bubble, skip_first)
 
 
+def stage_compute_ms(tl: Timeline, skip_first: bool = True) -> dict[int, float]:
+    """Per stage: the milliseconds of compute one micro-batch costs it (forward and backward, every
+    chunk), averaged over the recorded steps (the first skipped, as measured_bubble does) and replicas."""
+    steps = tl.steps[1:] if skip_first and len(tl.steps) > 1 else tl.steps
+    busy: dict[int, float] = {}
+    micro_batches: dict[int, int] = {}
+    for step in steps:
+        for rank, events in tl.step_events(step):
+            stage = rank["stage"]
+            busy[stage] = busy.get(stage, 0.0) + sum(e["end"] - e["start"] for e in events if e["kind"] in COMPUTE)
+            micro_batches[stage] = micro_batches.get(stage, 0) + len({e["mb"] for e in events if e["kind"] == "forward"})
+    return {stage: 1e3 * busy[stage] / micro_batches[stage] for stage in sorted(busy) if micro_batches[stage]}
+
+
+# Below this, a part of the gap to theory is not worth naming (bubbles are shares of the step).
+NEGLIGIBLE_BUBBLE = 0.01
+# A stage this much slower per micro-batch than the fastest is what a different cut would fix.
+UNEVEN_STAGES = 1.05
+
+
+def explain_bubble(tl: Timeline, measured: float, replayed: float, theory: float) -> str:
+    """One line: how far the measured bubble lies above theory, what makes up the gap, what shrinks it.
+
+    Why: the three numbers alone leave the user to work out which knob to turn. The replay splits
+    the gap (step_replayed_bubble): between theory and the replay lies uneven compute, unequal
+    stages (which a different cut evens) or single actions of unequal length; between the replay and the measurement lie the messages and the work
+    between actions, fixed costs per micro-batch that more rows per micro-batch outweigh. The
+    larger part names the knob, and each stage's compute per micro-batch says how small the
+    micro-batches are.
+    """
+    gap = measured - theory
+    if gap <= max(0.1 * theory, NEGLIGIBLE_BUBBLE):
+        return f"the bubble is within 10% of theory ({theory:.2f}): the schedule runs as designed"
+    per_stage = stage_compute_ms(tl)
+    slowest = max(per_stage, key=per_stage.get) if per_stage else None
+    computes = ", ".join(f"stage {stage} {ms:.3g} ms" for stage, ms in per_stage.items())
+    stages_part, messages_part = replayed - theory, measured - replayed
+    parts = []
+    if stages_part > NEGLIGIBLE_BUBBLE:
+        parts.append(f"{stages_part:.2f} uneven compute")
+    if messages_part > NEGLIGIBLE_BUBBLE:
+        parts.append(f"{messages_part:.2f} messages and the work between actions")
+    if stages_part >= messages_part and slowest is not None and per_stage[slowest] > UNEVEN_STAGES * min(per_stage.values()):
+        advice = (f"stage {slowest} sets the pace: move blocks off it (parallel.partition) or give the model "
+                  "more, smaller blocks to cut between")
+    elif stages_part >= messages_part:
+        advice = ("the stages compute alike on the whole, so the unevenness is in single actions (replicas or "
+                  "micro-batches at different speeds, a weight half longer than an input half): the timeline "
+                  "picture shows which")
+    else:
+        advice = ("each hand-off costs about as much whatever the micro-batch's size: more rows per micro-batch "
+                  "(a larger train.batch_size, or fewer parallel.micro_batches) outweigh it")
+    return (f"{gap:.2f} above theory: {' and '.join(parts) or 'parts below 0.01 each'} (a micro-batch computes "
+            f"{computes}); {advice}")
+
+
 def peak_in_flight(tl: Timeline, step: int) -> dict[int, int]:
     """Per rank: most micro-batches whose forward had run and (weight) backward had not: activations held."""
     peaks = {}

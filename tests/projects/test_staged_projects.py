@@ -59,6 +59,9 @@ def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
         line = re.search(r"pipeline bubble: measured ([\d.]+), theory ([\d.]+), replayed ([\d.]+) ", proc.stdout)
         assert line, proc.stdout[-3000:]
         assert float(line.group(3)) <= float(line.group(1))   # the replay's messages are free
+        # and what the gap to theory is made of, with each stage's compute per micro-batch
+        assert re.search(r"pipeline bubble: ([\d.]+ above theory: .*\(a micro-batch computes stage 0 [\d.]+ ms, "
+                         r"stage 1 [\d.]+ ms\); |the bubble is within 10% of theory)", proc.stdout), proc.stdout[-3000:]
     else:
         assert len(set(json.loads((ranks / "digests.json").read_text()))) == 1
     assert (ranks / "rank0" / "mlflow.db").exists() == tracked

@@ -8,8 +8,9 @@ from click.testing import CliRunner
 
 from hvd_runtime.pipeline import timeline
 from hvd_runtime.pipeline.schedule import Op, build_schedule, bubble_fraction, schedule_bubble, simulate
-from hvd_runtime.pipeline.timeline import (TimelineRecorder, load_timeline, measured_bubble, peak_in_flight, plot_timeline,
-                                           replayed_bubble, save_timeline, step_bubble, step_replayed_bubble)
+from hvd_runtime.pipeline.timeline import (TimelineRecorder, explain_bubble, load_timeline, measured_bubble, peak_in_flight,
+                                           plot_timeline, replayed_bubble, save_timeline, stage_compute_ms, step_bubble,
+                                           step_replayed_bubble)
 from hvdgen.cli import main
 
 KIND = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.SEND_ACT: "send", Op.SEND_GRAD: "send",
@@ -87,6 +88,42 @@ def test_replayed_bubble_tells_message_cost_from_unequal_stages(tmp_path, name, 
     assert replayed_both == pytest.approx(unequal, rel=1e-9) and both > unequal + 1e-3
 
 
+@pytest.mark.parametrize("name, chunks, replicas", [("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("1f1b", 1, 2)])
+def test_explain_bubble_names_the_larger_part_of_the_gap_and_its_knob(tmp_path, name, chunks, replicas):
+    """Unequal stages point at the cut and name the slowest stage; slow messages point at the rows per
+    micro-batch; an ideal run is within 10% of theory. Each stage's compute per micro-batch is its
+    forward and backward over every chunk (1 + 2 ms in these runs; replica k is (1 + k/10) slower)."""
+    def explained(**run):
+        meta = {"schedule": name, "stages": 2, "replicas": replicas, "micro_batches": 4, "chunks": chunks}
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        save_timeline(folder, simulated_records(name, 2, 4, steps=3, chunks=chunks, replicas=replicas, **run), meta)
+        tl = load_timeline(folder)
+        theory = schedule_bubble(name, 2, 4, chunks)
+        return stage_compute_ms(tl), explain_bubble(tl, measured_bubble(tl), replayed_bubble(tl), theory)
+
+    replica_mean = sum(1 + k / 10 for k in range(replicas)) / replicas
+    per_stage, text = explained()
+    assert per_stage == pytest.approx({0: 3.0 * replica_mean, 1: 3.0 * replica_mean}, rel=1e-6)
+    if replicas == 1:
+        assert text.startswith("the bubble is within 10% of theory"), text
+    else:   # the slower replica sets the pace, with stages alike: no cut to blame
+        assert "the stages compute alike on the whole" in text and "sets the pace" not in text, text
+
+    per_stage, text = explained(slower={1: 2.0})
+    assert per_stage == pytest.approx({0: 3.0 * replica_mean, 1: 6.0 * replica_mean}, rel=1e-6)
+    assert "uneven compute" in text and "messages" not in text, text
+    assert "stage 1 sets the pace: move blocks off it (parallel.partition)" in text, text
+    assert f"a micro-batch computes stage 0 {3.0 * replica_mean:.3g} ms, stage 1 {6.0 * replica_mean:.3g} ms" in text
+
+    per_stage, text = explained(latency=1.5)
+    assert per_stage == pytest.approx({0: 3.0 * replica_mean, 1: 3.0 * replica_mean}, rel=1e-6)
+    assert "messages and the work between actions" in text, text
+    assert ("uneven compute" in text) == (replicas > 1), text   # the replicas' own speeds, as above
+    assert "more rows per micro-batch" in text, text
+    gap = float(text.split(" above theory")[0])
+    assert gap > 0.05
+
+
 def test_replay_plays_a_short_last_batch_with_its_own_micro_batches(tmp_path):
     """An epoch's last batch may hold fewer micro-batches than configured; the replay counts what ran."""
     save_timeline(tmp_path, simulated_records("1f1b", 2, 4, steps=3, last_m=2),
@@ -156,6 +193,7 @@ def test_cli_prints_measured_and_theory_and_writes_png(tmp_path):
     assert measured == pytest.approx(0.2, abs=0.01)
     assert "theory   bubble 0.200 = (p-1)/(m+p-1)" in result.output
     assert "replayed bubble 0.200: this run's compute times on the schedule, messages free" in result.output
+    assert "the bubble is within 10% of theory (0.20): the schedule runs as designed" in result.output
     assert "micro-batches in flight, step 2: stage 0: 2, stage 1: 1 (theory: at most 2)" in result.output
     assert (tmp_path / "timeline.png").exists()
     result = CliRunner().invoke(main, ["timeline", str(tmp_path), "--step", "1", "-o", str(tmp_path / "s1.png")])
