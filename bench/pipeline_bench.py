@@ -111,7 +111,8 @@ def worker(steps: int, full_steps: int, out: Path, p2p: str) -> None:
         dims = ring if schedule == "interleaved-1f1b" else line
         stage = build_stage(make_model(), dims)
         engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, schedule=schedule, micro_batches=m,
-                                optimizer=torch.optim.SGD(stage.parameters(), lr=0.01), timeline=True)
+                                optimizer=torch.optim.SGD(stage.parameters(), lr=0.01), timeline=True,
+                                timeline_steps=timed + 2)   # every step: the two warm-up steps are dropped below
         times, base_times, peaks = [], [], []
         for step in range(timed + 2):
             x, y = batch(step, size)
@@ -283,6 +284,7 @@ def main() -> None:
     if args.worker:
         worker(args.steps, args.full_steps, args.out, args.p2p)
         return
+    args.docs.mkdir(parents=True, exist_ok=True)   # a report folder elsewhere may not exist yet
     load_before, speed = os.getloadavg()[0], machine_speed.described()
     probe = {rows: matmul_speed(rows) for rows in ROWS_PROBED} if args.full_steps else {}
     with tempfile.TemporaryDirectory() as tmp:

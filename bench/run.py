@@ -11,7 +11,9 @@
 (e) the workload benchmark (bench/workload_bench.py): ResNet-18 and a GPT from generated
     projects, on files on disk, in the same three loops at np=1 and np=2;
 (f) the same for the generated Keras projects: our loop against Horovod's Keras example and
-    TensorFlow's MultiWorkerMirroredStrategy.
+    TensorFlow's MultiWorkerMirroredStrategy;
+(g) the generated pipeline projects of both frameworks at their defaults
+    (bench/pipeline_projects_bench.py): bubble against theory and replay, and their timelines.
 Every figure is the median of several rounds, and every ratio is taken within one round (the
 runs it compares ran back to back), so slow phases of a shared machine cancel out.
 """
@@ -160,6 +162,7 @@ def main() -> None:
     parser.add_argument("--skip-pipeline", action="store_true")
     parser.add_argument("--workload-rounds", type=int, default=2, help="rounds of (e); 0 skips it")
     parser.add_argument("--tf-workload-rounds", type=int, default=1, help="rounds of (f); 0 skips it")
+    parser.add_argument("--pipeline-project-rounds", type=int, default=1, help="rounds of (g); 0 skips it")
     args = parser.parse_args()
     started = time.monotonic()
     minutes: dict[str, float] = {}  # part -> minutes it took
@@ -215,6 +218,12 @@ def main() -> None:
                             "--rounds", str(rounds)], check=True)
             workloads_md += (DOCS / report).read_text() + "\n"
             mark = took(part, mark)
+    projects_md = ""
+    if args.pipeline_project_rounds > 0:
+        subprocess.run([sys.executable, str(REPO / "bench" / "pipeline_projects_bench.py"),
+                        "--rounds", str(args.pipeline_project_rounds)], check=True)
+        projects_md = (DOCS / "benchmarks-pipeline-projects.md").read_text()
+        mark = took("(g) pipeline projects", mark)
 
     med = statistics.median
     where = []
@@ -277,6 +286,8 @@ def main() -> None:
         "also share the cores with Horovod's background threads, so this is a floor, not a cluster figure.",
         "",
         pipeline_md,
+        "",
+        projects_md,
         "",
         workloads_md,
         "",

@@ -42,8 +42,9 @@ class PipelineEngineBase:
             raise PipelineConfigError(misfit)
         self._schedules: dict[int, tuple[list, list]] = {}
         self._actions_for(micro_batches)   # built up front: a schedule that cannot be made fails at start-up
-        self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline)
-        self.timeline, self.timeline_steps = timeline, timeline_steps   # record the first steps only: bounded memory
+        # the last timeline_steps training steps: bounded memory, and past the run's start-up
+        self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline, keep_steps=timeline_steps)
+        self.timeline, self.timeline_steps = timeline, timeline_steps
         self.steps = 0
         self.peak_in_flight = 0     # most micro-batches holding activations at once, last step
         self._act_shapes: dict[tuple, tuple] = {}  # (chunk, micro-batch size) -> (shape, dtype) seen on the way in
@@ -277,8 +278,7 @@ class PipelineEngineBase:
         self._set_training(True)
         self.penalty = 0.0
         self._begin_step()
-        self.recorder.step = self.steps
-        self.recorder.enabled = self.timeline and self.steps < self.timeline_steps
+        self.recorder.begin_step(self.steps)
         sums = self._run(self._actions_for(len(sizes))[0], xs, ys, sizes, n, train=True)
         self._finish_step()
         self.steps += 1

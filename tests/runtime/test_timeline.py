@@ -176,6 +176,22 @@ def test_recorder_spans_and_disabled_recorder(monkeypatch):
     assert off.events == []
 
 
+def test_recorder_keeps_the_last_steps_past_the_start_up():
+    """keep_steps bounds memory to the last steps begun, not the first: those share the cores with the run's start-up."""
+    rec = TimelineRecorder(rank=0, stage=0, keep_steps=3)
+    for step in range(7):
+        rec.begin_step(step)
+        for kind in ("forward", "backward"):
+            rec.add(kind, 0, float(step), step + 0.5)
+        assert sorted({e["step"] for e in rec.events}) == list(range(max(0, step - 2), step + 1))
+    assert len(rec.events) == 6 and rec.step == 6
+    everything = TimelineRecorder(rank=0, stage=0)   # keep_steps 0: every step
+    for step in range(7):
+        everything.begin_step(step)
+        everything.add("forward", 0, float(step), step + 0.5)
+    assert [e["step"] for e in everything.events] == list(range(7))
+
+
 def test_plot_writes_a_png(tmp_path):
     save_timeline(tmp_path, simulated_records("1f1b", 2, 4), {"schedule": "1f1b", "stages": 2, "micro_batches": 4})
     out = plot_timeline(load_timeline(tmp_path), tmp_path / "t.png")
