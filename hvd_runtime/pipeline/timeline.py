@@ -243,10 +243,10 @@ def explain_bubble(tl: Timeline, measured: float, replayed: float, theory: float
 
     Why: the three numbers alone leave the user to work out which knob to turn. The replay splits
     the gap (step_replayed_bubble): between theory and the replay lies uneven compute, unequal
-    stages (which a different cut evens) or single actions of unequal length; between the replay and the measurement lie the messages and the work
-    between actions, fixed costs per micro-batch that more rows per micro-batch outweigh. The
-    larger part names the knob, and each stage's compute per micro-batch says how small the
-    micro-batches are.
+    stages (which a different cut evens) or single actions of unequal length; between the replay
+    and the measurement lie the messages and the work between actions, fixed costs per
+    micro-batch that more rows per micro-batch outweigh. The larger part names the knob, and each
+    stage's compute per micro-batch says how small the micro-batches are.
     """
     gap = measured - theory
     if gap <= max(0.1 * theory, NEGLIGIBLE_BUBBLE):
