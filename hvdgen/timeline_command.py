@@ -58,7 +58,7 @@ def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
         replayed = step_replayed_bubble(tl, step) if step is not None else replayed_bubble(tl)
         click.echo(f"replayed bubble {replayed:.3f}: this run's compute times on the schedule, messages free; "
                    "above it, messages and the work between actions; between it and theory, uneven compute")
-        click.echo(explain_bubble(tl, shown, replayed, theory_bubble))
+        click.echo(explain_bubble(tl, shown, replayed, theory_bubble, steps=None if step is None else [step]))
     else:   # a schedule this hvdgen does not know (a newer one's file): it cannot be played again
         click.echo(f"replayed bubble: not for schedule {meta['schedule']!r}, which this hvdgen cannot play "
                    f"(it knows {', '.join(SCHEDULES)})")

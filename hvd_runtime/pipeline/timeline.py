@@ -218,10 +218,12 @@ def replayed_bubble(tl: Timeline, skip_first: bool = True) -> float:
     return _mean_over_steps(tl, step_replayed_bubble, skip_first)
 
 
-def stage_compute_ms(tl: Timeline, skip_first: bool = True) -> dict[int, float]:
+def stage_compute_ms(tl: Timeline, steps: list[int] | None = None) -> dict[int, float]:
     """Per stage: the milliseconds of compute one micro-batch costs it (forward and backward, every
-    chunk), averaged over the recorded steps (the first skipped, as measured_bubble does) and replicas."""
-    steps = tl.steps[1:] if skip_first and len(tl.steps) > 1 else tl.steps
+    chunk), averaged over replicas and `steps` (default: the recorded steps after the first, as
+    measured_bubble takes them)."""
+    if steps is None:
+        steps = tl.steps[1:] if len(tl.steps) > 1 else tl.steps
     busy: dict[int, float] = {}
     micro_batches: dict[int, int] = {}
     for step in steps:
@@ -238,7 +240,8 @@ NEGLIGIBLE_BUBBLE = 0.01
 UNEVEN_STAGES = 1.05
 
 
-def explain_bubble(tl: Timeline, measured: float, replayed: float, theory: float) -> str:
+def explain_bubble(tl: Timeline, measured: float, replayed: float, theory: float,
+                   steps: list[int] | None = None) -> str:
     """One line: how far the measured bubble lies above theory, what makes up the gap, what shrinks it.
 
     Why: the three numbers alone leave the user to work out which knob to turn. The replay splits
@@ -246,12 +249,13 @@ def explain_bubble(tl: Timeline, measured: float, replayed: float, theory: float
     stages (which a different cut evens) or single actions of unequal length; between the replay
     and the measurement lie the messages and the work between actions, fixed costs per
     micro-batch that more rows per micro-batch outweigh. The larger part names the knob, and each
-    stage's compute per micro-batch says how small the micro-batches are.
+    stage's compute per micro-batch says how small the micro-batches are. `steps`: the steps the
+    bubbles were taken over, when not measured_bubble's (stage_compute_ms).
     """
     gap = measured - theory
     if gap <= max(0.1 * theory, NEGLIGIBLE_BUBBLE):
         return f"the bubble is within 10% of theory ({theory:.2f}): the schedule runs as designed"
-    per_stage = stage_compute_ms(tl)
+    per_stage = stage_compute_ms(tl, steps)
     slowest = max(per_stage, key=per_stage.get) if per_stage else None
     computes = ", ".join(f"stage {stage} {ms:.3g} ms" for stage, ms in per_stage.items())
     stages_part, messages_part = replayed - theory, measured - replayed

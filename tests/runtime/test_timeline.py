@@ -124,6 +124,24 @@ def test_explain_bubble_names_the_larger_part_of_the_gap_and_its_knob(tmp_path, 
     assert gap > 0.05
 
 
+def test_stage_compute_is_per_micro_batch_over_the_steps_asked(tmp_path):
+    """By default the steps measured_bubble takes (all but the first); `hvdgen timeline --step` asks for one."""
+    recs = [TimelineRecorder(rank=r, stage=r) for r in range(2)]
+    for step, scale in ((0, 5.0), (1, 1.0), (2, 3.0)):     # ms per forward; a backward twice that
+        for rec in recs:
+            rec.begin_step(step)
+            for mb in range(2):
+                start = 100.0 * step + 10.0 * mb
+                rec.add("forward", mb, start / 1e3, (start + scale) / 1e3)
+                rec.add("backward", mb, (start + scale) / 1e3, (start + 3 * scale) / 1e3)
+    save_timeline(tmp_path, [r.record() for r in recs], {"schedule": "1f1b", "stages": 2, "replicas": 1,
+                                                         "micro_batches": 2})
+    tl = load_timeline(tmp_path)
+    assert stage_compute_ms(tl) == pytest.approx({0: 6.0, 1: 6.0})          # steps 1 and 2: 3 ms and 9 ms
+    assert stage_compute_ms(tl, [2]) == pytest.approx({0: 9.0, 1: 9.0})
+    assert "stage 0 9 ms, stage 1 9 ms" in explain_bubble(tl, 0.5, 0.2, 0.1, steps=[2])
+
+
 def test_replay_plays_a_short_last_batch_with_its_own_micro_batches(tmp_path):
     """An epoch's last batch may hold fewer micro-batches than configured; the replay counts what ran."""
     save_timeline(tmp_path, simulated_records("1f1b", 2, 4, steps=3, last_m=2),
