@@ -58,9 +58,11 @@ def report(runs: dict[str, list[dict]], rounds: int, load: tuple[float, float]) 
     med = statistics.median
     rows = []
     for framework, results in runs.items():
-        cell = lambda key: ", ".join(f"{r[key]:.2f}" for r in results)   # noqa: E731
+        def by_round(key: str) -> str:
+            return ", ".join(f"{r[key]:.2f}" for r in results)
+
         ratio = med(r["measured"] / r["theory"] for r in results)
-        rows.append(f"| {framework} | {cell('measured')} | {results[0]['theory']:.2f} | {cell('replayed')} | "
+        rows.append(f"| {framework} | {by_round('measured')} | {results[0]['theory']:.2f} | {by_round('replayed')} | "
                     f"{ratio:.2f} |")
     lines = [
         "# The generated pipeline projects at their defaults",
