@@ -44,7 +44,6 @@ class PipelineEngineBase:
         self._actions_for(micro_batches)   # built up front: a schedule that cannot be made fails at start-up
         # the last timeline_steps training steps: bounded memory, and past the run's start-up
         self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline, keep_steps=timeline_steps)
-        self.timeline, self.timeline_steps = timeline, timeline_steps
         self.steps = 0
         self.peak_in_flight = 0     # most micro-batches holding activations at once, last step
         self._act_shapes: dict[tuple, tuple] = {}  # (chunk, micro-batch size) -> (shape, dtype) seen on the way in

@@ -164,11 +164,14 @@ def step_bubble(tl: Timeline, step: int) -> float:
     return 1.0 - busy / (len(tl.ranks) * span) if span > 0 else 0.0
 
 
+def measured_steps(tl: Timeline, skip_first: bool = True) -> list[int]:
+    """The recorded steps the bubbles average over; the first is skipped (warm-up) when there are others."""
+    return tl.steps[1:] if skip_first and len(tl.steps) > 1 else tl.steps
+
+
 def _mean_over_steps(tl: Timeline, per_step, skip_first: bool) -> float:
-    """Mean of `per_step(tl, step)` over the recorded steps; the first is skipped (warm-up) when there are others."""
-    steps = tl.steps
-    if skip_first and len(steps) > 1:
-        steps = steps[1:]
+    """Mean of `per_step(tl, step)` over measured_steps."""
+    steps = measured_steps(tl, skip_first)
     return sum(per_step(tl, s) for s in steps) / len(steps)
 
 
@@ -220,10 +223,9 @@ def replayed_bubble(tl: Timeline, skip_first: bool = True) -> float:
 
 def stage_compute_ms(tl: Timeline, steps: list[int] | None = None) -> dict[int, float]:
     """Per stage: the milliseconds of compute one micro-batch costs it (forward and backward, every
-    chunk), averaged over replicas and `steps` (default: the recorded steps after the first, as
-    measured_bubble takes them)."""
+    chunk), averaged over replicas and `steps` (default: measured_steps, as the bubbles take them)."""
     if steps is None:
-        steps = tl.steps[1:] if len(tl.steps) > 1 else tl.steps
+        steps = measured_steps(tl)
     busy: dict[int, float] = {}
     micro_batches: dict[int, int] = {}
     for step in steps:
