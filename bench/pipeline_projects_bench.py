@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--docs", type=Path, default=DOCS)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     args.docs.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     runs: dict[str, list[dict]] = {framework: [] for framework in FRAMEWORKS}
