@@ -42,14 +42,16 @@ MODELS = {
 # scripts/setup.sh installs the same (a test keeps the two in step).
 FRAMEWORK_PINS = {"torch": "torch==2.13.0", "tensorflow": "tensorflow==2.21.0"}
 
-# (framework, strategy) -> one line on what the generated project does.
+# (framework, strategy) -> one line on what the generated project does; a pipeline's names the schedules
+# its config takes (parallel.schedule), so the line cannot fall behind the runtime.
 AVAILABLE = {
     ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",
     ("tensorflow", "data"): "Keras 3 custom loop, one grouped allreduce of gradients per step",
     ("torch", "model-split"): "stages on one worker's devices, micro-batched; Horovod data parallel across workers",
-    ("torch", "pipeline"): "stages on ranks, GPipe, 1F1B or zero-bubble; stages x replicas; --tp N splits stages",
+    ("torch", "pipeline"): f"stages on ranks ({', '.join(schedules('torch'))}); stages x replicas; --tp N splits stages",
     ("tensorflow", "model-split"): "stages on one worker's devices (GPUs or logical CPUs); Horovod DP across workers",
-    ("tensorflow", "pipeline"): "stages on ranks, a tape per micro-batch, GPipe or 1F1B; --tp N splits stages (gpt)",
+    ("tensorflow", "pipeline"): f"stages on ranks, a tape per micro-batch ({', '.join(schedules('tensorflow'))}); "
+                                "--tp N splits stages (gpt)",
     ("torch", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",
     ("tensorflow", "tensor"): "attention heads and MLP split over a tp group (Megatron-style, gpt); tp x replicas",
 }

@@ -1,5 +1,6 @@
 """`hvdgen new` and `hvdgen list`: validation before writing, atomic output, the answers file."""
 
+import re
 import subprocess
 import sys
 
@@ -90,6 +91,10 @@ def test_list_shows_every_combination():
     lines = strategies.splitlines()
     assert len(lines) == len(catalog.FRAMEWORKS) * len(catalog.STRATEGIES)
     assert any(line.startswith("torch") and "data" in line and "available" in line for line in lines)
+    for framework in catalog.FRAMEWORKS:  # every schedule the project's config takes, and no other
+        pipeline = next(line for line in lines if line.split()[:2] == [framework, "pipeline"])
+        named = set(re.findall(r"[\w-]+", pipeline.partition("(")[2].partition(")")[0]))
+        assert named == set(catalog.schedules(framework)), pipeline
     model_lines = models.splitlines()[1:]
     assert [line.split()[0] for line in model_lines] == ["mlp", "resnet18", "gpt"]
 
