@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 from pathlib import Path
 
 import mlflow
@@ -16,6 +17,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
+from packaging.version import InvalidVersion, Version
 
 ORIGINAL_RUN_TAG = "hvd_runtime.original_run_id"      # set when a stored run id is not on this server
 CHANGED_PARAMS_TAG = "hvd_runtime.params_changed"     # MLflow params are write-once; a resume may differ
@@ -48,12 +50,37 @@ def _chunks(items: list, size: int):
         yield items[start:start + size]
 
 
+class _DroppedLocalLabelNote(logging.Filter):
+    """Drops MLflow's warning that it pins a framework without its local version label: the pin
+    below does drop it, so a CPU torch's every tracked run would warn about nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "local version label" not in record.getMessage()
+
+
+def _public_pin(requirement: str) -> str:
+    """`torch==2.13.0+cpu` -> `torch==2.13.0`: the pin that installs from PyPI, where a build's
+    local label (+cpu, +cu130) names no file. MLflow means to strip it, but its way of doing so
+    (a Version subclass hiding `.local`) no longer works with packaging 26's `str()`."""
+    name, equals, version = requirement.partition("==")
+    try:
+        return f"{name}=={Version(version).public}" if equals else requirement
+    except InvalidVersion:
+        return requirement
+
+
 @functools.cache  # once per flavor: each model of a run (one per checkpoint) has the same
 def _requirements(flavor) -> list[str]:
     """The flavor's pinned defaults (torch or tensorflow, cloudpickle...), given explicitly because
     MLflow's inference re-imports the model in a subprocess: ~10 s per model on a small CPU node,
     and a generated project's own package is not on PyPI for it to find anyway."""
-    return flavor.get_default_pip_requirements()
+    notes = logging.getLogger("mlflow.utils.requirements_utils")
+    dropped = _DroppedLocalLabelNote()
+    notes.addFilter(dropped)
+    try:
+        return [_public_pin(requirement) for requirement in flavor.get_default_pip_requirements()]
+    finally:
+        notes.removeFilter(dropped)
 
 
 def save_model(record: dict, path: Path) -> None:

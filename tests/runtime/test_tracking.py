@@ -100,7 +100,30 @@ def test_embedded_store_holds_params_metrics_artifacts_and_a_loadable_model(tmp_
         "each checkpoint's LoggedModel holds the weights it had when logged"
     signature = mlflow.models.get_model_info(f"models:/{best.model_id}").signature
     assert list(signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 4]
+    model_dir = Path(mlflow.artifacts.download_artifacts(f"models:/{best.model_id}", dst_path=str(tmp_path / "dl")))
+    assert f"torch=={torch.__version__.split('+')[0]}\n" in (model_dir / "requirements.txt").read_text(), \
+        "pinned as PyPI serves it, without a local label such as +cpu"
     assert not (tmp_path / "runs").exists()     # nothing failed, so nothing was spooled
+
+
+def test_a_local_version_label_leaves_the_pin_without_a_warning():
+    """A CPU torch (2.13.0+cpu) is pinned as torch==2.13.0, which installs from PyPI; MLflow's note
+    that it dropped the label would otherwise be a warning in every tracked run of such a torch."""
+    import mlflow.pytorch
+
+    from hvd_runtime.tracking import sink
+
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    notes = logging.getLogger("mlflow.utils.requirements_utils")
+    notes.addHandler(handler)
+    try:
+        requirements = sink._requirements.__wrapped__(mlflow.pytorch)   # past the per-process cache
+    finally:
+        notes.removeHandler(handler)
+    assert f"torch=={torch.__version__.split('+')[0]}" in requirements, requirements
+    assert [record.getMessage() for record in seen] == []
 
 
 @pytest.mark.slow
