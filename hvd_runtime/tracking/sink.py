@@ -10,6 +10,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import threading
 from pathlib import Path
 
 import mlflow
@@ -26,17 +27,36 @@ PARAMS_PER_REQUEST = 100
 METRICS_PER_REQUEST = 1000
 
 
+class _CheckedModelsRetracing(logging.Filter):
+    """Drops TensorFlow's "N of the last N calls ... triggered tf.function retracing" warning when
+    it comes from the thread that logs models: MLflow checks each logged model by predicting its
+    input example, and each epoch's checkpoint is a fresh clone whose predict function traces
+    once (about 0.1 s). From the fifth, TensorFlow would call that a loop's mistake, twice a line,
+    in every tracked run. The same warning from training itself still shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread or "triggered tf.function retracing" not in record.getMessage()
+
+
 @contextlib.contextmanager
 def _quiet_keras():
     """Keras' progress bars off while a model is logged: MLflow checks a model by predicting its
-    input example, and Keras would draw a "1/1 ━━━━" bar into the job's output at every epoch."""
+    input example, and Keras would draw a "1/1 ━━━━" bar into the job's output at every epoch;
+    and TensorFlow's retracing warning about those checks dropped (_CheckedModelsRetracing)."""
     import keras
 
     was_on = keras.config.is_interactive_logging_enabled()
     keras.config.disable_interactive_logging()
+    tensorflow_log, retracing = logging.getLogger("tensorflow"), _CheckedModelsRetracing()
+    tensorflow_log.addFilter(retracing)
     try:
         yield
     finally:
+        tensorflow_log.removeFilter(retracing)
         if was_on:
             keras.config.enable_interactive_logging()
 

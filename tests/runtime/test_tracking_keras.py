@@ -5,6 +5,8 @@ Runs where TensorFlow is installed (the TF environment); skipped elsewhere.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -40,6 +42,35 @@ def test_keras_model_is_logged_with_the_tensorflow_flavor(tmp_path, monkeypatch)
         np.testing.assert_allclose(np.asarray(loaded(example)), np.asarray(model(example)), rtol=1e-5)
     finally:
         mlflow.set_tracking_uri(None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_checkpoint_every_epoch_logs_without_tensorflows_retracing_warning(tmp_path, monkeypatch):
+    """MLflow predicts each logged model's example, and each checkpoint is a fresh clone: from the
+    fifth, TensorFlow warned of "excessive retracing" in every tracked run of a Keras project."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    example = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger("tensorflow").addHandler(handler)
+    try:
+        with start_tracking(RunConfig(), rank=0, world_size=1, framework="tensorflow", strategy="data",
+                            project_name="keras") as tracker:
+            for epoch in range(1, 7):
+                tracker.log_metrics({"val_acc": 0.1 * epoch}, step=epoch)
+                tracker.log_model(model, input_example=example, name=f"checkpoint-{epoch}", step=epoch,
+                                  checkpoint=True)
+            run_id = tracker.run_id
+    finally:
+        logging.getLogger("tensorflow").removeHandler(handler)
+    client = mlflow.MlflowClient(settings.embedded_uri(tmp_path))
+    logged = client.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id])
+    assert sorted(m.name for m in logged) == [f"checkpoint-{epoch}" for epoch in range(1, 7)]
+    assert [r.getMessage()[:80] for r in seen if "retracing" in r.getMessage()] == []
 
 
 class Unclonable(keras.Model):
