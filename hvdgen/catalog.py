@@ -43,7 +43,7 @@ MODELS = {
 FRAMEWORK_PINS = {"torch": "torch==2.13.0", "tensorflow": "tensorflow==2.21.0"}
 
 # (framework, strategy) -> one line on what the generated project does; a pipeline's names the schedules
-# its config takes (parallel.schedule), so the line cannot fall behind the runtime.
+# a project of that framework can use (schedules() above), so the line cannot fall behind the runtime.
 AVAILABLE = {
     ("torch", "data"): "Horovod DistributedOptimizer, ring-allreduce of gradients",
     ("tensorflow", "data"): "Keras 3 custom loop, one grouped allreduce of gradients per step",

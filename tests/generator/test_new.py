@@ -91,7 +91,7 @@ def test_list_shows_every_combination():
     lines = strategies.splitlines()
     assert len(lines) == len(catalog.FRAMEWORKS) * len(catalog.STRATEGIES)
     assert any(line.startswith("torch") and "data" in line and "available" in line for line in lines)
-    for framework in catalog.FRAMEWORKS:  # every schedule the project's config takes, and no other
+    for framework in catalog.FRAMEWORKS:  # every schedule its projects can use, and no other
         pipeline = next(line for line in lines if line.split()[:2] == [framework, "pipeline"])
         named = set(re.findall(r"[\w-]+", pipeline.partition("(")[2].partition(")")[0]))
         assert named == set(catalog.schedules(framework)), pipeline
