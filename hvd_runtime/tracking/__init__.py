@@ -59,7 +59,7 @@ def start_tracking(config, *, rank: int, world_size: int, framework: str, strate
         warn = OneWarning(spool_dir, run_facts.redact(uri))
         sender = Sender(uri, header, records.params(params), Spool(spool_dir, lambda: sender.segment_head()), warn)
         sender.start()
-        return Tracker(sender, warn)
+        return Tracker(sender, warn, checkpoint_models=settings.checkpoint_models(config))
     except Exception as exc:
         log.warning("MLflow tracking is off for this run: %s", exc)
         return NullTracker()

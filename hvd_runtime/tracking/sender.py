@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
 from . import records
@@ -63,6 +64,10 @@ class Sender(threading.Thread):
         self.inflight: list[dict] = []
         self.rejections = 0
         self.sink = None
+        self.models_done = 0                    # model records sent, spooled or dropped
+        self._models_lock = threading.Lock()
+        self.model_seconds: float | None = None  # how long the last one took to send
+        self.model_finished = 0.0               # and when it was done (time.monotonic)
 
     def segment_head(self) -> list[dict]:
         """The spool's first lines: this run as known now, and its params."""
@@ -71,12 +76,14 @@ class Sender(threading.Thread):
     def submit(self, record: dict) -> None:
         if self.abandoned:
             self.to_spool([record])
+            self._count_models([record])
             return
         try:
             self.queue.put_nowait(record)
         except queue.Full:
             self.warn(f"tracking fell {self.queue.maxsize} records behind the server")
             self.to_spool([record])
+            self._count_models([record])
 
     def run(self) -> None:
         try:
@@ -100,6 +107,22 @@ class Sender(threading.Thread):
                 self._send(group)
 
     def _send(self, group: list[dict]) -> None:
+        if group[0]["kind"] != "model":
+            self._apply(group)
+            return
+        started = time.monotonic()
+        try:
+            self._apply(group)
+        finally:
+            self.model_finished = time.monotonic()
+            self.model_seconds = self.model_finished - started
+            self._count_models(group)
+
+    def _count_models(self, group: list[dict]) -> None:
+        with self._models_lock:
+            self.models_done += sum(record["kind"] == "model" for record in group)
+
+    def _apply(self, group: list[dict]) -> None:
         if self.failed or self.abandoned:
             self.to_spool(group)
             return
@@ -111,7 +134,7 @@ class Sender(threading.Thread):
                 self.fail(exc, group)
             elif len(group) > 1:        # one bad key must not cost the other records of a batch
                 for record in group:
-                    self._send([record])
+                    self._apply([record])
             else:
                 self._reject(exc, group[0])
         finally:

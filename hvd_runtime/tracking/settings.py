@@ -46,6 +46,11 @@ def enabled(config) -> bool:
     return bool(getattr(section, "enabled", True))
 
 
+def checkpoint_models(config) -> str:
+    section = getattr(config, "tracking", None)
+    return getattr(section, "checkpoint_models", "auto") or "auto"
+
+
 def spool_dir(config) -> Path:
     """<run_dir>/mlflow-spool: beside the run's other local records, so it travels with them."""
     return Path(getattr(config, "run_dir", ".") or ".").resolve() / SPOOL_DIRNAME

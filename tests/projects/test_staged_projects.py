@@ -44,7 +44,9 @@ def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
     env = {"SKIP_DIGEST": "1"} if strategy == "pipeline" else {}
     tracked = (framework, strategy, np, extra) == TRACKED
     proc = run_horovod(np, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
-                            "--train.epochs", str(epochs), *extra, *([] if tracked else ["--tracking.enabled", "false"])],
+                            "--train.epochs", str(epochs), *extra,
+                            # every epoch's checkpoint as a model, which "auto" thins on short epochs
+                            *(["--tracking.checkpoint_models", "every"] if tracked else ["--tracking.enabled", "false"])],
                        cwd=project, env=env, timeout=600)
     history = [json.loads(line) for line in (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == list(range(1, epochs + 1))

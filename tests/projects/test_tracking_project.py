@@ -24,7 +24,7 @@ def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
         # The data job runs as two hosts (each its own local rank 0), the pipeline on one.
         hosts = ["localhost", "127.0.0.1"] if strategy == "data" else ["localhost"]
         run_horovod(2, [sys.executable, "train.py", "--train.epochs", "3", "--train.log_every", "5",
-                        "--horovod.threads_per_rank", "1"], cwd=project, env={"MLFLOW_TRACKING_URI": server.uri},
+                        "--horovod.threads_per_rank", "1", "--tracking.checkpoint_models", "every"], cwd=project, env={"MLFLOW_TRACKING_URI": server.uri},
                     timeout=600, hosts=",".join(f"{host}:{2 // len(hosts)}" for host in hosts))
         client = MlflowClient(server.uri)
         experiment = client.get_experiment_by_name("tracked")

@@ -69,7 +69,7 @@ def only_run(client: MlflowClient, experiment: str):
 def test_embedded_store_holds_params_metrics_artifacts_and_a_loadable_model(tmp_path):
     model, example = tiny_model(), torch.randn(2, 4)
     Path("notes.txt").write_text("hello")
-    with start("embedded") as tracker:
+    with start("embedded", overrides=["tracking.checkpoint_models=every"]) as tracker:
         for step in range(3):
             tracker.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
         tracker.set_tags({"stage": "test"})
@@ -126,12 +126,30 @@ def test_a_local_version_label_leaves_the_pin_without_a_warning():
     assert [record.getMessage() for record in seen] == []
 
 
+def test_auto_skips_checkpoints_of_short_epochs_and_logs_the_final_model(tmp_path):
+    """At the default tracking.checkpoint_models (auto), checkpoints a few seconds apart are not
+    worth a model each (tracker.checkpoint_model_due); the final model always is, and its
+    logging time is what the next decision would weigh."""
+    model, example = tiny_model(), torch.randn(2, 4)
+    with start("auto") as tracker:
+        for epoch in (1, 2, 3):
+            tracker.log_metrics({"val_acc": 0.1 * epoch}, step=epoch)
+            tracker.log_model(model, input_example=example, name=f"checkpoint-{epoch}", step=epoch, checkpoint=True)
+        tracker.log_model(model, input_example=example, step=3)
+        sender = tracker._sender
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = only_run(client, "auto")
+    assert [m.name for m in client.search_logged_models(experiment_ids=[run.info.experiment_id])] == ["model"]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "val_acc")] == pytest.approx([0.1, 0.2, 0.3])
+    assert sender.models_done == 1 and sender.model_seconds > 0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_unreachable_server_warns_once_spools_everything_and_replays(tmp_path, caplog):
     uri = dead_uri()
     model, example = tiny_model(), torch.randn(2, 4)
-    tracker = start("offline", tracking_uri=uri)
+    tracker = start("offline", tracking_uri=uri, overrides=["tracking.checkpoint_models=every"])
     for step in range(200):
         tracker.log_metrics({"train/loss": float(step)}, step=step)
     tracker.set_tags({"stage": "offline"})

@@ -14,8 +14,10 @@ tf = pytest.importorskip("tensorflow", reason="Requires: tensorflow")
 keras = pytest.importorskip("keras", reason="Requires: keras")
 mlflow = pytest.importorskip("mlflow")
 
-from hvd_runtime.config import RunConfig  # noqa: E402
+from hvd_runtime.config import RunConfig, TrackingConfig  # noqa: E402
 from hvd_runtime.tracking import settings, start_tracking  # noqa: E402
+
+EVERY_CHECKPOINT = RunConfig(tracking=TrackingConfig(checkpoint_models="every"))   # each log_model call is logged
 
 
 @pytest.mark.slow
@@ -25,7 +27,7 @@ def test_keras_model_is_logged_with_the_tensorflow_flavor(tmp_path, monkeypatch)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     example = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
-    with start_tracking(RunConfig(), rank=0, world_size=1, framework="tensorflow", strategy="data",
+    with start_tracking(EVERY_CHECKPOINT, rank=0, world_size=1, framework="tensorflow", strategy="data",
                         project_name="keras") as tracker:
         tracker.log_model(model, input_example=example)
         run_id = tracker.run_id
@@ -58,7 +60,7 @@ def test_a_checkpoint_every_epoch_logs_without_tensorflows_retracing_warning(tmp
     handler.emit = seen.append
     logging.getLogger("tensorflow").addHandler(handler)
     try:
-        with start_tracking(RunConfig(), rank=0, world_size=1, framework="tensorflow", strategy="data",
+        with start_tracking(EVERY_CHECKPOINT, rank=0, world_size=1, framework="tensorflow", strategy="data",
                             project_name="keras") as tracker:
             for epoch in range(1, 7):
                 tracker.log_metrics({"val_acc": 0.1 * epoch}, step=epoch)
@@ -94,7 +96,7 @@ def test_a_keras_checkpoint_is_that_epochs_model_or_its_metrics_alone(tmp_path, 
     example = np.random.default_rng(0).normal(size=(2, 4)).astype("float32")
     unclonable(example)
     before = np.asarray(model(example))
-    with start_tracking(RunConfig(), rank=0, world_size=1, framework="tensorflow", strategy="data",
+    with start_tracking(EVERY_CHECKPOINT, rank=0, world_size=1, framework="tensorflow", strategy="data",
                         project_name="keras") as tracker:
         tracker.log_metrics({"val_acc": 0.5}, step=1)
         tracker.log_model(model, input_example=example, name="checkpoint-1", step=1, checkpoint=True)
