@@ -107,7 +107,7 @@ class TrackingConfig:
     uri: str = ""                   # server URI; MLFLOW_TRACKING_URI wins; "" and no env = sqlite:///mlflow.db
     experiment: str = ""            # "" = the project name
     system_metrics: bool = True     # each host's CPU, memory, disk, network, GPUs: system/<host>/... per epoch
-    checkpoint_models: str = "auto"  # epochs' checkpoints as MLflow models: auto | every | off (tracking.tracker)
+    checkpoint_models: str = "auto"  # epochs' checkpoints as MLflow models: auto | every | final (tracking.tracker)
 
 
 @dataclass
@@ -201,7 +201,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "optim.name": ("sgd", "adam", "adamw"),
     "parallel.schedule": tuple(SCHEDULES),
-    "tracking.checkpoint_models": ("auto", "every", "off"),
+    "tracking.checkpoint_models": ("auto", "every", "final"),
 }
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches", "parallel.virtual_stages",

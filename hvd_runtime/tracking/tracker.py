@@ -27,7 +27,7 @@ FIRST_MODEL_SECONDS = 10.0     # "auto": the first model's cost, until one is me
 
 def checkpoint_model_due(mode: str, in_flight: bool, since: float, last_cost: float | None) -> bool:
     """Whether an epoch's checkpoint becomes an MLflow model, `since` seconds after the run began
-    or the last model was logged. "every": always; "off": never (the final model always is).
+    or the last model was logged. "every": always; "final": never (the final model always is).
     "auto": when logging the last one (`last_cost` s; FIRST_MODEL_SECONDS before any) took at
     most CHECKPOINT_MODEL_SHARE of the time since, and it is not still being logged.
 
@@ -39,7 +39,7 @@ def checkpoint_model_due(mode: str, in_flight: bool, since: float, last_cost: fl
     """
     if mode == "every":
         return True
-    if mode == "off" or in_flight:
+    if mode == "final" or in_flight:
         return False
     cost = FIRST_MODEL_SECONDS if last_cost is None else last_cost
     return since >= cost * (1 / CHECKPOINT_MODEL_SHARE - 1)

@@ -133,7 +133,7 @@ def test_checkpoint_models_auto_keeps_logging_to_a_tenth_of_the_run():
     from hvd_runtime.tracking.tracker import FIRST_MODEL_SECONDS, checkpoint_model_due as due
 
     assert due("every", in_flight=True, since=0.0, last_cost=50.0)
-    assert not due("off", in_flight=False, since=1e9, last_cost=0.0)
+    assert not due("final", in_flight=False, since=1e9, last_cost=0.0)
     # before any model was logged, the first is assumed to cost FIRST_MODEL_SECONDS
     assert not due("auto", in_flight=False, since=9 * FIRST_MODEL_SECONDS - 0.1, last_cost=None)
     assert due("auto", in_flight=False, since=9 * FIRST_MODEL_SECONDS, last_cost=None)
@@ -141,5 +141,5 @@ def test_checkpoint_models_auto_keeps_logging_to_a_tenth_of_the_run():
     assert not due("auto", in_flight=False, since=7.1, last_cost=0.8)
     assert due("auto", in_flight=False, since=7.2, last_cost=0.8)
     assert not due("auto", in_flight=True, since=1e9, last_cost=0.8), "never two at once"
-    with pytest.raises(Exception, match="tracking.checkpoint_models is 'sometimes': choose one of auto, every, off"):
+    with pytest.raises(Exception, match="tracking.checkpoint_models is 'sometimes': choose one of auto, every, final"):
         load_config(overrides=["tracking.checkpoint_models=sometimes"])

@@ -1,0 +1,134 @@
+"""What MLflow tracking costs a generated project's training: untracked, and tracked with each
+`tracking.checkpoint_models` setting, side by side.
+
+    python bench/tracking_training_bench.py                    # 2 rounds, torch and TensorFlow
+    python bench/tracking_training_bench.py --rounds 1 --frameworks torch
+
+The default data-parallel project of each framework (`hvdgen new`: the digits MLP, 20 epochs),
+trained with its README's line `horovodrun -np 2 -H localhost:2 --gloo python train.py`, from
+scratch every time, in turned order each round: with `--tracking.enabled false`, and tracked in
+the project's own store with `--tracking.checkpoint_models` every, auto and final. Rank 0 logs
+from the training process, so whatever MLflow does in Python holds the interpreter's lock while
+training waits (docs/tracking.md). Speed is the median of the epochs' train_samples_per_s after
+the first; the table also gives the command's wall time and the models the run logged. Writes
+docs/benchmarks-tracking.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+DOCS = REPO / "docs"
+FRAMEWORKS = ("torch", "tensorflow")
+SETTINGS = {
+    "untracked": ["--tracking.enabled", "false"],
+    "every": ["--tracking.checkpoint_models", "every"],
+    "auto": ["--tracking.checkpoint_models", "auto"],
+    "final": ["--tracking.checkpoint_models", "final"],
+}
+
+
+def logged_models(project: Path) -> int:
+    """LoggedModels in the project's embedded store (0 when the run was untracked). Counted in a
+    process of its own: MLflow keeps each store's connection open, and each run's store is new."""
+    if not (project / "mlflow.db").exists():
+        return 0
+    count = ("from mlflow import MlflowClient; client = MlflowClient('sqlite:///mlflow.db'); "
+             "print(len(client.search_logged_models(experiment_ids=[e.experiment_id for e in client.search_experiments()])))")
+    return int(subprocess.run([sys.executable, "-c", count], cwd=project, capture_output=True, text=True,
+                              check=True).stdout.split()[-1])
+
+
+def train(project: Path, options: list[str]) -> dict:
+    """One run of the README line with `options`, from scratch: samples/s, wall time, models logged."""
+    for made in ("checkpoints", "runs", "mlflow.db", "mlruns"):
+        path = project / made
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", *options]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}   # the project's own store
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900, env=env)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} in {project} failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    epochs = [json.loads(line) for line in (project / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
+    return {"samples_per_s": statistics.median(e["train_samples_per_s"] for e in epochs[1:]), "wall": wall,
+            "models": logged_models(project)}
+
+
+def report(runs: dict[tuple[str, str], list[dict]], rounds: int, load: tuple[float, float]) -> str:
+    med = statistics.median
+    rows = []
+    for (framework, setting), results in runs.items():
+        untracked = med(r["samples_per_s"] for r in runs[(framework, "untracked")])
+        speed = med(r["samples_per_s"] for r in results)
+        speeds = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results)
+        walls = ", ".join(f"{r['wall']:.1f}" for r in results)
+        models = ", ".join(str(r["models"]) for r in results)
+        rows.append(f"| {framework} | {setting} | {speeds} | {speed / untracked:.2f} | {walls} | {models} |")
+    return "\n".join([
+        "# What tracking costs the training",
+        "",
+        f"`python bench/tracking_training_bench.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        f"({rounds} round{'s' if rounds > 1 else ''}, 1-minute load average {load[0]:.1f} before, {load[1]:.1f} "
+        "after). Each framework's default data-parallel project (`hvdgen new`: the digits MLP, 20 epochs of "
+        "about a tenth of a second), trained from scratch with its README's line `horovodrun -np 2 -H "
+        "localhost:2 --gloo python train.py`, untracked and tracked in its own MLflow store with each "
+        "`tracking.checkpoint_models` setting, in turned order each round. *samples/s* is the median of the "
+        "epochs after the first; the wall time is the whole command's, start-up included.",
+        "",
+        "| framework | tracking | samples/s, by round | median / untracked | wall s, by round | models logged |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        "Logging a model is Python work on rank 0's training process (`torch.export` or Keras' tracing, "
+        "MLflow's serving check, the store), and training waits on the interpreter's lock meanwhile. `auto` "
+        "logs a checkpoint only when that took at most a tenth of the time since the last one "
+        "([tracking.md](tracking.md)); on epochs this short, only the final model.",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
+    args.docs.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    runs: dict[tuple[str, str], list[dict]] = {(f, s): [] for f in args.frameworks for s in SETTINGS}
+    order = list(runs)
+    with tempfile.TemporaryDirectory() as tmp:
+        projects = {}
+        for framework in args.frameworks:
+            subprocess.run([str(BIN / "hvdgen"), "new", f"tr_{framework}", "--framework", framework,
+                            "--output", tmp], check=True, capture_output=True)
+            projects[framework] = Path(tmp) / f"tr_{framework}"
+        for r in range(args.rounds):
+            for framework, setting in (order if r % 2 == 0 else order[::-1]):
+                got = train(projects[framework], SETTINGS[setting])
+                runs[(framework, setting)].append(got)
+                print(f"round {r + 1} {framework} {setting}: {got['samples_per_s']:,.0f} samples/s, "
+                      f"{got['wall']:.1f} s, {got['models']} models", flush=True)
+    out = args.docs / "benchmarks-tracking.md"
+    out.write_text(report(runs, args.rounds, (load_before, os.getloadavg()[0])))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
