@@ -97,7 +97,12 @@ def report(runs: dict[tuple[str, str], list[dict]], rounds: int, load: tuple[flo
         "Logging a model is Python work on rank 0's training process (`torch.export` or Keras' tracing, "
         "MLflow's serving check, the store), and training waits on the interpreter's lock meanwhile. `auto` "
         "logs a checkpoint only when that took at most a tenth of the time since the last one "
-        "([tracking.md](tracking.md)); on epochs this short, only the final model.",
+        "([tracking.md](tracking.md)); on epochs this short, only the final model. What is left between "
+        "`auto` or `final` and untracked is the sender's other work beside epochs of a tenth of a second: "
+        "MLflow's import during the first epochs and every epoch's metrics written to the store. The wall "
+        "time also holds the final model's logging after training, the first model of the process (MLflow's "
+        "flavor and `torch.export` are imported then).",
+        "",
     ])
 
 
