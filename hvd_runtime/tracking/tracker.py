@@ -33,9 +33,10 @@ def checkpoint_model_due(mode: str, in_flight: bool, since: float, last_cost: fl
 
     Why: rank 0 logs models on a thread of the training process, and MLflow's logging is Python
     (torch.export, a serving check, the store): while it runs it holds the interpreter's lock, so
-    training crawls. Measured on a digits MLP at np=2: 24,000 samples/s untracked, 2,800 with a
-    model every epoch (0.8 s of logging each, 12 s the first). A run whose epochs are long logs
-    every epoch's checkpoint; one of short epochs logs some, and its final model.
+    training crawls: the default digits-MLP projects at np=2 trained at 0.16 (torch) and 0.35
+    (TensorFlow) of their untracked speed with a model every epoch, 0.62 and 0.86 at "auto"
+    (docs/benchmarks-tracking.md). A run whose epochs are long logs every epoch's checkpoint;
+    one of short epochs some, or none but its final model.
     """
     if mode == "every":
         return True
