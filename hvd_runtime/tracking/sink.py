@@ -27,36 +27,44 @@ PARAMS_PER_REQUEST = 100
 METRICS_PER_REQUEST = 1000
 
 
-class _CheckedModelsRetracing(logging.Filter):
-    """Drops TensorFlow's "N of the last N calls ... triggered tf.function retracing" warning when
-    it comes from the thread that logs models: MLflow checks each logged model by predicting its
-    input example, and each epoch's checkpoint is a fresh clone whose predict function traces
-    once (about 0.1 s). From the fifth, TensorFlow would call that a loop's mistake, twice a line,
-    in every tracked run. The same warning from training itself still shows."""
+class _DroppedNote(logging.Filter):
+    """Drops a library's log records that contain `text` (from one thread only, if given)."""
 
-    def __init__(self):
+    def __init__(self, text: str, thread: int | None = None):
         super().__init__()
-        self.thread = threading.get_ident()
+        self.text, self.thread = text, thread
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread != self.thread or "triggered tf.function retracing" not in record.getMessage()
+        return (self.thread is not None and record.thread != self.thread) or self.text not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _dropped(logger: str, text: str, thread: int | None = None):
+    """While inside: `logger`'s records containing `text` (from `thread`, if given) are not shown."""
+    log, note = logging.getLogger(logger), _DroppedNote(text, thread)
+    log.addFilter(note)
+    try:
+        yield
+    finally:
+        log.removeFilter(note)
 
 
 @contextlib.contextmanager
 def _quiet_keras():
     """Keras' progress bars off while a model is logged: MLflow checks a model by predicting its
     input example, and Keras would draw a "1/1 ━━━━" bar into the job's output at every epoch;
-    and TensorFlow's retracing warning about those checks dropped (_CheckedModelsRetracing)."""
+    and TensorFlow's "N of the last N calls ... triggered tf.function retracing" warning dropped on
+    this thread: each epoch's checkpoint is a fresh clone whose predict function traces once
+    (about 0.1 s), which from the fifth TensorFlow would call a loop's mistake, twice a line, in
+    every tracked run. The same warning from training itself still shows."""
     import keras
 
     was_on = keras.config.is_interactive_logging_enabled()
     keras.config.disable_interactive_logging()
-    tensorflow_log, retracing = logging.getLogger("tensorflow"), _CheckedModelsRetracing()
-    tensorflow_log.addFilter(retracing)
     try:
-        yield
+        with _dropped("tensorflow", "triggered tf.function retracing", threading.get_ident()):
+            yield
     finally:
-        tensorflow_log.removeFilter(retracing)
         if was_on:
             keras.config.enable_interactive_logging()
 
@@ -68,14 +76,6 @@ def _flavor(name: str):
 def _chunks(items: list, size: int):
     for start in range(0, len(items), size):
         yield items[start:start + size]
-
-
-class _DroppedLocalLabelNote(logging.Filter):
-    """Drops MLflow's warning that it pins a framework without its local version label: the pin
-    below does drop it, so a CPU torch's every tracked run would warn about nothing."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "local version label" not in record.getMessage()
 
 
 def _public_pin(requirement: str) -> str:
@@ -93,14 +93,11 @@ def _public_pin(requirement: str) -> str:
 def _requirements(flavor) -> list[str]:
     """The flavor's pinned defaults (torch or tensorflow, cloudpickle...), given explicitly because
     MLflow's inference re-imports the model in a subprocess: ~10 s per model on a small CPU node,
-    and a generated project's own package is not on PyPI for it to find anyway."""
-    notes = logging.getLogger("mlflow.utils.requirements_utils")
-    dropped = _DroppedLocalLabelNote()
-    notes.addFilter(dropped)
-    try:
+    and a generated project's own package is not on PyPI for it to find anyway. MLflow's warning
+    that it pins a framework without its local version label is dropped: _public_pin does drop
+    it, so a CPU torch's every tracked run would warn about nothing."""
+    with _dropped("mlflow.utils.requirements_utils", "local version label"):
         return [_public_pin(requirement) for requirement in flavor.get_default_pip_requirements()]
-    finally:
-        notes.removeFilter(dropped)
 
 
 def save_model(record: dict, path: Path) -> None:
