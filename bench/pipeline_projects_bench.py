@@ -14,21 +14,17 @@ as docs/pipeline-project-timeline[-tensorflow].png.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-DOCS = REPO / "docs"
-FRAMEWORKS = ("torch", "tensorflow")
+from project_runs import BIN, FRAMEWORKS, bench_arguments, readme_run
+
 BUBBLE = re.compile(r"pipeline bubble: measured ([\d.]+), theory ([\d.]+), replayed ([\d.]+) ")
 EXPLAINED = re.compile(r"pipeline bubble: ((?:[\d.]+ above theory|the bubble is within).*)")
 
@@ -39,17 +35,10 @@ def picture_name(framework: str) -> str:
 
 def train(project: Path) -> dict:
     """One run of the project's README line, from scratch; its bubble lines, parsed."""
-    for made in ("checkpoints", "runs", "mlflow.db", "mlruns"):
-        path = project / made
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py"]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}   # the project's own store
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900, env=env)
+    proc, _ = readme_run(project)
     bubble, explained = BUBBLE.search(proc.stdout), EXPLAINED.search(proc.stdout)
-    if proc.returncode != 0 or not bubble or not explained:
-        raise RuntimeError(f"{' '.join(cmd)} in {project} (exit {proc.returncode}) printed no bubble:\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    if not bubble or not explained:
+        raise RuntimeError(f"the README line in {project} printed no bubble:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     measured, theory, replayed = map(float, bubble.groups())
     return {"measured": measured, "theory": theory, "replayed": replayed, "explained": explained.group(1).strip()}
 
@@ -94,13 +83,7 @@ def report(runs: dict[str, list[dict]], rounds: int, load: tuple[float, float]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: give 1 or more")
-    args.docs.mkdir(parents=True, exist_ok=True)
+    args = bench_arguments(__doc__)
     load_before = os.getloadavg()[0]
     runs: dict[str, list[dict]] = {framework: [] for framework in FRAMEWORKS}
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,10 +16,8 @@ docs/benchmarks-tracking.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -27,10 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-DOCS = REPO / "docs"
-FRAMEWORKS = ("torch", "tensorflow")
+from project_runs import BIN, bench_arguments, readme_run
+
 SETTINGS = {
     "untracked": ["--tracking.enabled", "false"],
     "every": ["--tracking.checkpoint_models", "every"],
@@ -52,18 +48,7 @@ def logged_models(project: Path) -> int:
 
 def train(project: Path, options: list[str]) -> dict:
     """One run of the README line with `options`, from scratch: samples/s, wall time, models logged."""
-    for made in ("checkpoints", "runs", "mlflow.db", "mlruns"):
-        path = project / made
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", *options]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}   # the project's own store
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900, env=env)
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} in {project} failed (exit {proc.returncode}):\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    _, wall = readme_run(project, options)
     epochs = [json.loads(line) for line in (project / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
     return {"samples_per_s": statistics.median(e["train_samples_per_s"] for e in epochs[1:]), "wall": wall,
             "models": logged_models(project)}
@@ -107,14 +92,7 @@ def report(runs: dict[tuple[str, str], list[dict]], rounds: int, load: tuple[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: give 1 or more")
-    args.docs.mkdir(parents=True, exist_ok=True)
+    args = bench_arguments(__doc__, frameworks=True)
     load_before = os.getloadavg()[0]
     runs: dict[tuple[str, str], list[dict]] = {(f, s): [] for f in args.frameworks for s in SETTINGS}
     order = list(runs)

@@ -1,0 +1,50 @@
+"""What the benchmarks of generated projects share: running a project's README line from scratch,
+and their command line (rounds, the docs folder)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+DOCS = REPO / "docs"
+FRAMEWORKS = ("torch", "tensorflow")
+
+
+def readme_run(project: Path, options: list[str] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    """`horovodrun -np 2 -H localhost:2 --gloo python train.py [options]` in `project` from scratch
+    (no checkpoints, runs or MLflow store of an earlier run), tracked, if at all, in the project's
+    own store. Returns the finished process and its wall time; raises if it failed."""
+    for made in ("checkpoints", "runs", "mlflow.db", "mlruns"):
+        path = project / made
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "train.py", *options]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=900, env=env)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} in {project} failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc, wall
+
+
+def bench_arguments(doc: str, frameworks: bool = False) -> argparse.Namespace:
+    """--rounds (1 or more, default 2), --docs (made if missing) and, if asked, --frameworks."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    if frameworks:
+        parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
+    args.docs.mkdir(parents=True, exist_ok=True)
+    return args
