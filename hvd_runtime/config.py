@@ -136,6 +136,9 @@ def _check_type(key: str, value, annotation):
             raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}")
         return [_check_type(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
     expected = annotation if isinstance(annotation, type) else object
+    if expected is str and isinstance(value, bool):   # `off`, `no`, `yes`, `on` in YAML or on the command line
+        fix = f"choose one of {', '.join(CHOICES[key])}" if key in CHOICES else "quote the value"
+        raise ConfigError(f"{key} must be str, got {value!r} (YAML reads on, off, yes, no as true or false): {fix}")
     if expected is int and isinstance(value, bool) or not isinstance(value, expected):
         raise ConfigError(f"{key} must be {expected.__name__}, got {value!r}")
     return value

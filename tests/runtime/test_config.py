@@ -27,6 +27,12 @@ def test_a_number_is_accepted_where_text_is_wanted(tmp_path):
     assert load_config(path).parallel.partition == "2"
     with pytest.raises(ConfigError, match="parallel.partition must be str, got True"):
         load_config(None, ["--parallel.partition", "true"])
+    with pytest.raises(ConfigError, match=r"parallel.partition must be str, got True \(YAML reads on, off, yes, no "
+                                          r"as true or false\): quote the value$"):
+        load_config(None, ["--parallel.partition", "yes"])
+    with pytest.raises(ConfigError, match="tracking.checkpoint_models must be str, got False .*: choose one of "
+                                          "auto, every, final$"):
+        load_config(None, ["--tracking.checkpoint_models", "off"])
 
 
 @pytest.mark.parametrize("override, fragment", [
