@@ -12,9 +12,10 @@
 
 Where it logs: the `tracking_uri` argument > MLFLOW_TRACKING_URI > config `tracking.uri` >
 the embedded store sqlite:///mlflow.db in the working directory (no server needed).
-Tracking is never a reason for training to fail: calls return at once, a background sender does
-the network work, and if the server fails one warning is printed and the rest of the run is
-spooled to <run_dir>/mlflow-spool, which `python -m hvd_runtime.tracking.replay` sends later.
+Tracking is never a reason for training to fail: calls return at once, a background sender hands
+the work to MLflow in a process of its own (remote.py), and if the server fails one warning is
+printed and the rest of the run is spooled to <run_dir>/mlflow-spool, which
+`python -m hvd_runtime.tracking.replay` sends later.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Turn a live model into a model record: which MLflow flavor, a snapshot, and a signature.
+"""Turn a live model into a model record: which MLflow flavor, a snapshot, and an example's output.
 
 Runs in the training thread, because the signature needs one forward pass on the model as it is
-now. The frameworks are found in sys.modules, never imported: a torch job has no TF, and the
-other way round.
+now; MLflow turns the example and that output into the signature where the model is logged (the
+tracking process, see remote.py), so the training process need not import MLflow. The
+frameworks are found in sys.modules, never imported: a torch job has no TF, and the other way
+round.
 """
 
 from __future__ import annotations
@@ -75,8 +77,6 @@ def model_record(model, input_example, name: str = "model", step: int = 0, check
     logged as it is when sent if it is the final model (training is over); a checkpoint raises
     NoSnapshot rather than log later weights under its name.
     """
-    from mlflow.models import infer_signature
-
     flavor = flavor_of(model)
     inputs, outputs = (_torch_forward if flavor == "pytorch" else _keras_forward)(model, input_example)
     snapshot = copy.deepcopy(model) if flavor == "pytorch" else _keras_snapshot(model)
@@ -86,4 +86,4 @@ def model_record(model, input_example, name: str = "model", step: int = 0, check
                              "models (their metrics are); the final model is")
         snapshot = model
     return {"kind": "model", "flavor": flavor, "name": name, "model": snapshot,
-            "signature": infer_signature(inputs, outputs), "input_example": inputs, "step": int(step)}
+            "input_example": inputs, "output_example": outputs, "step": int(step), "checkpoint": checkpoint}

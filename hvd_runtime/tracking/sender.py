@@ -1,4 +1,4 @@
-"""One background sender per run, so the training loop never waits on the network.
+"""One background sender per run, so the training loop never waits on the network or on MLflow.
 
 Why a thread rather than only short HTTP timeouts: even a 5 s timeout, retried, would stall
 every step while a server is down or slow, and the first contact with a fresh sqlite store
@@ -6,7 +6,9 @@ spends seconds on migrations. So the training thread only enqueues (never blocki
 spools instead), and this thread sends in order, consecutive metrics batched into one request.
 The first failure prints one warning; from then on every record goes to the local spool, which
 is fast and cannot fail the job. `Tracker.close` waits for this thread at most a fixed time and
-then spools whatever is left, so the job's exit is bounded whatever the server does.
+then spools whatever is left, so the job's exit is bounded whatever the server does. MLflow
+itself runs in a process of its own that this thread talks to (remote.py): its Python would
+otherwise take turns with training's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from typing import Callable
 
 from . import records
+from .remote import MLFLOW_IMPORT, RemoteSink
 from .spool import Spool
 
 MAX_BATCH = 500     # records taken from the queue per round trip
@@ -58,12 +61,12 @@ class Sender(threading.Thread):
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.run_id: str | None = header.get("run_id")
         self.ready = threading.Event()      # set once the run is open, or opening it failed
-        self.imported = threading.Event()   # set once MLflow is imported (or failed to import)
         self.failed = False
         self.abandoned = False
         self.inflight: list[dict] = []
         self.rejections = 0
-        self.sink = None
+        self.sink: RemoteSink | None = None
+        self._sink_lock = threading.Lock()  # drain() never misses a tracking process being started
         self.models_done = 0                    # model records sent, spooled or dropped
         self._models_lock = threading.Lock()
         self.model_seconds: float | None = None  # how long the last one took to send
@@ -87,12 +90,7 @@ class Sender(threading.Thread):
 
     def run(self) -> None:
         try:
-            try:
-                from .sink import MlflowSink  # MLflow is imported here, off the training thread
-            finally:
-                self.imported.set()
-            self.sink = MlflowSink(self.uri)
-            self.run_id = self.sink.open_run(self.header)
+            self.run_id = self._start_sink().open_run(self.header)
         except Exception as exc:
             self.fail(exc, [])      # the spool's head carries the run and its params
         else:
@@ -105,6 +103,15 @@ class Sender(threading.Thread):
             done = batch[-1]["kind"] == "end"
             for group in records.group(batch):
                 self._send(group)
+        if self.sink is not None:
+            self.sink.close()
+
+    def _start_sink(self) -> RemoteSink:
+        with self._sink_lock:
+            if self.abandoned:
+                raise ConnectionError("tracking was given up before MLflow started")
+            self.sink = RemoteSink(self.uri)
+            return self.sink
 
     def _send(self, group: list[dict]) -> None:
         if group[0]["kind"] != "model":
@@ -130,6 +137,8 @@ class Sender(threading.Thread):
         try:
             self.sink.apply(self.run_id, group)
         except Exception as exc:
+            if self.abandoned:          # drain spooled this group and ended the tracking process
+                return
             if not rejected(exc, group):
                 self.fail(exc, group)
             elif len(group) > 1:        # one bad key must not cost the other records of a batch
@@ -161,8 +170,10 @@ class Sender(threading.Thread):
         self.to_spool(pending)
 
     def drain(self) -> None:
-        """After close gave up waiting: spool what is queued and what is being sent."""
-        self.abandoned = True
+        """After close gave up waiting: spool what is queued and what is being sent, and end the
+        tracking process (whatever it still waits on, the run's records are in the spool now)."""
+        with self._sink_lock:
+            self.abandoned = True
         self.to_spool(list(self.inflight))
         pending = []
         while True:
@@ -171,6 +182,8 @@ class Sender(threading.Thread):
             except queue.Empty:
                 break
         self.to_spool(pending)
+        if self.sink is not None:   # last: this wakes the sender, which must find nothing left to send
+            self.sink.kill()
 
     def to_spool(self, pending: list[dict]) -> None:
         """Write records to the spool; an in-memory model is saved there as an MLflow model first."""
@@ -188,8 +201,8 @@ class Sender(threading.Thread):
 
     def _save_model(self, record: dict) -> dict | None:
         try:
-            from .sink import save_model
-
+            with MLFLOW_IMPORT:
+                from .sink import save_model
             path = self.spool.new_slot(record["name"])
             save_model(record, path)
         except Exception as exc:

@@ -100,10 +100,17 @@ def _requirements(flavor) -> list[str]:
         return [_public_pin(requirement) for requirement in flavor.get_default_pip_requirements()]
 
 
+def _signature(record: dict):
+    """The model's signature, from its example input and the output the training thread saw."""
+    from mlflow.models import infer_signature
+
+    return infer_signature(record["input_example"], record["output_example"])
+
+
 def save_model(record: dict, path: Path) -> None:
     """Write an in-memory model record as an MLflow model directory (signature and example kept)."""
     flavor = _flavor(record["flavor"])
-    flavor.save_model(record["model"], str(path), signature=record["signature"],
+    flavor.save_model(record["model"], str(path), signature=_signature(record),
                       input_example=record["input_example"], pip_requirements=_requirements(flavor))
 
 
@@ -194,7 +201,7 @@ class MlflowSink:
             saved = Model.load(local)
             model, signature, example = flavor.load_model(local), saved.signature, saved.load_input_example(local)
         else:
-            model, signature, example = record["model"], record["signature"], record["input_example"]
+            model, signature, example = record["model"], _signature(record), record["input_example"]
         # Model.log finds the store and the experiment through MLflow's process-wide state, not
         # the run: point both at this run (this process logs to one place anyway).
         mlflow.set_tracking_uri(self.uri)

@@ -1,8 +1,8 @@
 """What the training loop holds: `Tracker` on rank 0, `NullTracker` everywhere else.
 
-Tracker methods return at once: records go to the background sender (sender.py). Three may
-wait, each for a bounded time: `close` (for the sender to finish), `run_id` (for the run to open)
-and the first `log_model` (for the sender to finish importing MLflow).
+Tracker methods return at once: records go to the background sender (sender.py). Two may
+wait, each for a bounded time: `close` (for the sender to finish) and `run_id` (for the run to
+open). `log_model` runs the model once on its example and copies it, nothing more.
 """
 
 from __future__ import annotations
@@ -157,8 +157,6 @@ class Tracker(NullTracker):
             if not checkpoint_model_due(self._checkpoint_models, self._models_submitted > sender.models_done,
                                         time.monotonic() - last, sender.model_seconds):
                 return
-        # Two threads importing MLflow at once can see it half-initialised: let the sender finish.
-        self._sender.imported.wait(OPEN_TIMEOUT)
         from .models import NoSnapshot, model_record
 
         def record():

@@ -1,0 +1,190 @@
+"""MLflow in a process of its own beside the training process (hvd_runtime/tracking/remote.py):
+what crosses, what stays, and that the process never outlives or undermines the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")
+torch = pytest.importorskip("torch")
+psutil = pytest.importorskip("psutil")
+from mlflow import MlflowClient  # noqa: E402
+
+from hvd_runtime.config import load_config  # noqa: E402
+from hvd_runtime.tracking import Tracker, settings, start_tracking  # noqa: E402
+from hvd_runtime.tracking.replay import replay  # noqa: E402
+from hvd_runtime.tracking.spool import read_segments  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+START = """
+import os, signal, sys, time
+from hvd_runtime.config import load_config
+from hvd_runtime.tracking import start_tracking
+
+def start(*overrides):
+    return start_tracking(load_config(overrides=list(overrides)), rank=0, world_size=1, framework="torch",
+                          strategy="data", project_name="process")
+"""
+
+
+def run_script(tmp_path: Path, body: str, **kwargs) -> subprocess.CompletedProcess:
+    """`body` as a training script of its own, in tmp_path, tracked into tmp_path/mlflow.db."""
+    script = tmp_path / "script.py"
+    script.write_text(START + textwrap.dedent(body))
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_settings_put_back():
+    yield
+    mlflow.set_tracking_uri(None)
+
+
+def only_run(tmp_path: Path):
+    """The client of tmp_path's store (models:/ URIs resolve there too) and its one run."""
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("process").experiment_id])
+    return client, run
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_are_logged_by_the_tracking_process_and_the_final_model_here(tmp_path):
+    """While training goes on, MLflow never loads into the training process: an epoch's torch
+    checkpoint crosses pickled, a class of the training script's own by value. The final model,
+    when training is over, is logged where its framework is loaded already."""
+    done = run_script(tmp_path, """
+        import json, torch
+
+        class Doubled(torch.nn.Module):     # the tracking process cannot import this module: by value
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(4, 3)
+
+            def forward(self, x):
+                return 2 * self.linear(x)
+
+        torch.manual_seed(0)
+        model, example = Doubled(), torch.randn(2, 4)
+        outputs = {}
+        tracker = start("tracking.checkpoint_models=every")
+        for epoch in (1, 2):
+            tracker.log_metrics({"val_acc": 0.25 * epoch}, step=epoch)
+            tracker.log_model(model, input_example=example, name=f"checkpoint-{epoch}", step=epoch, checkpoint=True)
+            outputs[f"checkpoint-{epoch}"] = model(example).tolist()
+            with torch.no_grad():               # training goes on while the checkpoint waits to be sent
+                model.linear.weight.mul_(0.5)
+        deadline = time.monotonic() + 240
+        while tracker._sender.models_done < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("after the checkpoints, mlflow loaded here:", "mlflow" in sys.modules)
+        tracker.log_model(model, input_example=example, step=2)
+        outputs["model"] = model(example).tolist()
+        tracker.close()
+        print("after the final model, mlflow loaded here:", "mlflow" in sys.modules)
+        print(json.dumps({"example": example.tolist(), "outputs": outputs}))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "after the checkpoints, mlflow loaded here: False" in lines
+    assert "after the final model, mlflow loaded here: True" in lines
+    expected = json.loads(lines[-1])
+    client, run = only_run(tmp_path)
+    models = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    assert sorted(m.name for m in models) == ["checkpoint-1", "checkpoint-2", "model"]
+    example = torch.tensor(expected["example"])
+    for logged in models:
+        got = mlflow.pytorch.load_model(f"models:/{logged.model_id}")(example)
+        assert torch.allclose(got, torch.tensor(expected["outputs"][logged.name]), atol=1e-5), logged.name
+    assert [(m.key, m.step) for m in next(m for m in models if m.name == "checkpoint-2").metrics] == [("val_acc", 2)]
+    assert not (tmp_path / "runs").exists()     # nothing failed, so nothing was spooled
+
+
+@pytest.mark.timeout(300)
+def test_a_tracking_process_that_dies_is_a_failed_server_the_rest_is_spooled_and_replays(tmp_path, monkeypatch,
+                                                                                          caplog):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for key in settings.HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    tracker = start_tracking(load_config(), rank=0, world_size=1, framework="torch", strategy="data",
+                             project_name="process")
+    assert isinstance(tracker, Tracker)
+    tracker.log_metrics({"loss": 3.0}, step=0)
+    run_id = tracker.run_id
+    store = MlflowClient(settings.embedded_uri(tmp_path))
+    deadline = time.monotonic() + 120
+    while not store.get_metric_history(run_id, "loss") and time.monotonic() < deadline:
+        time.sleep(0.05)    # step 0 stored: what follows is all the tracking process misses
+    process = tracker._sender.sink._process
+    process.kill()          # say the OOM killer picked it
+    process.wait()
+    for step in (1, 2):
+        tracker.log_metrics({"loss": 3.0 - step}, step=step)
+    tracker.close()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hvd_runtime.tracking" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "the tracking process ended" in warnings[0], warnings
+    spool = tmp_path / "runs" / "latest" / "mlflow-spool"
+    ((header, items),) = list(read_segments(spool / "spool.jsonl"))
+    assert header["run_id"] == run_id
+    assert [r["step"] for r in items if r["kind"] == "metrics"] == [1, 2] and items[-1]["kind"] == "end"
+    assert replay(spool, settings.embedded_uri(tmp_path)) == [run_id]
+    client, run = only_run(tmp_path)
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0, 1, 2]
+    assert run.info.status == "FINISHED"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE     # ended; its parent has not reaped it
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(300)
+def test_the_tracking_process_ends_with_a_training_process_that_was_killed(tmp_path):
+    done = run_script(tmp_path, """
+        tracker = start()
+        tracker.log_metrics({"loss": 1.0}, step=0)
+        assert tracker.run_id
+        print(tracker._sender.sink._process.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 120
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid), "the tracking process outlived the training process"
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_ends_the_run_as_failed_through_the_tracking_process(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group, the tracking process too; it ignores
+    it, so the training process can still end the run as FAILED, with the metrics before it."""
+    done = run_script(tmp_path, """
+        with start() as tracker:
+            tracker.log_metrics({"loss": 1.0}, step=0)
+            assert tracker.run_id
+            os.killpg(os.getpgid(0), signal.SIGINT)     # as a terminal's Ctrl-C
+            time.sleep(60)
+    """, start_new_session=True)
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr, done.stderr[-3000:]
+    client, run = only_run(tmp_path)
+    assert run.info.status == "FAILED"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [1.0]
+    assert not (tmp_path / "runs").exists()     # the run ended in the store, nothing spooled
