@@ -7,9 +7,9 @@
 The default data-parallel project of each framework (`hvdgen new`: the digits MLP, 20 epochs),
 trained with its README's line `horovodrun -np 2 -H localhost:2 --gloo python train.py`, from
 scratch every time, in turned order each round: with `--tracking.enabled false`, and tracked in
-the project's own store with `--tracking.checkpoint_models` every, auto and final. Rank 0 logs
-from the training process, so whatever MLflow does in Python holds the interpreter's lock while
-training waits (docs/tracking.md). Speed is the median of the epochs' train_samples_per_s after
+the project's own store with `--tracking.checkpoint_models` every, auto and final. Rank 0's
+MLflow runs in a tracking process beside it, except for Keras models and the final model, which
+it logs itself (docs/tracking.md); on these 2 cores both ranks share them with it. Speed is the median of the epochs' train_samples_per_s after
 the first; the table also gives the command's wall time and the models the run logged. Writes
 docs/benchmarks-tracking.md.
 """
@@ -79,14 +79,15 @@ def report(runs: dict[tuple[str, str], list[dict]], rounds: int, load: tuple[flo
         "| --- | --- | ---: | ---: | ---: | ---: |",
         *rows,
         "",
-        "Logging a model is Python work on rank 0's training process (`torch.export` or Keras' tracing, "
-        "MLflow's serving check, the store), and training waits on the interpreter's lock meanwhile. `auto` "
-        "logs a checkpoint only when that took at most a tenth of the time since the last one "
-        "([tracking.md](tracking.md)); on epochs this short, only the final model. What is left between "
-        "`auto` or `final` and untracked is the sender's other work beside epochs of a tenth of a second: "
-        "MLflow's import during the first epochs and every epoch's metrics written to the store. The wall "
-        "time also holds the final model's logging after training, the first model of the process (MLflow's "
-        "flavor and `torch.export` are imported then).",
+        "Rank 0's MLflow work runs in a tracking process beside it ([tracking.md](tracking.md)): the "
+        "store's creation, each epoch's metrics, the artifacts and torch checkpoint models (`torch.export`, "
+        "MLflow's serving check, the store). On these 2 cores, which the two ranks keep busy, that process "
+        "still takes CPU from them while it works, but no longer rank 0's interpreter. Keras models are "
+        "logged in the training process, and training waits on the interpreter's lock meanwhile. `auto` "
+        "logs a checkpoint only when that took at most a tenth of the time since the last one; on epochs "
+        "this short, only the final model, which rank 0 logs itself after training. The wall time holds the "
+        "tracking process's start (MLflow's import, the store's tables: the first checkpoint waits for the "
+        "run's id) and that final model (MLflow's first import into the training process).",
         "",
     ])
 

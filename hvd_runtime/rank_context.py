@@ -58,6 +58,12 @@ class RankContext:
         """How many replicas average gradients: what sharding and LR scaling count."""
         return self.size if self._grid is None else self._grid.dims.dp
 
+    def from_root(self, value):
+        """Rank 0's `value`, on every rank (a broadcast: every rank calls). For what only rank 0 can
+        decide, such as whether this epoch's checkpoint becomes an MLflow model, before a collective
+        that only that makes worth its cost."""
+        return self._hvd().broadcast_object(value, root_rank=0)
+
     @property
     def dp_set(self):
         """The Horovod process set gradients are averaged in; None when this rank is the only replica."""

@@ -51,6 +51,9 @@ class HandoverTracker(NullTracker):
     def log_model(self, model, input_example, name="model", step=0, checkpoint=False):
         self._inner.log_model(model, input_example, name, step, checkpoint)
 
+    def wants_checkpoint_model(self) -> bool:
+        return self._inner.wants_checkpoint_model()
+
     def close(self, status="FINISHED", timeout=None):
         self._inner.close(status, timeout)
 

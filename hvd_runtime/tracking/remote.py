@@ -15,7 +15,8 @@ ended counts as a failed server (the rest of the run is spooled). An epoch's che
 (cloudpickle: a class defined in the training script goes by value). Other models are logged by
 an MlflowSink in this process, on the sender thread, as before: the final model (training is
 over, so nothing waits on it, and this process has its framework loaded already), a Keras model
-(it unpickles only where its custom layers are registered) and one that cannot be pickled.
+(it unpickles only where its custom layers are registered), a model on a GPU, and one that
+cannot be pickled.
 """
 
 from __future__ import annotations
@@ -101,8 +102,11 @@ class RemoteSink:
 
     @staticmethod
     def _pickled_model(run_id: str, group: list[dict]) -> bytes | None:
-        """The request that logs a torch checkpoint there; None for a model to log here."""
-        if any(record.get("flavor") != "pytorch" or not record.get("checkpoint") for record in group):
+        """The request that logs a torch checkpoint there; None for a model to log here. A model
+        with a tensor on a GPU stays here: unpickled there, it would open a CUDA context of its own
+        (GPU memory on the device training uses)."""
+        if any(record.get("flavor") != "pytorch" or not record.get("checkpoint") or not _on_cpu(record["model"])
+               for record in group):
             return None
         try:
             return cloudpickle.dumps(("apply", run_id, group))
@@ -144,6 +148,10 @@ class RemoteSink:
         if self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+
+
+def _on_cpu(module) -> bool:
+    return all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
 
 
 def _reply_to_failure(exc: BaseException) -> tuple:

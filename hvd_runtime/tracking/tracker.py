@@ -31,12 +31,13 @@ def checkpoint_model_due(mode: str, in_flight: bool, since: float, last_cost: fl
     "auto": when logging the last one (`last_cost` s; FIRST_MODEL_SECONDS before any) took at
     most CHECKPOINT_MODEL_SHARE of the time since, and it is not still being logged.
 
-    Why: rank 0 logs models on a thread of the training process, and MLflow's logging is Python
-    (torch.export, a serving check, the store): while it runs it holds the interpreter's lock, so
-    training crawls: the default digits-MLP projects at np=2 trained at 0.16 (torch) and 0.35
-    (TensorFlow) of their untracked speed with a model every epoch, 0.62 and 0.86 at "auto"
-    (docs/benchmarks-tracking.md). A run whose epochs are long logs every epoch's checkpoint;
-    one of short epochs some, or none but its final model.
+    Why: logging a model is seconds of Python (torch.export or Keras' tracing, a serving check,
+    the store). A Keras model is logged in the training process, where it holds the interpreter's
+    lock while training waits; a torch model in the tracking process (remote.py), which still
+    takes a core that may be training's. The default digits-MLP projects at np=2 on 2 cores
+    trained at 0.58 (torch) and 0.31 (TensorFlow) of their untracked speed with a model every
+    epoch, 0.73 and 0.78 at "auto" (docs/benchmarks-tracking.md). A run whose epochs are long logs
+    every epoch's checkpoint; one of short epochs some, or none but its final model.
     """
     if mode == "every":
         return True
@@ -85,6 +86,9 @@ class NullTracker:
 
     def log_model(self, model, input_example, name="model", step=0, checkpoint=False):
         pass
+
+    def wants_checkpoint_model(self) -> bool:
+        return False
 
     def close(self, status="FINISHED", timeout=None):
         pass
@@ -149,14 +153,8 @@ class Tracker(NullTracker):
         checkpoint: training goes on, so the model must be copied now; one that cannot be (see
         models.model_record) is skipped, with one warning. Which checkpoints are logged at all:
         config tracking.checkpoint_models (checkpoint_model_due)."""
-        if self._closed:
+        if self._closed or (checkpoint and not self.wants_checkpoint_model()):
             return
-        if checkpoint:
-            sender = self._sender
-            last = sender.model_finished if sender.model_seconds is not None else self._started
-            if not checkpoint_model_due(self._checkpoint_models, self._models_submitted > sender.models_done,
-                                        time.monotonic() - last, sender.model_seconds):
-                return
         from .models import NoSnapshot, model_record
 
         def record():
@@ -168,6 +166,17 @@ class Tracker(NullTracker):
                 self._no_snapshot = True
                 return None
         self._submit(record)
+
+    def wants_checkpoint_model(self) -> bool:
+        """Whether an epoch's checkpoint logged now becomes a model (config tracking.checkpoint_models,
+        checkpoint_model_due). Ask before building a whole model only for it: a pipeline or
+        tensor-parallel model is gathered to rank 0 from every rank."""
+        if self._closed:
+            return False
+        sender = self._sender
+        last = sender.model_finished if sender.model_seconds is not None else self._started
+        return checkpoint_model_due(self._checkpoint_models, self._models_submitted > sender.models_done,
+                                    time.monotonic() - last, sender.model_seconds)
 
     def _submit(self, make_record) -> None:
         if self._closed:

@@ -188,3 +188,20 @@ def test_ctrl_c_ends_the_run_as_failed_through_the_tracking_process(tmp_path):
     assert run.info.status == "FAILED"
     assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [1.0]
     assert not (tmp_path / "runs").exists()     # the run ended in the store, nothing spooled
+
+
+def test_only_a_torch_checkpoint_held_in_host_memory_crosses():
+    """What RemoteSink sends to the tracking process: a torch checkpoint whose tensors are in host
+    memory. Not the final model, a Keras model, nor one on a device (a GPU's tensors would open a
+    CUDA context there; the meta device stands in for one here)."""
+    from hvd_runtime.tracking.remote import RemoteSink
+
+    def record(model, **changes):
+        return [{"kind": "model", "flavor": "pytorch", "name": "m", "model": model, "checkpoint": True,
+                 "step": 1, **changes}]
+
+    on_cpu, elsewhere = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")
+    assert RemoteSink._pickled_model("run", record(on_cpu)) is not None
+    assert RemoteSink._pickled_model("run", record(elsewhere)) is None
+    assert RemoteSink._pickled_model("run", record(on_cpu, checkpoint=False)) is None
+    assert RemoteSink._pickled_model("run", record(on_cpu, flavor="tensorflow")) is None
