@@ -16,7 +16,7 @@ ended counts as a failed server (the rest of the run is spooled). An epoch's che
 an MlflowSink in this process, on the sender thread, as before: the final model (training is
 over, so nothing waits on it, and this process has its framework loaded already), a Keras model
 (it unpickles only where its custom layers are registered), a model on a GPU, and one that
-cannot be pickled.
+cannot be pickled here or unpickled there.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 import cloudpickle
 
 CLOSE_SECONDS = 10.0    # how long close() waits for the process to exit once told to
+UNPICKLABLE = "HVD_RUNTIME_UNPICKLABLE"  # the error code of a request the tracking process cannot read
 
 # One thread at a time imports MLflow into this process (the sender for a local model, or the
 # spool saving one): two importing it at once can see it half-initialised.
@@ -91,12 +92,16 @@ class RemoteSink:
     def apply(self, run_id: str, group: list[dict]) -> None:
         if group[0]["kind"] == "model":
             request = self._pickled_model(run_id, group)
-            if request is None:
-                if self._local is None:
-                    self._local = local_sink(self.uri)
-                self._local.apply(run_id, group)
-                return
-            self._exchange(request)
+            if request is not None:
+                try:
+                    self._exchange(request)
+                    return
+                except TrackingProcessError as exc:
+                    if exc.error_code != UNPICKLABLE:   # say its class's module is not importable there
+                        raise
+            if self._local is None:
+                self._local = local_sink(self.uri)
+            self._local.apply(run_id, group)
             return
         self._call("apply", run_id, group)
 
@@ -168,12 +173,16 @@ def serve(uri: str, fd: str) -> None:
     sink = None
     while True:
         try:
-            request = pickle.loads(connection.recv_bytes())
+            data = connection.recv_bytes()
         except EOFError:  # the sender closed: everything asked is answered, so stored
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)   # at once: the interpreter's teardown (MLflow's, SQLAlchemy's) took 0.6 s
-        name, *arguments = request
+        try:
+            name, *arguments = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - a model whose class cannot be imported here
+            connection.send_bytes(pickle.dumps(("error", f"cannot unpickle: {exc}", UNPICKLABLE, False)))
+            continue
         try:
             if sink is None:
                 from .sink import MlflowSink

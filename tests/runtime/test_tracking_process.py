@@ -114,6 +114,32 @@ def test_checkpoints_are_logged_by_the_tracking_process_and_the_final_model_here
     assert not (tmp_path / "runs").exists()     # nothing failed, so nothing was spooled
 
 
+@pytest.mark.timeout(600)
+def test_a_checkpoint_the_tracking_process_cannot_unpickle_is_logged_here(tmp_path):
+    """A model class whose module the tracking process cannot import (here loaded from a file under
+    a name of its own) is logged in the training process instead; the run goes on in the other."""
+    hidden = tmp_path / "elsewhere" / "hidden_layers.py"
+    hidden.parent.mkdir()
+    hidden.write_text("import torch\n\nclass Hidden(torch.nn.Linear):\n    pass\n")
+    done = run_script(tmp_path, f"""
+        import importlib.util, torch
+        spec = importlib.util.spec_from_file_location("hidden_layers", {str(hidden)!r})
+        hidden_layers = importlib.util.module_from_spec(spec)
+        sys.modules["hidden_layers"] = hidden_layers
+        spec.loader.exec_module(hidden_layers)
+        model = hidden_layers.Hidden(4, 3)
+        with start("tracking.checkpoint_models=every") as tracker:
+            tracker.log_model(model, input_example=torch.randn(2, 4), name="checkpoint-1", step=1, checkpoint=True)
+            tracker.log_metrics({{"loss": 0.5}}, step=2)
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client, run = only_run(tmp_path)
+    (logged,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    assert logged.name == "checkpoint-1" and mlflow.pytorch.load_model(f"models:/{logged.model_id}") is not None
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == [0.5]
+    assert run.info.status == "FINISHED" and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.timeout(300)
 def test_a_tracking_process_that_dies_is_a_failed_server_the_rest_is_spooled_and_replays(tmp_path, monkeypatch,
                                                                                           caplog):
