@@ -94,6 +94,9 @@ def test_embedded_store_holds_params_metrics_artifacts_and_a_loadable_model(tmp_
                                               order_by=[{"field_name": "metrics.val_acc", "ascending": False}])
     assert (best.name, older.name) == ("checkpoint-2", "checkpoint-1")
     assert [(m.key, m.step, m.value) for m in older.metrics] == [("val_acc", 10, 0.5)]
+    # models:/ URIs resolve against MLflow's global store: this one, by its absolute path (the default,
+    # sqlite:///mlflow.db, is relative, and MLflow keeps the store an earlier test opened under it)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     loaded = mlflow.pytorch.load_model(f"models:/{best.model_id}")
     assert torch.allclose(loaded(example), model(example))
     assert torch.allclose(mlflow.pytorch.load_model(f"models:/{older.model_id}")(example), first), \
