@@ -8,8 +8,8 @@ The default data-parallel project of each framework (`hvdgen new`: the digits ML
 trained with its README's line `horovodrun -np 2 -H localhost:2 --gloo python train.py`, from
 scratch every time, in turned order each round: with `--tracking.enabled false`, and tracked in
 the project's own store with `--tracking.checkpoint_models` every, auto and final. Rank 0's
-MLflow runs in a tracking process beside it, except for Keras models and the final model, which
-it logs itself (docs/tracking.md); on these 2 cores both ranks share them with it. Speed is the median of the epochs' train_samples_per_s after
+MLflow runs in a tracking process beside it, except for Keras models, which it logs itself
+(docs/tracking.md); on these 2 cores both ranks share them with it. Speed is the median of the epochs' train_samples_per_s after
 the first; the table also gives the command's wall time and the models the run logged. Writes
 docs/benchmarks-tracking.md.
 """
@@ -85,9 +85,9 @@ def report(runs: dict[tuple[str, str], list[dict]], rounds: int, load: tuple[flo
         "still takes CPU from them while it works, but no longer rank 0's interpreter. Keras models are "
         "logged in the training process, and training waits on the interpreter's lock meanwhile. `auto` "
         "logs a checkpoint only when that took at most a tenth of the time since the last one; on epochs "
-        "this short, only the final model, which rank 0 logs itself after training. The wall time holds the "
-        "tracking process's start (MLflow's import, the store's tables: the first checkpoint waits for the "
-        "run's id) and that final model (MLflow's first import into the training process).",
+        "this short, only the final model. The wall time holds the tracking process's start (MLflow's "
+        "import, the store's tables: the first checkpoint waits for the run's id) and, after training, the "
+        "final model's logging.",
         "",
     ])
 

@@ -58,7 +58,8 @@ def start_tracking(config, *, rank: int, world_size: int, framework: str, strate
                   "start_time": records.now_ms(), "tracking_uri": run_facts.redact(uri)}
         spool_dir = settings.spool_dir(config)
         warn = OneWarning(spool_dir, run_facts.redact(uri))
-        sender = Sender(uri, header, records.params(params), Spool(spool_dir, lambda: sender.segment_head()), warn)
+        sender = Sender(uri, header, records.params(params), Spool(spool_dir, lambda: sender.segment_head()), warn,
+                        flavor="pytorch" if framework == "torch" else None)
         sender.start()
         return Tracker(sender, warn, checkpoint_models=settings.checkpoint_models(config))
     except Exception as exc:

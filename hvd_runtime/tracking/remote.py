@@ -3,20 +3,22 @@
 Why: rank 0's sender used to call MLflow on a thread of the training process, and everything
 MLflow does is Python holding the interpreter's lock: its import and the embedded store's
 creation (about 2.5 CPU-s at the start of every run), each metrics write to sqlite, each model
-logged. Training waited meanwhile, and at every allreduce the other ranks waited for rank 0: the
-default torch project trained at 0.62 of its untracked speed without a single checkpoint model
-(docs/benchmarks-tracking.md). In a process of its own, the same work runs on another core.
+logged. Training waited meanwhile, and at every allreduce the other ranks waited for rank 0: a
+model every epoch cut the default torch project to a fifth of its untracked speed, where it now
+keeps about half (docs/tracking.md, "Where MLflow runs"). In a process of its own, the same
+work runs on another core.
 
 The sender thread holds a RemoteSink, which offers MlflowSink's two calls (open_run, apply) and
 carries each over a socket to a Python process running `serve`; there a real MlflowSink
 applies it and answers. A failure there comes back as an exception with MLflow's error code, so
 the sender tells a rejected record from a failed server exactly as before, and a process that
-ended counts as a failed server (the rest of the run is spooled). An epoch's checkpoint model crosses pickled
-(cloudpickle: a class defined in the training script goes by value). Other models are logged by
-an MlflowSink in this process, on the sender thread, as before: the final model (training is
-over, so nothing waits on it, and this process has its framework loaded already), a Keras model
-(it unpickles only where its custom layers are registered), a model on a GPU, and one that
-cannot be pickled here or unpickled there.
+ended counts as a failed server (the rest of the run is spooled). A torch model crosses pickled
+(cloudpickle: a class defined in the training script goes by value); the tracking process of a
+torch run imports torch, MLflow's flavor and torch.export as soon as the run is open, beside the
+first epochs, so that the final model does not wait for them at the end. Other models are
+logged by an MlflowSink in this process, on the sender thread, as before: a Keras model (it
+unpickles only where its custom layers are registered), a model on a GPU, and one that cannot be
+pickled here or unpickled there.
 """
 
 from __future__ import annotations
@@ -73,12 +75,13 @@ def _child_environment() -> dict[str, str]:
 class RemoteSink:
     """MlflowSink's calls, applied by a tracking process (`serve`) that it starts."""
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, flavor: str | None = None):
+        """flavor: the MLflow flavor of the run's models ("pytorch"), for the process to load early."""
         self.uri = uri
         self._local = None
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-c", f"import sys; from {__name__} import serve; serve(*sys.argv[1:])",
-                   uri, str(theirs.fileno())]
+                   uri, str(theirs.fileno()), *([flavor] if flavor else [])]
         try:
             self._process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                              env=_child_environment())
@@ -107,11 +110,10 @@ class RemoteSink:
 
     @staticmethod
     def _pickled_model(run_id: str, group: list[dict]) -> bytes | None:
-        """The request that logs a torch checkpoint there; None for a model to log here. A model
-        with a tensor on a GPU stays here: unpickled there, it would open a CUDA context of its own
-        (GPU memory on the device training uses)."""
-        if any(record.get("flavor") != "pytorch" or not record.get("checkpoint") or not _on_cpu(record["model"])
-               for record in group):
+        """The request that logs a torch model there; None for a model to log here. A model with a
+        tensor on a GPU stays here: unpickled there, it would open a CUDA context of its own (GPU
+        memory on the device training uses)."""
+        if any(record.get("flavor") != "pytorch" or not _on_cpu(record["model"]) for record in group):
             return None
         try:
             return cloudpickle.dumps(("apply", run_id, group))
@@ -164,13 +166,14 @@ def _reply_to_failure(exc: BaseException) -> tuple:
     return ("error", text, getattr(exc, "error_code", None), isinstance(exc, OSError))
 
 
-def serve(uri: str, fd: str) -> None:
+def serve(uri: str, fd: str, flavor: str | None = None) -> None:
     """The tracking process: answer each request with MlflowSink until the socket closes."""
     # Ctrl-C reaches the whole process group; the training process handles it and still ends
     # the run (FAILED) through this process, so this one must not die of it first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     connection = Connection(int(fd))
     sink = None
+    prepared = flavor is None
     while True:
         try:
             data = connection.recv_bytes()
@@ -191,3 +194,10 @@ def serve(uri: str, fd: str) -> None:
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the sender to judge
             reply = _reply_to_failure(exc)
         connection.send_bytes(pickle.dumps(reply))
+        if not prepared and name == "open_run":
+            prepared = True
+            try:
+                from .sink import prepare_flavor
+                prepare_flavor(flavor)
+            except Exception:  # noqa: BLE001 - only a head start: logging a model imports it again
+                pass

@@ -51,9 +51,11 @@ def _summary(exc: BaseException) -> str:
 
 class Sender(threading.Thread):
     def __init__(self, uri: str, header: dict, params: dict, spool: Spool, warn: Callable[[str], None],
-                 queue_size: int = 10_000):
+                 queue_size: int = 10_000, flavor: str | None = None):
+        """flavor: the MLflow flavor of the run's models, for the tracking process to load early."""
         super().__init__(name="hvd-runtime-tracking", daemon=True)
         self.uri = uri
+        self.flavor = flavor
         self.header = header
         self.params = params
         self.spool = spool
@@ -110,7 +112,7 @@ class Sender(threading.Thread):
         with self._sink_lock:
             if self.abandoned:
                 raise ConnectionError("tracking was given up before MLflow started")
-            self.sink = RemoteSink(self.uri)
+            self.sink = RemoteSink(self.uri, self.flavor)
             return self.sink
 
     def _send(self, group: list[dict]) -> None:

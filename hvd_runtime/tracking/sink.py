@@ -100,6 +100,15 @@ def _requirements(flavor) -> list[str]:
         return [_public_pin(requirement) for requirement in flavor.get_default_pip_requirements()]
 
 
+def prepare_flavor(name: str) -> None:
+    """Import a flavor and what its first model's logging needs (pytorch: torch and torch.export,
+    as MLflow 3 saves pt2), and pin its requirements: seconds, once a process."""
+    flavor = _flavor(name)
+    if name == "pytorch":
+        importlib.import_module("torch.export")
+    _requirements(flavor)
+
+
 def _signature(record: dict):
     """The model's signature, from its example input and the output the training thread saw."""
     from mlflow.models import infer_signature
