@@ -86,4 +86,4 @@ def model_record(model, input_example, name: str = "model", step: int = 0, check
                              "models (their metrics are); the final model is")
         snapshot = model
     return {"kind": "model", "flavor": flavor, "name": name, "model": snapshot,
-            "input_example": inputs, "output_example": outputs, "step": int(step), "checkpoint": checkpoint}
+            "input_example": inputs, "output_example": outputs, "step": int(step)}

@@ -221,11 +221,9 @@ def test_only_a_torch_model_held_in_host_memory_crosses():
     from hvd_runtime.tracking.remote import RemoteSink
 
     def record(model, **changes):
-        return [{"kind": "model", "flavor": "pytorch", "name": "m", "model": model, "checkpoint": True,
-                 "step": 1, **changes}]
+        return [{"kind": "model", "flavor": "pytorch", "name": "m", "model": model, "step": 1, **changes}]
 
     on_cpu, elsewhere = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")
     assert RemoteSink._pickled_model("run", record(on_cpu)) is not None
     assert RemoteSink._pickled_model("run", record(elsewhere)) is None
-    assert RemoteSink._pickled_model("run", record(on_cpu, checkpoint=False)) is not None
     assert RemoteSink._pickled_model("run", record(on_cpu, flavor="tensorflow")) is None
