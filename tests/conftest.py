@@ -1,9 +1,37 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from budget import pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402, F401
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_start():
+    """Every `python` a test starts (horovodrun's ranks included) forks from a warm interpreter
+    (tests/warm_start); the servers end with the session. HVDGEN_TEST_WARM_START=0 turns it off
+    (to measure what it saves)."""
+    import warm_start
+
+    if os.environ.get("HVDGEN_TEST_WARM_START") == "0":
+        yield None
+        return
+    root = warm_start.install()
+    yield root
+    warm_start.uninstall(root)
+
+
+@pytest.fixture(autouse=True)
+def plain_start(request, monkeypatch):
+    """A test marked plain_start starts its processes as users do: a cold interpreter each."""
+    if request.node.get_closest_marker("plain_start"):
+        import warm_start
+
+        monkeypatch.delenv(warm_start.VARIABLE, raising=False)
+        monkeypatch.setenv("PATH", warm_start.without_bin_folder(os.environ["PATH"]))
 
 
 @pytest.fixture(autouse=True)

@@ -27,8 +27,19 @@ def horovodrun_path() -> str:
 
 
 def venv_env(**extra: str) -> dict[str, str]:
-    """os.environ with this interpreter's folder first on PATH (the venv's horovodrun, python, mlflow)."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **extra}
+    """os.environ with this interpreter's folder first on PATH (the venv's horovodrun, python, mlflow),
+    after the warm start's `python` while it is on (tests/warm_start)."""
+    from warm_start import bin_folder
+
+    first = [folder for folder in (bin_folder(), str(Path(sys.executable).parent)) if folder]
+    return {**os.environ, "PATH": os.pathsep.join([*first, os.environ.get("PATH", "")]), **extra}
+
+
+def python_command(args: list[str]) -> list[str]:
+    """args with this interpreter named `python`, found on venv_env()'s PATH: the warm start's while on."""
+    from warm_start import bin_folder
+
+    return ["python", *args[1:]] if bin_folder() and args[:1] == [sys.executable] else args
 
 
 def run_horovod(np: int, args: list[str], cwd: Path | str | None = None, env: dict | None = None,
@@ -37,13 +48,24 @@ def run_horovod(np: int, args: list[str], cwd: Path | str | None = None, env: di
 
     hosts: another -H, e.g. "localhost:1,127.0.0.1:1": two hosts to Horovod (local ranks, cross
     ranks, HOROVOD_HOSTNAME), both this machine, reached without ssh."""
-    cmd = [horovodrun_path(), "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo", *args]
+    cmd = [horovodrun_path(), "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo", *python_command(args)]
     full_env = venv_env(**(env or {}))
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+# The first lines of a script that stands for a process in a terminal's foreground, where Ctrl-C
+# finds SIGINT at its default (KeyboardInterrupt) and unblocked. A shell that starts the test run
+# in the background without job control (`nohup ./scripts/test.sh &`, CI's) hands every process it
+# starts SIGINT ignored, Python then installs no handler, and that process would sleep through it.
+AS_IN_A_TERMINAL = """
+import signal as _signal
+_signal.signal(_signal.SIGINT, _signal.default_int_handler)
+_signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
+"""
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from helpers import AS_IN_A_TERMINAL
 from hvdgen.cli import main
 from hvdgen.spec import SPEC_FILE
 
@@ -200,13 +201,10 @@ def test_the_table_is_at_least_forty_cases():
 
 # Deliver a real signal to the real process at the worst moment: the project fully rendered in its
 # temporary folder, or (with --force) the user's files half carried into it.
-_INTERRUPT_AT = """
+_INTERRUPT_AT = AS_IN_A_TERMINAL + """
 import os, signal, sys
 import hvdgen.render, hvdgen.overwrite
 sig = getattr(signal, sys.argv.pop(1))
-# SIGINT as a terminal's Ctrl-C finds it: a shell that starts the test run in the background
-# (CI's, nohup) hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt.
-signal.signal(signal.SIGINT, signal.default_int_handler)
 where = sys.argv.pop(1)
 module, name = (hvdgen.render, "check_tree") if where == "rendered" else (hvdgen.overwrite, "_link_or_copy")
 original = getattr(module, name)

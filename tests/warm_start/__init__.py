@@ -1,0 +1,66 @@
+"""Ranks that start in milliseconds for the test suite: a warm interpreter forks each one.
+
+`install()` (a session fixture in tests/conftest.py) writes launcher.py as `python` and
+`python3` into a folder of its own and puts that folder first on PATH, so every `python ...`
+a test starts, horovodrun's ranks included, goes through it: a script that imports torch or
+TensorFlow is forked from server.py, a process that imported that framework once (nothing
+initialised, no thread started), with the launch's own process state taken over; anything
+else runs the real interpreter. tests/runtime/test_warm_start.py shows a rank cannot tell.
+
+What a rank can still tell: its parent process is the server, not horovodrun's shell; its
+string hashes share one seed with the other ranks of its kind (PYTHONHASHSEED, drawn once per
+server); the imports it shares were made before its script began. Tests marked `plain_start`
+run without it, so the start-up users get is still exercised for every framework and strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+VARIABLE = "HVDGEN_WARM_START"
+LAUNCHER = Path(__file__).with_name("launcher.py")
+PREFIX = "hvdwarm."
+
+
+def bin_folder() -> str | None:
+    """The folder holding the warm `python`, while the warm start is on."""
+    warm = os.environ.get(VARIABLE)
+    return os.path.join(warm.rsplit(":", 2)[0], "bin") if warm else None
+
+
+def without_bin_folder(path: str) -> str:
+    """PATH without any warm `python` folder."""
+    return os.pathsep.join(p for p in path.split(os.pathsep)
+                           if not (Path(p).name == "bin" and Path(p).parent.name.startswith(PREFIX)))
+
+
+def install() -> Path:
+    """Turn the warm start on for this process and what it starts; returns its folder."""
+    root = Path(tempfile.mkdtemp(prefix=PREFIX, dir="/tmp"))   # short: a socket path has 108 bytes
+    (root / "bin").mkdir()
+    launcher = f"#!{sys.executable} -IS\n" + LAUNCHER.read_text().replace(
+        'os.path.join(os.path.dirname(os.path.realpath(__file__)), "server.py")', repr(str(LAUNCHER.with_name("server.py"))))
+    for name in ("python", "python3"):
+        (root / "bin" / name).write_text(launcher)
+        (root / "bin" / name).chmod(0o755)
+    netns = os.stat("/proc/self/ns/net").st_ino
+    os.environ[VARIABLE] = f"{root}:{os.getpid()}:{netns}"
+    os.environ["PATH"] = f"{root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    return root
+
+
+def uninstall(root: Path) -> None:
+    """Stop every server this process started and remove the folder."""
+    for pid_file in root.glob("*/pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (ValueError, OSError):
+            pass
+    os.environ.pop(VARIABLE, None)
+    os.environ["PATH"] = without_bin_folder(os.environ["PATH"])
+    shutil.rmtree(root, ignore_errors=True)

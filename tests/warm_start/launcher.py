@@ -1,0 +1,201 @@
+"""The test suite's `python`: a rank started from a warm interpreter instead of a cold one.
+
+Installed by warm_start.install() as `python` and `python3` first on the tests' PATH, with
+`#!<real python> -IS` as its first line, so horovodrun's `python train.py` and the tests'
+`python script.py` / `python -c CODE` land here. It asks the warm server of its kind
+(server.py, started on first use: one per profile and per environment that matters while a
+framework loads) to fork the rank, hands over its standard streams, arguments, environment,
+working folder and signal state, forwards the signals it gets, and exits as the rank did (the
+same code, or killed by the same signal; stopped while it is stopped). Anything it does not recognise runs the real
+interpreter in its place (execv): other options, `-m`, a script that imports neither or both
+frameworks, MPI's launches, another network namespace, or no warm start asked for.
+"""
+
+import hashlib
+import os
+import pickle
+import re
+import resource
+import signal
+import socket
+import struct
+import sys
+import time
+
+REAL = sys.executable
+SERVER = os.path.join(os.path.dirname(os.path.realpath(__file__)), "server.py")
+ARGS = sys.argv[1:]
+FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGALRM, signal.SIGCONT)
+# The environment a framework may read while it loads: a server serves only launches that agree on it.
+LOAD_TIME = re.compile(r"^(PYTHON|OMP_|MKL_|KMP_|OPENBLAS_|GOTO|TF_|KERAS|XLA_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_"
+                       r"|MALLOC|GLIBC|HOME$|TMPDIR$|LANG$|LC_)")
+TF = re.compile(r"^\s*(import|from)\s+(tensorflow|keras|horovod\.tensorflow|horovod\.keras|hvd_runtime\.tf)\b", re.M)
+TORCH = re.compile(r"^\s*(import|from)\s+(torch|horovod\.torch|hvd_runtime\.torch)\b", re.M)
+LEAN = re.compile(r"^\s*(import|from)\s+(hvd_runtime\.tf\b|(sklearn|matplotlib|pandas)\b)", re.M)
+
+
+def plain():
+    os.execv(REAL, [REAL, *ARGS])
+
+
+def parse():
+    """(script or None, code or None, unbuffered), or None where this is no launch to warm."""
+    unbuffered, args = False, list(ARGS)
+    while args and args[0] == "-u":
+        unbuffered, args = True, args[1:]
+    if args[:1] == ["-c"] and len(args) > 1:
+        return None, args[1], unbuffered
+    if not args or args[0].startswith("-") or not os.path.isfile(args[0]):
+        return None
+    return args[0], None, unbuffered
+
+
+def profile_of(text: str):
+    chosen = os.environ.get("HVDGEN_WARM_PROFILE")
+    if chosen:
+        return chosen
+    tf, torch = TF.search(text), TORCH.search(text)
+    if bool(tf) == bool(torch):
+        return None
+    if torch:
+        return "torch"
+    first = LEAN.search(text)   # TensorFlow as hvd_runtime.tf imports it, unless Keras' extras come first
+    return "tf-lean" if first and first.group(2).startswith("hvd_runtime") else "tf"
+
+
+def server_folder(root: str, profile: str, unbuffered: bool) -> str:
+    loading = sorted((k, v) for k, v in os.environ.items() if LOAD_TIME.match(k))
+    key = repr((profile, REAL, unbuffered, loading)).encode(errors="surrogateescape")
+    return os.path.join(root, f"{profile}-{hashlib.sha1(key).hexdigest()[:12]}")
+
+
+def start_server(folder: str, profile: str, owner: str, unbuffered: bool) -> None:
+    """Start the server (detached twice: not a descendant of anything horovodrun cleans up)."""
+    os.makedirs(folder, exist_ok=True)
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            log = os.open(os.path.join(folder, "server.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            with open(os.path.join(folder, "pid"), "w") as out:
+                out.write(str(os.getpid()))
+            os.execv(REAL, [REAL, *(["-u"] if unbuffered else []), SERVER, folder, profile, owner])
+        os._exit(0)
+    os.wait()
+
+
+def connect(root: str, owner: str, profile: str, unbuffered: bool):
+    """A connection to the ready server of this kind, started if need be; None if it cannot serve."""
+    import fcntl
+
+    folder = server_folder(root, profile, unbuffered)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # one launch starts the server; the others wait for it
+        if not os.path.exists(os.path.join(folder, "socket")) and not os.path.exists(os.path.join(folder, "broken")):
+            start_server(folder, profile, owner, unbuffered)
+        deadline = time.monotonic() + 600
+        while not os.path.exists(os.path.join(folder, "socket")):
+            if os.path.exists(os.path.join(folder, "broken")) or time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(os.path.join(folder, "socket"))
+    except OSError:
+        return None
+    return connection
+
+
+def launch_state(script, code, unbuffered) -> dict:
+    ignored = set()
+    for signum in range(1, signal.NSIG):
+        try:
+            if signal.getsignal(signum) == signal.SIG_IGN and signum not in (signal.SIGPIPE, signal.SIGXFSZ):
+                ignored.add(signum)
+        except (ValueError, OSError):
+            pass
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            limits[getattr(resource, name)] = resource.getrlimit(getattr(resource, name))
+    umask = os.umask(0)
+    os.umask(umask)
+    rest = ARGS[ARGS.index("-c") + 2:] if code is not None else ARGS[ARGS.index(script) + 1:]
+    return {"argv": ["-c" if code is not None else script, *rest], "orig_argv": [REAL, *ARGS], "code": code,
+            "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask, "rlimits": limits,
+            "ignored": ignored, "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, []),
+            "unbuffered": unbuffered}
+
+
+def run(connection: socket.socket, state: dict) -> None:
+    child, pending = [0], []
+
+    def forward(signum, _frame):
+        if child[0]:
+            os.kill(child[0], signum)
+        else:
+            pending.append(signum)
+
+    for signum in FORWARDED:
+        if signum not in state["ignored"]:
+            signal.signal(signum, forward)
+    payload = pickle.dumps(state)
+    connection.sendmsg([struct.pack("!I", len(payload)) + payload],
+                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", 0, 1, 2))])
+    replies = connection.makefile("rb")
+    for line in replies:
+        kind, number = line.split()
+        if kind == b"pid":
+            child[0] = int(number)
+            for signum in pending:
+                os.kill(child[0], signum)
+        elif kind == b"stopped":   # as the rank is (SIGCONT, forwarded, continues both)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == b"exit":
+            os._exit(int(number))
+        else:   # killed by a signal: so is this process
+            signum = int(number)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            os._exit(128 + signum)
+    os.write(2, b"warm start: the server went away before the rank ended\n")
+    if child[0]:
+        os.kill(child[0], signal.SIGKILL)
+    os._exit(1)
+
+
+def main() -> None:
+    warm = os.environ.get("HVDGEN_WARM_START")
+    parsed = parse() if warm else None
+    if parsed is None or any(k.startswith(("OMPI_", "PMIX_")) for k in os.environ):
+        plain()
+    root, owner, netns = warm.rsplit(":", 2)
+    try:
+        os.kill(int(owner), 0)
+        same_host = os.stat("/proc/self/ns/net").st_ino == int(netns)
+    except OSError:
+        same_host = False
+    script, code, unbuffered = parsed
+    if not same_host:
+        plain()
+    text = code
+    if code is None:
+        try:
+            with open(script, "rb") as source:
+                text = source.read().decode(errors="replace")
+        except OSError:
+            plain()
+    profile = profile_of(text)
+    connection = connect(root, owner, profile, unbuffered) if profile else None
+    if connection is None:
+        plain()
+    run(connection, launch_state(script, code, unbuffered))
+
+
+main()

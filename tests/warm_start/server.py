@@ -1,0 +1,287 @@
+"""The warm interpreter: imports a framework once, then forks a rank for each launch it is sent.
+
+Started by launcher.py (the test suite's `python`) as `python server.py FOLDER PROFILE OWNER_PID`,
+in the environment of the first launch that needed it. It imports the profile's packages
+(PROFILES) with nothing initialised and no thread started (it refuses to serve otherwise), then
+listens on FOLDER/socket. Each connection brings one launch: the launcher's standard streams
+(as file descriptors), its arguments, environment, working folder, umask, resource limits and
+signal state. The server forks; the child takes all of that over, runs the script as
+`__main__`, exits through the interpreter's own finalisation, and the server sends its exit
+status back to the launcher, which exits with it. A launcher that goes away (SIGKILL from
+horovodrun's clean-up) takes its rank with it: the server kills the child when the connection
+closes; a rank that stops (SIGSTOP) stops its launcher, so a test that watches the launcher
+sees the rank's state. The server ends when its owner (the pytest worker) has gone.
+
+Single-threaded on purpose: a fork copies only the thread that forks, so the server never
+starts one (select over the connections, SIGCHLD through a wake-up pipe).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import pickle
+import re
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import types
+from importlib.machinery import BuiltinImporter, SourceFileLoader
+from pathlib import Path
+
+# What each profile imports, in order, and whether TensorFlow comes in hvd_runtime.tf's way
+# (Keras' unused extras hidden while it loads: hvd_runtime/tf/lean_import.py).
+PROFILES = {
+    "torch": ("numpy", "torch", "horovod.torch"),
+    "tf-lean": ("numpy", "tensorflow", "keras", "horovod.tensorflow"),
+    "tf": ("numpy", "tensorflow", "keras", "horovod.tensorflow"),
+}
+KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
+HEADER = struct.Struct("!I")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def native_notice_filter():
+    """hvd_runtime.tf.native_logs' patterns, read from its file without importing hvd_runtime."""
+    namespace: dict = {}
+    source = REPO / "hvd_runtime" / "tf" / "native_logs.py"
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0":
+        return lambda line: True
+    patterns = [re.compile(p) for p in namespace["notices"](namespace["host_has_nvidia_device"]())]
+    return lambda line: not any(p.search(line) for p in patterns)
+
+
+def preload(profile: str) -> tuple[bytes, int]:
+    """Import the profile's packages; return what they wrote to stderr (a rank writes it at its start)
+    and the threads the process had after numpy: OpenBLAS' pool, which it stops itself before a
+    fork (pthread_atfork) and starts again in the child when needed; no other may be running."""
+    captured = tempfile.TemporaryFile()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(captured.fileno(), 2)
+    hidden = [name for name in KERAS_EXTRAS if name not in sys.modules] if profile == "tf-lean" else []
+    try:
+        for name in hidden:
+            sys.modules[name] = None  # type: ignore[assignment]
+        for module in PROFILES[profile]:
+            __import__(module)
+            if module == "numpy":
+                allowed = threads()
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+    captured.seek(0)
+    written = captured.read()
+    if profile == "tf-lean":  # what hvd_runtime.tf's import lets through
+        keep = native_notice_filter()
+        lines = written.decode(errors="surrogateescape").splitlines(keepends=True)
+        written = "".join(line for line in lines if keep(line.rstrip("\n"))).encode(errors="surrogateescape")
+    return written, allowed
+
+
+def receive(connection: socket.socket) -> tuple[dict, list[int]]:
+    """One launch: a length-prefixed pickle, the launcher's fds 0, 1, 2 alongside its first bytes."""
+    data, fds = b"", []
+    while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
+        chunk, ancillary, _flags, _address = connection.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4))
+        if not chunk:
+            raise EOFError
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += list(struct.unpack(f"{len(payload) // 4}i", payload[:len(payload) // 4 * 4]))
+        data += chunk
+    return pickle.loads(data[HEADER.size:]), fds
+
+
+def status_of(wait_status: int) -> bytes:
+    if os.WIFSIGNALED(wait_status):
+        return b"signal %d\n" % os.WTERMSIG(wait_status)
+    return b"exit %d\n" % os.waitstatus_to_exitcode(wait_status)
+
+
+def serve(folder: Path, owner: int):
+    """Fork a child for each launch; return (in the child only) its launch and fds."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    staging = folder / f"socket.{os.getpid()}"
+    listener.bind(str(staging))
+    listener.listen(64)
+    os.rename(staging, folder / "socket")   # launchers connect only once it is ready
+    children: dict[int, socket.socket] = {}   # pid -> the launcher's connection
+    while True:
+        watched = [listener, wake_read, *children.values()]
+        readable, _, _ = select.select(watched, [], [], 2.0)
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            os._exit(0)
+        for ready in readable:
+            if ready is listener:
+                connection, _ = listener.accept()
+                try:
+                    launch, fds = receive(connection)
+                except (EOFError, OSError):
+                    connection.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for fd in (wake_read, wake_write):
+                        os.close(fd)
+                    for other in (listener, connection, *children.values()):
+                        other.close()
+                    return launch, fds
+                for fd in fds:
+                    os.close(fd)
+                connection.sendall(b"pid %d\n" % pid)
+                children[pid] = connection
+            elif ready == wake_read:
+                os.read(wake_read, 4096)
+            else:  # the launcher went away before its rank ended: so does the rank
+                pid = next(p for p, c in children.items() if c is ready)
+                if not ready.recv(1, socket.MSG_PEEK):
+                    os.kill(pid, signal.SIGKILL)
+        while children:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if os.WIFSTOPPED(wait_status):   # the launcher stops too: what watches it sees the rank's state
+                try:
+                    children[pid].sendall(b"stopped %d\n" % os.WSTOPSIG(wait_status))
+                except (KeyError, OSError):
+                    pass
+                continue
+            connection = children.pop(pid, None)
+            if connection is not None:
+                try:
+                    connection.sendall(status_of(wait_status))
+                except OSError:
+                    pass
+                connection.close()
+
+
+def standard_stream(fd: int, mode: str, like: io.TextIOWrapper, line_buffering: bool,
+                    unbuffered: bool) -> io.TextIOWrapper:
+    """A sys.stdin/out/err over fd as the interpreter makes them at start-up (closefd False)."""
+    raw = io.FileIO(fd, mode, closefd=False)
+    unbuffered = unbuffered and mode == "w"
+    buffer = raw if unbuffered else (io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw))
+    return io.TextIOWrapper(buffer, encoding=like.encoding, errors=like.errors, line_buffering=line_buffering,
+                            write_through=bool(unbuffered))
+
+
+def become(launch: dict, fds: list[int], notices: bytes) -> dict:
+    """Take over the launcher's process state; return the globals of a fresh __main__."""
+    os.setpgid(0, 0)   # a rank that signals its own process group must not reach the server
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target, inheritable=True)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.chdir(launch["cwd"])
+    os.umask(launch["umask"])
+    for which, limits in launch["rlimits"].items():
+        try:
+            resource.setrlimit(which, limits)
+        except (ValueError, OSError):
+            pass
+    os.environ.clear()
+    os.environ.update(launch["env"])
+    for signum in range(1, signal.NSIG):
+        if signum in (signal.SIGKILL, signal.SIGSTOP) or signum in (32, 33):
+            continue
+        try:
+            if signum in launch["ignored"] or signum in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(signum, signal.SIG_IGN)
+            elif signum == signal.SIGINT:
+                signal.signal(signum, signal.default_int_handler)
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, launch["blocked"])
+    unbuffered = launch["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = sys.__stdin__ = standard_stream(0, "r", sys.__stdin__, False, unbuffered)
+    sys.stdout = sys.__stdout__ = standard_stream(1, "w", sys.__stdout__, os.isatty(1), unbuffered)
+    sys.stderr = sys.__stderr__ = standard_stream(2, "w", sys.__stderr__, True, unbuffered)
+    if notices:
+        sys.stderr.buffer.write(notices)
+        sys.stderr.flush()
+    if "numpy" in sys.modules:
+        numpy = sys.modules["numpy"]
+        numpy.random.seed()   # a fresh process seeds numpy's global generator afresh
+        numpy.ones((256, 256)) @ numpy.ones((256, 256))   # and has OpenBLAS' threads (stopped by the fork)
+    sys.argv = list(launch["argv"])
+    sys.orig_argv = list(launch["orig_argv"])
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=sys.modules["builtins"], __spec__=None, __package__=None, __cached__=None)
+    if launch["code"] is None:
+        path = os.path.abspath(launch["argv"][0])
+        sys.path[0] = os.path.dirname(os.path.realpath(path))
+        main.__file__ = path
+        main.__loader__ = SourceFileLoader("__main__", path)
+    else:
+        sys.path[0] = ""
+        main.__loader__ = BuiltinImporter
+    sys.modules["__main__"] = main
+    return main.__dict__
+
+
+def without_server_frames(hook):
+    """sys.excepthook, showing the script's frames only, as a plain start's traceback does."""
+    def show(kind, value, traceback):
+        while traceback is not None and traceback.tb_frame.f_code.co_filename == __file__:
+            traceback = traceback.tb_next
+        hook(kind, value if value is None else value.with_traceback(traceback), traceback)
+    return show
+
+
+if __name__ == "__main__":
+    folder, profile, owner = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    try:
+        written, allowed = preload(profile)
+    except BaseException:
+        import traceback
+        (folder / "broken").write_text(traceback.format_exc())
+        raise
+    if threads() != allowed:
+        (folder / "broken").write_text(f"{profile}: {threads()} threads after the imports, {allowed} after numpy's;"
+                                       " a fork would lose them\n")
+        sys.exit(1)
+    gc.collect()
+    gc.freeze()   # what the imports made is shared with every rank, unwalked by its collector
+    launch, fds = serve(folder, owner)
+    namespace = become(launch, fds, written)
+    del launch["env"]
+    source = launch["code"] if launch["code"] is not None else Path(namespace["__file__"]).read_bytes()
+    code = compile(source, "<string>" if launch["code"] is not None else namespace["__file__"], "exec")
+    sys.excepthook = without_server_frames(sys.excepthook)
+    try:
+        exec(code, namespace)
+    except BaseException as raised:   # as the interpreter ends an uncaught one: SystemExit quietly
+        if sys.excepthook.__name__ != "show":
+            sys.excepthook = without_server_frames(sys.excepthook)
+        raise raised.with_traceback(raised.__traceback__.tb_next)
