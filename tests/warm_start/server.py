@@ -61,10 +61,13 @@ def native_notice_filter():
     return lambda line: not any(p.search(line) for p in patterns)
 
 
-def preload(profile: str) -> tuple[bytes, int]:
-    """Import the profile's packages; return what they wrote to stderr (a rank writes it at its start)
-    and the threads the process had after numpy: OpenBLAS' pool, which it stops itself before a
-    fork (pthread_atfork) and starts again in the child when needed; no other may be running."""
+def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]]:
+    """Import the profile's packages; return what they wrote to stderr (a rank writes it at its
+    start), the threads the process had after numpy (OpenBLAS' pool, which it stops itself before
+    a fork, pthread_atfork, and starts again in the child when needed; no other may be running),
+    and the variables the imports set in the environment (TensorFlow sets some), each with the
+    value it had before."""
+    before = dict(os.environ)
     captured = tempfile.TemporaryFile()
     sys.stderr.flush()
     saved = os.dup(2)
@@ -90,7 +93,8 @@ def preload(profile: str) -> tuple[bytes, int]:
         keep = native_notice_filter()
         lines = written.decode(errors="surrogateescape").splitlines(keepends=True)
         written = "".join(line for line in lines if keep(line.rstrip("\n"))).encode(errors="surrogateescape")
-    return written, allowed
+    changed = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
+    return written, allowed, changed
 
 
 def receive(connection: socket.socket) -> tuple[dict, list[int]]:
@@ -183,17 +187,20 @@ def serve(folder: Path, owner: int):
                 connection.close()
 
 
-def standard_stream(fd: int, mode: str, like: io.TextIOWrapper, line_buffering: bool,
-                    unbuffered: bool) -> io.TextIOWrapper:
-    """A sys.stdin/out/err over fd as the interpreter makes them at start-up (closefd False)."""
+def standard_stream(fd: int, mode: str, like: io.TextIOWrapper, unbuffered: bool) -> io.TextIOWrapper:
+    """A sys.stdin/out/err over fd as the interpreter makes them at start-up (Python/pylifecycle.c,
+    create_stdio): unbuffered (-u) writes go straight to the raw file and through the text layer;
+    otherwise a terminal's streams and stderr are line-buffered."""
     raw = io.FileIO(fd, mode, closefd=False)
-    unbuffered = unbuffered and mode == "w"
-    buffer = raw if unbuffered else (io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw))
-    return io.TextIOWrapper(buffer, encoding=like.encoding, errors=like.errors, line_buffering=line_buffering,
-                            write_through=bool(unbuffered))
+    raw.name = like.name
+    buffer = raw if unbuffered and mode == "w" else (io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw))
+    stream = io.TextIOWrapper(buffer, encoding=like.encoding, errors=like.errors,
+                              line_buffering=not unbuffered and (raw.isatty() or fd == 2), write_through=unbuffered)
+    stream.mode = mode
+    return stream
 
 
-def become(launch: dict, fds: list[int], notices: bytes) -> dict:
+def become(launch: dict, fds: list[int], notices: bytes, imports_set: dict) -> dict:
     """Take over the launcher's process state; return the globals of a fresh __main__."""
     os.setpgid(0, 0)   # a rank that signals its own process group must not reach the server
     for target, fd in enumerate(fds):
@@ -210,6 +217,9 @@ def become(launch: dict, fds: list[int], notices: bytes) -> dict:
             pass
     os.environ.clear()
     os.environ.update(launch["env"])
+    for name, (before, after) in imports_set.items():   # as the imports would have set them here
+        if os.environ.get(name) == before:
+            os.environ[name] = after
     for signum in range(1, signal.NSIG):
         if signum in (signal.SIGKILL, signal.SIGSTOP) or signum in (32, 33):
             continue
@@ -224,9 +234,9 @@ def become(launch: dict, fds: list[int], notices: bytes) -> dict:
             pass
     signal.pthread_sigmask(signal.SIG_SETMASK, launch["blocked"])
     unbuffered = launch["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
-    sys.stdin = sys.__stdin__ = standard_stream(0, "r", sys.__stdin__, False, unbuffered)
-    sys.stdout = sys.__stdout__ = standard_stream(1, "w", sys.__stdout__, os.isatty(1), unbuffered)
-    sys.stderr = sys.__stderr__ = standard_stream(2, "w", sys.__stderr__, True, unbuffered)
+    sys.stdin = sys.__stdin__ = standard_stream(0, "r", sys.__stdin__, unbuffered)
+    sys.stdout = sys.__stdout__ = standard_stream(1, "w", sys.__stdout__, unbuffered)
+    sys.stderr = sys.__stderr__ = standard_stream(2, "w", sys.__stderr__, unbuffered)
     if notices:
         sys.stderr.buffer.write(notices)
         sys.stderr.flush()
@@ -262,7 +272,7 @@ def without_server_frames(hook):
 if __name__ == "__main__":
     folder, profile, owner = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     try:
-        written, allowed = preload(profile)
+        written, allowed, imports_set = preload(profile)
     except BaseException:
         import traceback
         (folder / "broken").write_text(traceback.format_exc())
@@ -274,7 +284,7 @@ if __name__ == "__main__":
     gc.collect()
     gc.freeze()   # what the imports made is shared with every rank, unwalked by its collector
     launch, fds = serve(folder, owner)
-    namespace = become(launch, fds, written)
+    namespace = become(launch, fds, written, imports_set)
     del launch["env"]
     source = launch["code"] if launch["code"] is not None else Path(namespace["__file__"]).read_bytes()
     code = compile(source, "<string>" if launch["code"] is not None else namespace["__file__"], "exec")

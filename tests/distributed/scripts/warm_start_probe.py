@@ -26,12 +26,13 @@ else:
 
     import horovod.tensorflow as hvd
 at_start = {"threads": len(os.listdir("/proc/self/task")), "python_threads": threading.active_count()}
+unseeded_draw = np.random.random()   # numpy's global generator, before anything seeds it
 hvd.init()
 
 
 def stream(s: io.TextIOWrapper) -> dict:
     return {"fileno": s.fileno(), "isatty": s.isatty(), "encoding": s.encoding, "errors": s.errors,
-            "line_buffering": s.line_buffering, "write_through": s.write_through, "mode": s.mode,
+            "line_buffering": s.line_buffering, "write_through": s.write_through, "mode": s.mode, "name": s.name,
             "buffer": type(s.buffer).__name__, "closefd": s.buffer.raw.closefd if hasattr(s.buffer, "raw") else None}
 
 
@@ -58,7 +59,7 @@ if framework == "torch":
     results = {"loss": loss.item(), "grads": grads, "intra_op_threads": torch.get_num_threads(),
                "interop_threads": torch.get_num_interop_threads()}
 else:
-    tf.random.set_seed(0)
+    tf.keras.utils.set_random_seed(0)   # Python's, numpy's and TensorFlow's: Keras 3 initialisers draw from all
     layer = tf.keras.layers.Dense(2, kernel_initializer="glorot_uniform")
     x = tf.reshape(tf.range(8.0), (2, 4)) + rank
     with tf.GradientTape() as tape:
@@ -68,7 +69,7 @@ else:
                "inter_op": tf.config.threading.get_inter_op_parallelism_threads(),
                "intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
                "keras_has_sklearn_wrappers": hasattr(tf.keras, "wrappers") and "sklearn" in sys.modules}
-results["numpy_draws_differ_by_rank"] = hvd.allgather_object(np.random.random())
+results["numpy_draws_differ_by_rank"] = hvd.allgather_object(unseeded_draw)
 
 print(f"rank {rank} says hello")
 print(f"rank {rank} warns", file=sys.stderr)

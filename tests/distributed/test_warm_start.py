@@ -1,0 +1,176 @@
+"""The warm start (tests/warm_start) is invisible to a rank: the same job, started cold and warm.
+
+Under real horovodrun, each rank of a probe (scripts/warm_start_probe.py) reports its
+environment, arguments, interpreter paths and flags, `__main__`, standard streams, signal state,
+umask, resource limits, threads, modules and what it computes; the two runs must agree, but for
+the job's own random values (ports, secrets), the parent process (the warm server) and the
+modules the server imported before the script began. Then the ways a process ends: each of a set
+of small scripts runs cold and warm, and both must end alike (exit code or signal, output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import warm_start
+from helpers import REPO, run_horovod, venv_env
+
+pytestmark = pytest.mark.slow
+SCRIPTS = Path(__file__).parent / "scripts"
+# Values horovodrun draws afresh for every job.
+PER_JOB = {"HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_SECRET_KEY"}
+
+
+@pytest.fixture
+def cold(monkeypatch):
+    """Within the block, what the test starts starts cold."""
+    def turn_off():
+        monkeypatch.delenv(warm_start.VARIABLE)
+        monkeypatch.setenv("PATH", warm_start.without_bin_folder(os.environ["PATH"]))
+    return turn_off
+
+
+def probe(out: Path, framework: str, profile: str) -> tuple[list[dict], subprocess.CompletedProcess]:
+    """The probe's reports and its job. It imports either framework: its profile is named (both runs)."""
+    out.mkdir()
+    proc = run_horovod(2, [sys.executable, str(SCRIPTS / "warm_start_probe.py"), framework, str(out)], cwd=REPO,
+                       env={"PYTHONPATH": str(REPO), "HVDGEN_WARM_PROFILE": profile}, timeout=400)
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    shutil.rmtree(out)   # the next run writes to the same path: its arguments are the same
+    return reports, proc
+
+
+def preloaded(profile: str) -> set[str]:
+    """The modules a cold interpreter holds after importing what the warm server of `profile` imports."""
+    from warm_start import server
+
+    code = f"import sys, json; [__import__(m) for m in {list(server.PROFILES[profile])!r}]; print(json.dumps(sorted(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=venv_env())
+    return set(json.loads(proc.stdout.splitlines()[-1]))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("framework, profile", [("torch", "torch"), ("tensorflow", "tf-lean")])
+def test_a_rank_cannot_tell_a_warm_start_from_a_cold_one(tmp_path, cold, framework, profile):
+    warm, warm_job = probe(tmp_path / "out", framework, profile)
+    cold()
+    plain, plain_job = probe(tmp_path / "out", framework, profile)
+
+    parents = [" ".join(r.pop("parent")) for r in (*warm, *plain)]
+    assert ["server.py" in parent for parent in parents] == [True, True, False, False], parents
+    for r in (*warm, *plain):
+        assert len(set(r["results"].pop("numpy_draws_differ_by_rank"))) == 2, "every rank seeds numpy afresh"
+    for w, p in zip(warm, plain):
+        warm_env, plain_env = w.pop("environ"), p.pop("environ")
+        assert warm_env.pop(warm_start.VARIABLE)
+        warm_env["PATH"] = warm_start.without_bin_folder(warm_env["PATH"])
+        assert set(warm_env) == set(plain_env)
+        assert {k for k in plain_env if warm_env[k] != plain_env[k]} <= PER_JOB
+        warm_modules, plain_modules = set(w.pop("modules")), set(p.pop("modules"))
+        assert plain_modules <= warm_modules
+        assert warm_modules - plain_modules <= preloaded(profile), "a module the script did not import came along"
+        assert w == p
+    for proc in (warm_job, plain_job):
+        assert "[0]<stdout>:rank 0 says hello" in proc.stdout and "[1]<stdout>:rank 1 says hello" in proc.stdout
+        assert "[1]<stderr>:rank 1 warns" in proc.stderr
+    assert rank_lines(warm_job) == rank_lines(plain_job), "the ranks wrote other lines to stderr"
+
+
+def rank_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The ranks' lines of stderr, without the time and thread id of TensorFlow's native log lines."""
+    lines = (re.sub(r"^(\[\d+\]<stderr>:[IWE])[0-9]{4} [0-9:.]+ +[0-9]+ ", r"\1", line)
+             for line in proc.stderr.splitlines() if line.startswith("["))
+    return sorted(lines)
+
+
+ENDINGS = {
+    "exit code": "sys.exit(3)",
+    "exit message": "sys.exit('stopped: no data')",
+    "exception": "def f():\n    raise ValueError('bad value')\nf()",
+    "KeyboardInterrupt": "raise KeyboardInterrupt",
+    "killed by a signal": "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)",
+    "exit hooks": "import atexit\natexit.register(lambda: print('at exit', flush=True))\nprint('bye', end='')",
+    "a thread still running": "import threading\nthreading.Thread(target=lambda: (time.sleep(0.5), print('joined'))).start()",
+    "argv and stdin": "print(sys.argv[1:], sys.stdin.read())",
+}
+
+
+def end(tmp_path: Path, body: str, send=None) -> tuple[int, str, str]:
+    script = tmp_path / "ending.py"
+    script.write_text("import os, signal, sys, time\nimport torch\n" + body + "\n")
+    proc = subprocess.Popen(["python", str(script), "a b", "-u"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=venv_env(), cwd=tmp_path)
+    if send is not None:
+        time.sleep(send[0])
+        proc.send_signal(send[1])
+    out, err = proc.communicate("typed", timeout=120)
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(600)
+def test_a_warm_rank_ends_as_a_cold_one(tmp_path, cold):
+    """Exit codes, SystemExit messages, tracebacks (the script's frames only), KeyboardInterrupt's
+    death by SIGINT, signals, atexit hooks, threads joined at exit, arguments and stdin."""
+    warm = {name: end(tmp_path, body) for name, body in ENDINGS.items()}
+    cold()
+    plain = {name: end(tmp_path, body) for name, body in ENDINGS.items()}
+    assert warm == plain
+    assert warm["KeyboardInterrupt"][0] == -signal.SIGINT and warm["killed by a signal"][0] == -signal.SIGTERM
+
+
+def started(tmp_path: Path, body: str) -> tuple[subprocess.Popen, int]:
+    """A launcher running a torch script that has begun `body`, and its rank's pid."""
+    marker = tmp_path / "started"
+    script = tmp_path / "long.py"
+    script.write_text(f"import os, time\nimport torch\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\n{body}\n")
+    launcher = subprocess.Popen(["python", str(script)], env=venv_env())
+    deadline = time.monotonic() + 120
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rank = int(marker.read_text())
+    marker.unlink()
+    assert rank != launcher.pid, "not started warm"
+    return launcher, rank
+
+
+def gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while _state(pid) not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _state(pid) in (None, "Z")
+
+
+@pytest.mark.timeout(300)
+def test_signals_reach_a_warm_rank_and_a_killed_launcher_takes_it_along(tmp_path):
+    """SIGTERM to the launcher reaches the rank; a launcher killed outright (as horovodrun's clean-up
+    kills a process group) leaves no rank behind; a rank that stops itself stops its launcher."""
+    launcher, rank = started(tmp_path, "time.sleep(120)")
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == -signal.SIGTERM and gone(rank)
+
+    launcher, rank = started(tmp_path, "os.kill(os.getpid(), signal.SIGSTOP)\ntime.sleep(120)".replace(
+        "signal.SIGSTOP", str(int(signal.SIGSTOP))))
+    deadline = time.monotonic() + 30
+    while _state(launcher.pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _state(rank) == "T" and _state(launcher.pid) == "T", "the launcher did not stop with its rank"
+    launcher.kill()
+    launcher.wait(timeout=30)
+    assert gone(rank), "the rank outlived its launcher"
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
