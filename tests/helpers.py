@@ -36,10 +36,11 @@ def venv_env(**extra: str) -> dict[str, str]:
 
 
 def python_command(args: list[str]) -> list[str]:
-    """args with this interpreter named `python`, found on venv_env()'s PATH: the warm start's while on."""
+    """A command line with this interpreter named `python`, found on venv_env()'s PATH: the warm
+    start's while it is on (tests/warm_start)."""
     from warm_start import bin_folder
 
-    return ["python", *args[1:]] if bin_folder() and args[:1] == [sys.executable] else args
+    return [("python" if arg == sys.executable else arg) for arg in args] if bin_folder() else list(args)
 
 
 def run_horovod(np: int, args: list[str], cwd: Path | str | None = None, env: dict | None = None,

@@ -36,6 +36,7 @@ def files_under(path: Path) -> list[str]:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.plain_start   # data parallelism's ranks start as users start them, a cold interpreter each
 def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
     _, path = project
     ranks = tmp_path / "ranks"

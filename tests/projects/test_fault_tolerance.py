@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import horovodrun_path, run_horovod, venv_env
+from helpers import horovodrun_path, python_command, run_horovod, venv_env
 from hvd_runtime.config import DataConfig
 from hvd_runtime.data import load_dataset
 
@@ -91,7 +91,7 @@ class Job:
 
     def __init__(self, args: list[str], cwd: Path):
         env = venv_env()
-        self.proc = subprocess.Popen([horovodrun_path(), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([horovodrun_path(), *python_command(args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -157,11 +157,12 @@ def wait_until_stopped(rank: int, marker: str, job: Job) -> int:
     raise AssertionError(f"rank {rank} never stopped at its step:\n{job.output[-3000:]}")
 
 
+# An elastic job of each framework starts its ranks as users do: a cold interpreter each (plain_start).
 @pytest.mark.parametrize("framework, killed, strategy", [
-    ("torch", 1, "data"),
+    pytest.param("torch", 1, "data", marks=pytest.mark.plain_start),
     ("torch", 0, "data"),  # the survivor becomes rank 0 and takes over the writing
     ("torch", 1, "model-split"),
-    pytest.param("tensorflow", 1, "data", marks=NO_TF),
+    pytest.param("tensorflow", 1, "data", marks=[NO_TF, pytest.mark.plain_start]),
     pytest.param("tensorflow", 0, "data", marks=NO_TF),
     pytest.param("tensorflow", 1, "model-split", marks=NO_TF),
 ])

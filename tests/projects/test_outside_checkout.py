@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import warm_start
 from hvdgen import __version__, catalog
 from hvdgen.cli import main
 
@@ -32,10 +33,12 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def _clean_env(venv: Path) -> dict[str, str]:
-    """The user's environment: this checkout's virtualenv and sources are nowhere on the paths."""
+    """The user's environment: this checkout's virtualenv, sources and the tests' warm start are
+    nowhere on the paths."""
     ours = str(Path(sys.executable).parent)
-    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != ours]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    path = [p for p in warm_start.without_bin_folder(os.environ.get("PATH", "")).split(os.pathsep) if p and p != ours]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", warm_start.VARIABLE)}
     env["PATH"] = os.pathsep.join([str(venv / "bin"), *path])
     return env
 

@@ -49,7 +49,8 @@ def assert_same(got: dict, expected: dict, keys: tuple[str, ...]) -> None:
         assert got[key] == pytest.approx(expected[key], rel=1e-5), (got["epoch"], key)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+# 1f1b's ranks (each framework) start as users start them: a cold interpreter each (plain_start)
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.plain_start), "interleaved-1f1b"])
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_pipeline_resumes_exactly(tmp_path, framework, schedule):
     """Also interleaved: each rank's checkpoint part holds both its chunks, under the model's names."""
@@ -73,6 +74,7 @@ def test_pipeline_resumes_exactly(tmp_path, framework, schedule):
     assert_same(resumed[-1], straight[-1], ("train_loss", "val_loss", "val_accuracy"))
 
 
+@pytest.mark.plain_start   # model-split's ranks start as users start them, a cold interpreter each
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_model_split_resumes_exactly_mid_epoch(tmp_path, framework):
     project = generate(tmp_path, framework, "model-split")

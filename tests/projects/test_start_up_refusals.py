@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import horovodrun_path, run_horovod, venv_env
+from helpers import horovodrun_path, python_command, run_horovod, venv_env
 
 pytestmark = pytest.mark.slow
 FRAMEWORKS = ["torch", "tensorflow"]
@@ -55,8 +55,8 @@ ELASTIC = ["--min-np", "1", "--max-np", "2", "--host-discovery-script", "./disco
 
 
 def run_elastic(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([horovodrun_path(), "-np", "2", *ELASTIC, sys.executable, "train.py", *args], cwd=project,
-                          env=venv_env(**QUIET), capture_output=True, text=True, timeout=400)
+    command = [horovodrun_path(), "-np", "2", *ELASTIC, *python_command([sys.executable, "train.py", *args])]
+    proc = subprocess.run(command, cwd=project, env=venv_env(**QUIET), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -66,6 +66,7 @@ def saved_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
     return {tuple(t.shape) for t in torch.load(checkpoint, map_location="cpu", weights_only=False)["model"].values()}
 
 
+@pytest.mark.plain_start   # tensor parallelism's ranks start as users start them, a cold interpreter each
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_tensor_project_trains_tp_groups_times_replicas(tmp_path, framework):
     project, args = generate(tmp_path, framework)

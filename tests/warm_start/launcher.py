@@ -30,9 +30,10 @@ FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signa
 # The environment a framework may read while it loads: a server serves only launches that agree on it.
 LOAD_TIME = re.compile(r"^(PYTHON|OMP_|MKL_|KMP_|OPENBLAS_|GOTO|TF_|KERAS|XLA_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_"
                        r"|MALLOC|GLIBC|HOME$|TMPDIR$|LANG$|LC_)")
-TF = re.compile(r"^\s*(import|from)\s+(tensorflow|keras|horovod\.tensorflow|horovod\.keras|hvd_runtime\.tf)\b", re.M)
-TORCH = re.compile(r"^\s*(import|from)\s+(torch|horovod\.torch|hvd_runtime\.torch)\b", re.M)
-LEAN = re.compile(r"^\s*(import|from)\s+(hvd_runtime\.tf\b|(sklearn|matplotlib|pandas)\b)", re.M)
+# A script's own imports, at its top level (unindented).
+TF = re.compile(r"^(import|from) +(tensorflow|keras|horovod\.tensorflow|horovod\.keras|hvd_runtime\.tf)\b", re.M)
+TORCH = re.compile(r"^(import|from) +(torch|horovod\.torch|hvd_runtime\.torch)\b", re.M)
+LEAN = re.compile(r"^(import|from) +(hvd_runtime\.tf\b|(sklearn|matplotlib|pandas)\b)", re.M)
 
 
 def plain():
@@ -51,10 +52,19 @@ def parse():
     return args[0], None, unbuffered
 
 
-def profile_of(text: str):
+def profile_of(text: str, args: list):
+    """The server to fork from: HVDGEN_WARM_PROFILE, else by the framework the script imports at its
+    top level, else by the one of a generated project's train.py it is given as an argument
+    (tests/projects/scripts/train_in_rank_dir.py); None where that is neither or both."""
     chosen = os.environ.get("HVDGEN_WARM_PROFILE")
     if chosen:
         return chosen
+    if not TF.search(text) and not TORCH.search(text):
+        projects = [os.path.join(arg, "train.py") for arg in args if os.path.isfile(os.path.join(arg, "train.py"))]
+        if len(projects) != 1:
+            return None
+        with open(projects[0], "rb") as train:
+            text = train.read().decode(errors="replace")
     tf, torch = TF.search(text), TORCH.search(text)
     if bool(tf) == bool(torch):
         return None
@@ -191,7 +201,7 @@ def main() -> None:
                 text = source.read().decode(errors="replace")
         except OSError:
             plain()
-    profile = profile_of(text)
+    profile = profile_of(text, ARGS)
     connection = connect(root, owner, profile, unbuffered) if profile else None
     if connection is None:
         plain()
