@@ -26,19 +26,20 @@ JUDGED = 20   # files in the run before a share means anything
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+_servers_seen: dict[int, float] = {}   # a server's CPU when last read: it still counts once it has ended
+
+
 def _warm_servers_cpu() -> float:
     """CPU seconds of this process's warm servers and the ranks they reaped."""
-    warm = os.environ.get("HVDGEN_WARM_START")
-    if not warm:
-        return 0.0
-    total = 0.0
-    for pid_file in Path(warm.rsplit(":", 2)[0]).glob("*/pid"):
+    import warm_start
+
+    for pid in warm_start.server_pids():
         try:
-            fields = Path(f"/proc/{pid_file.read_text().strip()}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
             continue
-        total += sum(int(v) for v in fields[11:15]) / TICKS   # utime, stime, cutime, cstime
-    return total
+        _servers_seen[pid] = sum(int(v) for v in fields[11:15]) / TICKS   # utime, stime, cutime, cstime
+    return sum(_servers_seen.values())
 
 
 def _cpu() -> float:

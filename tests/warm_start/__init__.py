@@ -27,6 +27,21 @@ LAUNCHER = Path(__file__).with_name("launcher.py")
 PREFIX = "hvdwarm."
 
 
+_installed: list[Path] = []   # the folder install() made in this process
+
+
+def server_pids() -> list[int]:
+    """The warm servers this process's install() has started (while a test has it turned off too)."""
+    pids = []
+    for root in _installed:
+        for pid_file in root.glob("*/pid"):
+            try:
+                pids.append(int(pid_file.read_text()))
+            except (OSError, ValueError):
+                pass
+    return pids
+
+
 def bin_folder() -> str | None:
     """The folder holding the warm `python`, while the warm start is on."""
     warm = os.environ.get(VARIABLE)
@@ -51,16 +66,18 @@ def install() -> Path:
     netns = os.stat("/proc/self/ns/net").st_ino
     os.environ[VARIABLE] = f"{root}:{os.getpid()}:{netns}"
     os.environ["PATH"] = f"{root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    _installed.append(root)
     return root
 
 
 def uninstall(root: Path) -> None:
     """Stop every server this process started and remove the folder."""
-    for pid_file in root.glob("*/pid"):
+    for pid in server_pids():
         try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (ValueError, OSError):
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
             pass
+    _installed.remove(root)
     os.environ.pop(VARIABLE, None)
     os.environ["PATH"] = without_bin_folder(os.environ["PATH"])
     shutil.rmtree(root, ignore_errors=True)

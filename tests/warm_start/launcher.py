@@ -5,10 +5,11 @@ Installed by warm_start.install() as `python` and `python3` first on the tests' 
 `python script.py` / `python -c CODE` land here. It asks the warm server of its kind
 (server.py, started on first use: one per profile and per environment that matters while a
 framework loads) to fork the rank, hands over its standard streams, arguments, environment,
-working folder and signal state, forwards the signals it gets, and exits as the rank did (the
-same code, or killed by the same signal; stopped while it is stopped). Anything it does not recognise runs the real
-interpreter in its place (execv): other options, `-m`, a script that imports neither or both
-frameworks, MPI's launches, another network namespace, or no warm start asked for.
+working folder and signal state, forwards the signals it gets, stops while the rank is stopped,
+and exits as the rank did (the same code, or killed by the same signal). Anything it does not
+recognise runs the real interpreter in its place (execv): other options, `-m`, a script that
+imports neither or both frameworks, MPI's launches, another network namespace, or no warm start
+asked for.
 """
 
 import hashlib

@@ -244,18 +244,22 @@ def become(launch: dict, fds: list[int], notices: bytes, imports_set: dict) -> d
         numpy = sys.modules["numpy"]
         numpy.random.seed()   # a fresh process seeds numpy's global generator afresh
         numpy.ones((256, 256)) @ numpy.ones((256, 256))   # and has OpenBLAS' threads (stopped by the fork)
+    if "multiprocessing" in sys.modules:   # and its own key for its children's connections
+        sys.modules["multiprocessing"].current_process().authkey = os.urandom(32)
     sys.argv = list(launch["argv"])
     sys.orig_argv = list(launch["orig_argv"])
     main = types.ModuleType("__main__")
     main.__dict__.update(__builtins__=sys.modules["builtins"], __spec__=None, __package__=None, __cached__=None)
     if launch["code"] is None:
         path = os.path.abspath(launch["argv"][0])
-        sys.path[0] = os.path.dirname(os.path.realpath(path))
+        first = os.path.dirname(os.path.realpath(path))
         main.__file__ = path
         main.__loader__ = SourceFileLoader("__main__", path)
     else:
-        sys.path[0] = ""
+        first = ""
         main.__loader__ = BuiltinImporter
+    if not sys.flags.safe_path:   # the script's folder first, where the server's own was
+        sys.path[0] = first
     sys.modules["__main__"] = main
     return main.__dict__
 
