@@ -169,6 +169,26 @@ def test_signals_reach_a_warm_rank_and_a_killed_launcher_takes_it_along(tmp_path
     assert gone(rank), "the rank outlived its launcher"
 
 
+@pytest.mark.timeout(300)
+def test_a_signal_as_the_rank_ends_is_no_error_of_the_launcher(tmp_path):
+    """horovodrun stops the other ranks with SIGTERM once one has failed, which may be the moment a
+    rank ends on its own: the launcher then has a signal for a rank that has gone (seen in the
+    suite: ProcessLookupError's traceback in a refused job's output). Here the rank ignores
+    SIGTERM and exits 3 while signals keep coming: the launcher must end as it did, quietly."""
+    script = tmp_path / "short.py"
+    script.write_text("import signal, sys, time\nimport torch\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('started', flush=True)\ntime.sleep(0.05)\nsys.exit(3)\n")
+    for _ in range(30):   # the rank ignores SIGTERM, so the signals keep coming until it has ended
+        launcher = subprocess.Popen(["python", str(script)], env=venv_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        assert launcher.stdout.readline() == "started\n"
+        while launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            time.sleep(0.0005)
+        assert launcher.returncode == 3, launcher.stderr.read()[-2000:]
+        assert "Traceback" not in launcher.stderr.read()
+
+
 def _state(pid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

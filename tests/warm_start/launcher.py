@@ -145,9 +145,15 @@ def launch_state(script, code, unbuffered) -> dict:
 def run(connection: socket.socket, state: dict) -> None:
     child, pending = [0], []
 
+    def send(signum):
+        try:
+            os.kill(child[0], signum)
+        except ProcessLookupError:   # the rank has just ended: its status is on its way
+            pass
+
     def forward(signum, _frame):
         if child[0]:
-            os.kill(child[0], signum)
+            send(signum)
         else:
             pending.append(signum)
 
@@ -163,7 +169,7 @@ def run(connection: socket.socket, state: dict) -> None:
         if kind == b"pid":
             child[0] = int(number)
             for signum in pending:
-                os.kill(child[0], signum)
+                send(signum)
         elif kind == b"stopped":   # as the rank is (SIGCONT, forwarded, continues both)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == b"exit":
@@ -177,7 +183,7 @@ def run(connection: socket.socket, state: dict) -> None:
             os._exit(128 + signum)
     os.write(2, b"warm start: the server went away before the rank ended\n")
     if child[0]:
-        os.kill(child[0], signal.SIGKILL)
+        send(signal.SIGKILL)
     os._exit(1)
 
 
