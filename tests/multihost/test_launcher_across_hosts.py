@@ -3,6 +3,10 @@
 `horovodrun` fans out over ssh to other addresses, Gloo finds the pods' interface, the ranks on
 different pods agree, and rank 0's outputs land on rank 0's pod and the shared volume, nowhere
 else; a host the launcher cannot use ends the job in one line.
+
+Cost: over 6% of the suite's CPU (docs/testing.md): every rank runs in a pod's network namespace,
+reached over ssh (or mpirun), so none starts warm (tests/warm_start serves this host's namespace
+only).
 """
 
 from __future__ import annotations

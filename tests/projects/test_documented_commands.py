@@ -17,6 +17,9 @@ they run themselves plus the same options. A model other than the MLP runs its o
 options again. A command another test runs in the same shape with more
 checks (`run_elsewhere`: the default shape's `make test`, a 2-stage pipeline's replicas) is named
 with that test instead of run twice.
+
+Cost: over 6% of the suite's CPU (docs/testing.md): the torch half of the check above; the same
+reasons.
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 A file of its own so that the suite's workers (one file each) run the two frameworks' shapes side
 by side: together they are the suite's longest file.
+
+Cost: over 6% of the suite's CPU (docs/testing.md): 8 shapes, each a generated project with every
+documented command run (about 6 horovodrun jobs and `make test`, whose pytest and ranks start cold:
+they are the project's own, started with its interpreter). Each command is a different thing a user
+types; the ones that only add shape-independent options run once per framework, not per shape.
 """
 
 import pytest

@@ -7,6 +7,10 @@
 - full restart: kill a whole job mid-epoch, start it again from the newest checkpoint; every
   epoch after that matches an uninterrupted run (1e-5) at exactly the same step;
 - corrupt checkpoint: truncate the newest checkpoint; the next start falls back to the previous one.
+
+Cost: over 6% of the suite's CPU (docs/testing.md): each case is a real job killed and resumed or
+shrunk, trained past the fault to compare with a run without it; two elastic cases start their ranks
+cold (plain_start).
 """
 
 import importlib.util

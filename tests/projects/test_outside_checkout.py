@@ -8,6 +8,10 @@ from this checkout; Horovod is built (or taken from the user's cache) for that e
 
 The build scripts of all frameworks start together, when the first test needs one: each is a
 pip install of about 2 GB of packages on one core, minutes long, and they do not share a venv.
+
+Cost: over 6% of the suite's CPU (docs/testing.md), nearly all of it pip installing the frameworks
+into the two fresh environments (the point of the test: nothing of this checkout's), once per run,
+both side by side.
 """
 
 from __future__ import annotations

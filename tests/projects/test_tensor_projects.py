@@ -11,6 +11,10 @@ written at tp 1 resumes at tp 2: epoch 2 of the resumed run equals the straight 
 A pipeline of tensor-parallel stages (`--strategy pipeline --tp 2`, 2 stages x tp 2 = 4 ranks;
 torch and TensorFlow) trains the same way, writes the unsplit model, and its epoch-1 checkpoint resumes as a
 plain 2-stage pipeline (tp 1) on the straight run's epoch-2 losses.
+
+Cost: over 6% of the suite's CPU (docs/testing.md): 4-rank GPT jobs, and for each resume case a
+straight run and a resumed one to compare at 1e-5; the tp x replicas case starts its ranks cold
+(plain_start).
 """
 
 import json

@@ -2,6 +2,9 @@
 
 A file of its own so that the suite's workers (one file each) run the two frameworks side by side.
 Images are read by tf.data's parallel map; bf16 is Keras' mixed_bfloat16 policy.
+
+Cost: over 6% of the suite's CPU (docs/testing.md): 8 cases of two 2-rank jobs each (straight and
+resumed), Keras tracing each rank's steps anew.
 """
 
 import pytest
