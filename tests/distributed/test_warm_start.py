@@ -54,7 +54,8 @@ def preloaded(profile: str) -> set[str]:
     """The modules a cold interpreter holds after importing what the warm server of `profile` imports."""
     from warm_start import server
 
-    code = f"import sys, json; [__import__(m) for m in {list(server.PROFILES[profile])!r}]; print(json.dumps(sorted(sys.modules)))"
+    code = (f"import sys, json; [__import__(m) for m in {list(server.PROFILES[profile])!r}]; "
+            "print(json.dumps(sorted(sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=venv_env())
     return set(json.loads(proc.stdout.splitlines()[-1]))
 
@@ -100,7 +101,8 @@ ENDINGS = {
     "KeyboardInterrupt": "raise KeyboardInterrupt",
     "killed by a signal": "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)",
     "exit hooks": "import atexit\natexit.register(lambda: print('at exit', flush=True))\nprint('bye', end='')",
-    "a thread still running": "import threading\nthreading.Thread(target=lambda: (time.sleep(0.5), print('joined'))).start()",
+    "a thread still running":
+        "import threading\nthreading.Thread(target=lambda: (time.sleep(0.5), print('joined'))).start()",
     "argv and stdin": "print(sys.argv[1:], sys.stdin.read())",
 }
 

@@ -5,7 +5,7 @@
 a test starts, horovodrun's ranks included, goes through it: a script that imports torch or
 TensorFlow is forked from server.py, a process that imported that framework once (nothing
 initialised, no thread started), with the launch's own process state taken over; anything
-else runs the real interpreter. tests/runtime/test_warm_start.py shows a rank cannot tell.
+else runs the real interpreter. tests/distributed/test_warm_start.py shows a rank cannot tell.
 
 What a rank can still tell: its parent process is the server, not horovodrun's shell; its
 string hashes share one seed with the other ranks of its kind (PYTHONHASHSEED, drawn once per
@@ -58,8 +58,9 @@ def install() -> Path:
     """Turn the warm start on for this process and what it starts; returns its folder."""
     root = Path(tempfile.mkdtemp(prefix=PREFIX, dir="/tmp"))   # short: a socket path has 108 bytes
     (root / "bin").mkdir()
+    server = repr(str(LAUNCHER.with_name("server.py")))
     launcher = f"#!{sys.executable} -IS\n" + LAUNCHER.read_text().replace(
-        'os.path.join(os.path.dirname(os.path.realpath(__file__)), "server.py")', repr(str(LAUNCHER.with_name("server.py"))))
+        'os.path.join(os.path.dirname(os.path.realpath(__file__)), "server.py")', server)
     for name in ("python", "python3"):
         (root / "bin" / name).write_text(launcher)
         (root / "bin" / name).chmod(0o755)

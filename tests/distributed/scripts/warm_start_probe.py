@@ -82,8 +82,10 @@ report = {
                 if s < signal.SIGRTMIN and s not in (signal.SIGKILL, signal.SIGSTOP)},
     "blocked": sorted(signal.Signals(s).name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "streams": {name: stream(getattr(sys, name)) for name in ("stdin", "stdout", "stderr")},
-    "dunder_streams_are_streams": all(getattr(sys, f"__{n}__") is getattr(sys, n) for n in ("stdin", "stdout", "stderr")),
-    "at_start": at_start, "parent": open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode().split("\0"), "modules": sorted(sys.modules), "results": results,
+    "dunder_streams_are_streams": all(getattr(sys, f"__{n}__") is getattr(sys, n)
+                                      for n in ("stdin", "stdout", "stderr")),
+    "at_start": at_start, "parent": open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode().split("\0"),
+    "modules": sorted(sys.modules), "results": results,
     "recursion_limit": sys.getrecursionlimit(), "switch_interval": sys.getswitchinterval(),
     "warnings_filters": [repr(f) for f in __import__("warnings").filters],
 }
