@@ -20,12 +20,20 @@ done
 
 cd "$ROOT"
 step "running the test suite"
-# Two pytest workers, a test file each at a time (its module fixtures stay whole): one worker
-# alone leaves a core idle whenever a test waits on pip, a server or a single-threaded build.
+# One pytest worker more than there are cores, a test file each at a time (its module fixtures
+# stay whole): a worker's test waits on a server, ssh, pip's downloads or a rank's rendezvous
+# for a sixth of its time, and the extra worker keeps the cores busy then. At most one per
+# 6 GiB of memory (an 8-rank TensorFlow job holds about 5). HVDGEN_TEST_WORKERS sets the count.
 # Files go out in tests/conftest.py's order, longest first (xdist would otherwise send the files
 # with the most tests first, and the few long ones would run last, one worker alone).
+cores="$(nproc)"
+memory_gib="$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) / 1048576 ))"
+workers="$(( cores + 1 ))"
+[ "$workers" -gt "$(( memory_gib / 6 ))" ] && workers="$(( memory_gib / 6 ))"
+[ "$workers" -lt 1 ] && workers=1
+workers="${HVDGEN_TEST_WORKERS:-$workers}"
 set +e
-python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 status=$?
 set -e
 step "tests done (pytest exit $status)"

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+from multiprocessing import spawn
 from multiprocessing.connection import Connection
 
 import cloudpickle
@@ -80,7 +81,9 @@ class RemoteSink:
         self.uri = uri
         self._local = None
         ours, theirs = socket.socketpair()
-        command = [sys.executable, "-c", f"import sys; from {__name__} import serve; serve(*sys.argv[1:])",
+        # The interpreter multiprocessing starts its processes with: sys.executable, unless the
+        # program embedding this one named another (multiprocessing.set_executable).
+        command = [spawn.get_executable(), "-c", f"import sys; from {__name__} import serve; serve(*sys.argv[1:])",
                    uri, str(theirs.fileno()), *([flavor] if flavor else [])]
         try:
             self._process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,

@@ -131,6 +131,94 @@ def test_a_warm_rank_ends_as_a_cold_one(tmp_path, cold):
     assert warm["KeyboardInterrupt"][0] == -signal.SIGINT and warm["killed by a signal"][0] == -signal.SIGTERM
 
 
+LOADER = """\
+import os, sys
+import torch
+from torch.utils.data import DataLoader, Dataset
+from hvd_runtime.torch.batches import worker_context
+
+
+class Where(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.tensor([i * i, os.getppid()])   # a worker's parent: the fork server
+
+
+if __name__ == "__main__":
+    os.write(int(sys.argv[1]), b"through the descriptor it was given")
+    items = [b.tolist() for b in DataLoader(Where(), batch_size=None, num_workers=2,
+                                            multiprocessing_context=worker_context())]
+    (fork_server,) = {pid for _, pid in items}
+    parent = int(open(f"/proc/{fork_server}/stat").read().rsplit(")", 1)[1].split()[1])
+    started_by = open(f"/proc/{parent}/cmdline", "rb").read().split(b"\\0")[1].decode()
+    print(sorted(value for value, _ in items), os.path.basename(started_by))
+"""
+
+
+def test_a_warm_ranks_loader_workers_start_warm_and_inherited_descriptors_pass(tmp_path, cold):
+    """A descriptor the launch inherits (as `pass_fds` leaves it: the tracking process's socket) is
+    the rank's at the same number; a DataLoader's fork server (the runtime's worker_context) starts
+    through the launcher, warm, and its workers read what a cold rank's read."""
+    script = tmp_path / "loader.py"
+    script.write_text(LOADER)
+
+    def run() -> tuple[int, list[str], bytes]:
+        read, write = os.pipe()
+        try:
+            proc = subprocess.run(["python", str(script), str(write)], pass_fds=[write], capture_output=True,
+                                  text=True, env=venv_env(), timeout=180)
+        finally:
+            os.close(write)
+        with os.fdopen(read, "rb") as given:
+            return proc.returncode, proc.stdout.split(), given.read()
+
+    warm = run()
+    cold()
+    plain = run()
+    assert warm[0] == plain[0] == 0 and warm[2] == plain[2] == b"through the descriptor it was given"
+    assert warm[1][:-1] == plain[1][:-1] == ["[0,", "1,", "4,", "9,", "16,", "25]"]
+    assert (warm[1][-1], plain[1][-1]) == ("server.py", "loader.py"), "the fork server did not start warm"
+
+
+TRACKED = """\
+import sys
+import torch  # noqa: F401  (a torch rank's tracking process)
+from hvd_runtime.tracking.remote import RemoteSink
+
+sink = RemoteSink(sys.argv[1], "pytorch")
+print(sink.open_run({"experiment": "warm"}), flush=True)
+sys.stdin.readline()
+sink.close()
+"""
+
+
+def test_rank0s_tracking_process_starts_warm(tmp_path):
+    """hvd_runtime.tracking.remote starts its process with multiprocessing's interpreter, so a warm
+    rank's goes through the launcher and is forked from a tracking server (MLflow imported once)."""
+    script = tmp_path / "tracked.py"
+    script.write_text(TRACKED)
+    rank = subprocess.Popen(["python", str(script), f"sqlite:///{tmp_path / 'mlflow.db'}"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=venv_env(), cwd=tmp_path)
+    try:
+        assert len(rank.stdout.readline().strip()) == 32, "no run opened"
+        root = os.environ[warm_start.VARIABLE].rsplit(":", 2)[0]
+        servers = {int(p.read_text()) for p in Path(root).glob("tracking-torch-*/pid")}
+        forked = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _parent(pid) in servers]
+        assert servers and forked, "the tracking process was not forked from a warm server"
+    finally:
+        rank.communicate("\n", timeout=60)
+    assert rank.returncode == 0
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def started(tmp_path: Path, body: str) -> tuple[subprocess.Popen, int]:
     """A launcher running a torch script that has begun `body`, and its rank's pid."""
     marker = tmp_path / "started"

@@ -12,6 +12,10 @@ same stack, and rebuilt when hvdgen's sdist patches change. The checkout's own h
 through PYTHONPATH, so the venv need not be rebuilt when hvdgen changes. Measured on 2 cores: empty
 cache 38 min while other builds shared the cores (venv 14.5 min, build 23 min); venv cached, wheel
 not: 6.5 min; both cached: about 70 s for the whole file.
+
+Cost: over 6% of the suite's CPU on a machine whose cache has neither (docs/testing.md: 252 CPU-s
+of 2,573 in a run of 2026-12-02, venv and wheel made then), a few percent once they are cached:
+the build is the check, and the cache makes it once per machine.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ Installed by warm_start.install() as `python` and `python3` first on the tests' 
 `#!<real python> -IS` as its first line, so horovodrun's `python train.py` and the tests'
 `python script.py` / `python -c CODE` land here. It asks the warm server of its kind
 (server.py, started on first use: one per profile and per environment that matters while a
-framework loads) to fork the rank, hands over its standard streams, arguments, environment,
-working folder and signal state, forwards the signals it gets, stops while the rank is stopped,
-and exits as the rank did (the same code, or killed by the same signal). Anything it does not
-recognise runs the real interpreter in its place (execv): other options, `-m`, a script that
-imports neither or both frameworks, MPI's launches, another network namespace, or no warm start
-asked for.
+framework loads) to fork the rank, hands over its file descriptors (the standard streams and any
+it inherited), arguments, environment, working folder and signal state, forwards the signals it
+gets, stops while the rank is stopped, and exits as the rank did (the same code, or killed by
+the same signal). A DataLoader's fork server, which a warm rank starts through this launcher,
+is forked from the torch server too. Anything it does not recognise runs the real interpreter
+in its place (execv): other options, `-m`, a script that imports neither or both frameworks,
+MPI's launches, another network namespace, or no warm start asked for.
 """
 
 import hashlib
@@ -23,14 +24,37 @@ import struct
 import sys
 import time
 
+
+
+def inherited_fds() -> list:
+    """The file descriptors above 2 this process was started with (not close-on-exec: inherited, as
+    a `pass_fds` leaves them); a cold interpreter keeps them, so the rank gets them too."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                found.append(fd)
+        except OSError:   # the listing's own descriptor, closed by now
+            pass
+    return sorted(found)
+
+
+INHERITED = inherited_fds()
 REAL = sys.executable
 SERVER = os.path.join(os.path.dirname(os.path.realpath(__file__)), "server.py")
 ARGS = sys.argv[1:]
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM, signal.SIGCONT)
 # The environment a framework may read while it loads: a server serves only launches that agree on it.
-LOAD_TIME = re.compile(r"^(PYTHON|OMP_|MKL_|KMP_|OPENBLAS_|GOTO|TF_|KERAS|XLA_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_"
+# (PYTHONPATH is not among them: each rank's import path is its own, checked by shadows() instead.)
+LOAD_TIME = re.compile(r"^(PYTHON(?!PATH$)|OMP_|MKL_|KMP_|OPENBLAS_|GOTO|TF_|KERAS|XLA_|TORCH|PYTORCH_|CUDA_|NCCL_|LD_"
                        r"|MALLOC|GLIBC|HOME$|TMPDIR$|LANG$|LC_)")
+# multiprocessing's fork server (a DataLoader's, started by a warm rank through this launcher:
+# server.py points multiprocessing at it); its preloaded modules stand for the script's imports.
+FORK_SERVER = re.compile(r"^from multiprocessing\.forkserver import main; main\(\d+, \d+, \[([^\]]*)\]")
+# Rank 0's tracking process (hvd_runtime.tracking.remote), its MLflow flavor after the code.
+TRACKING = re.compile(r"^import sys; from hvd_runtime\.tracking\.remote import serve; serve\(\*sys\.argv\[1:\]\)$")
 # A script's own imports, at its top level (unindented).
 TF = re.compile(r"^(import|from) +(tensorflow|keras|horovod\.tensorflow|horovod\.keras|hvd_runtime\.tf)\b", re.M)
 TORCH = re.compile(r"^(import|from) +(torch|horovod\.torch|hvd_runtime\.torch)\b", re.M)
@@ -60,6 +84,12 @@ def profile_of(text: str, args: list):
     chosen = os.environ.get("HVDGEN_WARM_PROFILE")
     if chosen:
         return chosen
+    if TRACKING.match(text):
+        return "tracking-torch" if args[-1:] == ["pytorch"] else "tracking"
+    fork_server = FORK_SERVER.match(text)
+    if fork_server:
+        names = [name.strip("'\" ") for name in fork_server.group(1).split(",")]
+        text = "".join(f"import {name}\n" for name in names if name)
     if not TF.search(text) and not TORCH.search(text):
         projects = [os.path.join(arg, "train.py") for arg in args if os.path.isfile(os.path.join(arg, "train.py"))]
         if len(projects) != 1:
@@ -92,14 +122,47 @@ def start_server(folder: str, profile: str, owner: str, unbuffered: bool) -> Non
             os.dup2(null, 0)
             os.dup2(log, 1)
             os.dup2(log, 2)
+            os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])   # none of this launch's own
             with open(os.path.join(folder, "pid"), "w") as out:
                 out.write(str(os.getpid()))
-            os.execv(REAL, [REAL, *(["-u"] if unbuffered else []), SERVER, folder, profile, owner])
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # each launch brings its own
+            os.execve(REAL, [REAL, *(["-u"] if unbuffered else []), SERVER, folder, profile, owner], env)
         os._exit(0)
     os.wait()
 
 
-def connect(root: str, owner: str, profile: str, unbuffered: bool):
+def shadows(folder: str, first: str) -> bool:
+    """Whether this launch's import path would find one of the modules the server imported (its
+    names file) somewhere else first: in the script's folder (or, for -c, the working folder) or a
+    PYTHONPATH entry the server's path lacks. A cold start would import that one instead."""
+    import importlib.machinery
+    import json
+
+    with open(os.path.join(folder, "names")) as names:
+        served = json.load(names)
+    modules, path = set(served["modules"]), set(served["path"])
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.environ.get("PYTHONPATH") else []
+    if "" in entries:
+        return True   # an empty entry: the working folder, wherever the import happens
+    suffixes = sorted(importlib.machinery.all_suffixes(), key=len, reverse=True)
+    for entry in [first, *(os.path.abspath(e) for e in entries if os.path.abspath(e) not in path)]:
+        try:
+            listing = os.scandir(entry)
+        except NotADirectoryError:
+            return True   # a zip file on the path: not looked into
+        except OSError:
+            continue
+        with listing:
+            for item in listing:
+                name = next((item.name[:-len(x)] for x in suffixes if item.name.endswith(x)), None)
+                if item.is_dir() and any(os.path.exists(os.path.join(item.path, "__init__" + x)) for x in suffixes):
+                    name = item.name
+                if name in modules:
+                    return True
+    return False
+
+
+def connect(root: str, owner: str, profile: str, unbuffered: bool, first: str):
     """A connection to the ready server of this kind, started if need be; None if it cannot serve."""
     import fcntl
 
@@ -113,6 +176,8 @@ def connect(root: str, owner: str, profile: str, unbuffered: bool):
             if os.path.exists(os.path.join(folder, "broken")) or time.monotonic() > deadline:
                 return None
             time.sleep(0.02)
+    if shadows(folder, first):
+        return None
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(os.path.join(folder, "socket"))
@@ -139,7 +204,7 @@ def launch_state(script, code, unbuffered) -> dict:
     return {"argv": ["-c" if code is not None else script, *rest], "orig_argv": [REAL, *ARGS], "code": code,
             "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask, "rlimits": limits,
             "ignored": ignored, "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, []),
-            "unbuffered": unbuffered}
+            "unbuffered": unbuffered, "fds": [0, 1, 2, *INHERITED]}
 
 
 def run(connection: socket.socket, state: dict) -> None:
@@ -162,7 +227,7 @@ def run(connection: socket.socket, state: dict) -> None:
             signal.signal(signum, forward)
     payload = pickle.dumps(state)
     connection.sendmsg([struct.pack("!I", len(payload)) + payload],
-                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("3i", 0, 1, 2))])
+                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(state['fds'])}i", *state["fds"]))])
     replies = connection.makefile("rb")
     for line in replies:
         kind, number = line.split()
@@ -209,7 +274,8 @@ def main() -> None:
         except OSError:
             plain()
     profile = profile_of(text, ARGS)
-    connection = connect(root, owner, profile, unbuffered) if profile else None
+    first = os.getcwd() if code is not None else os.path.dirname(os.path.realpath(script))
+    connection = connect(root, owner, profile, unbuffered, first) if profile else None
     if connection is None:
         plain()
     run(connection, launch_state(script, code, unbuffered))

@@ -3,11 +3,13 @@
 Started by launcher.py (the test suite's `python`) as `python server.py FOLDER PROFILE OWNER_PID`,
 in the environment of the first launch that needed it. It imports the profile's packages
 (PROFILES) with nothing initialised and no thread started (it refuses to serve otherwise), then
-listens on FOLDER/socket. Each connection brings one launch: the launcher's standard streams
-(as file descriptors), its arguments, environment, working folder, umask, resource limits and
-signal state. The server forks; the child takes all of that over, runs the script as
-`__main__`, exits through the interpreter's own finalisation, and the server sends its exit
-status back to the launcher, which exits with it. A launcher that goes away (SIGKILL from
+listens on FOLDER/socket. Each connection brings one launch: the launcher's file descriptors
+(its standard streams and any it inherited), its arguments, environment, working folder, umask,
+resource limits and signal state. The server forks; the child takes all of that over (each
+descriptor at its own number; multiprocessing then starts its interpreters through the launcher,
+so a DataLoader's fork server starts warm too), runs the script as `__main__`, exits through
+the interpreter's own finalisation, and the server sends its exit status back to the launcher,
+which exits with it. A launcher that goes away (SIGKILL from
 horovodrun's clean-up) takes its rank with it: the server kills the child when the connection
 closes; a rank that stops (SIGSTOP) stops its launcher, so a test that watches the launcher
 sees the rank's state. The server ends when its owner (the pytest worker) has gone.
@@ -18,8 +20,10 @@ starts one (select over the connections, SIGCHLD through a wake-up pipe).
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import io
+import json
 import os
 import pickle
 import re
@@ -38,16 +42,26 @@ from pathlib import Path
 # (Keras' unused extras hidden while it loads: hvd_runtime/tf/lean_import.py).
 PROFILES = {
     "torch": ("numpy", "torch", "horovod.torch"),
-    "tf-lean": ("numpy", "tensorflow", "keras", "horovod.tensorflow"),
-    "tf": ("numpy", "tensorflow", "keras", "horovod.tensorflow"),
+    # (multiprocessing.spawn, which torch imports: so that rank 0's tracking process starts warm too)
+    "tf-lean": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn"),
+    "tf": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn"),
+    # Rank 0's tracking process (hvd_runtime.tracking.remote): MLflow, and for a torch run the
+    # flavor and torch.export it imports once the run is open (hvd_runtime.tracking.sink.prepare_flavor).
+    "tracking": ("numpy", "mlflow"),
+    "tracking-torch": ("numpy", "torch", "mlflow", "mlflow.pytorch", "torch.export"),
 }
 KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
 HEADER = struct.Struct("!I")
+VARIABLE = "HVDGEN_WARM_START"   # warm_start.VARIABLE (this file imports nothing of the suite's)
+MAX_FDS = 253   # the most one message carries (the kernel's SCM_MAX_FD)
 REPO = Path(__file__).resolve().parents[2]
 
 
 def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """This process's threads, but jemalloc's background thread (pyarrow's, which MLflow imports):
+    jemalloc's fork handlers stop it, and the child allocates without it."""
+    return sum(Path(f"/proc/self/task/{task}/comm").read_text() != "jemalloc_bg_thd\n"
+               for task in os.listdir("/proc/self/task"))
 
 
 def native_notice_filter():
@@ -98,10 +112,11 @@ def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]
 
 
 def receive(connection: socket.socket) -> tuple[dict, list[int]]:
-    """One launch: a length-prefixed pickle, the launcher's fds 0, 1, 2 alongside its first bytes."""
+    """One launch: a length-prefixed pickle, the launcher's fds (0, 1, 2 and those it inherited)
+    alongside its first bytes."""
     data, fds = b"", []
     while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
-        chunk, ancillary, _flags, _address = connection.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4))
+        chunk, ancillary, _flags, _address = connection.recvmsg(1 << 20, socket.CMSG_SPACE(MAX_FDS * 4))
         if not chunk:
             raise EOFError
         for level, kind, payload in ancillary:
@@ -127,6 +142,9 @@ def serve(folder: Path, owner: int):
     staging = folder / f"socket.{os.getpid()}"
     listener.bind(str(staging))
     listener.listen(64)
+    # What a launcher checks its import path against (launcher.shadows), then the socket.
+    names = {"modules": sorted({name.partition(".")[0] for name in sys.modules}), "path": sys.path}
+    (folder / "names").write_text(json.dumps(names))
     os.rename(staging, folder / "socket")   # launchers connect only once it is ready
     children: dict[int, socket.socket] = {}   # pid -> the launcher's connection
     while True:
@@ -203,11 +221,14 @@ def standard_stream(fd: int, mode: str, like: io.TextIOWrapper, unbuffered: bool
 def become(launch: dict, fds: list[int], notices: bytes, imports_set: dict) -> dict:
     """Take over the launcher's process state; return the globals of a fresh __main__."""
     os.setpgid(0, 0)   # a rank that signals its own process group must not reach the server
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target, inheritable=True)
+    # Each of the launcher's descriptors at its own number: first all out of the way of those numbers.
+    above = max(launch["fds"]) + 1
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in fds]
     for fd in fds:
-        if fd > 2:
-            os.close(fd)
+        os.close(fd)
+    for target, fd in zip(launch["fds"], moved):
+        os.dup2(fd, target, inheritable=True)
+        os.close(fd)
     os.chdir(launch["cwd"])
     os.umask(launch["umask"])
     for which, limits in launch["rlimits"].items():
@@ -246,6 +267,11 @@ def become(launch: dict, fds: list[int], notices: bytes, imports_set: dict) -> d
         numpy.ones((256, 256)) @ numpy.ones((256, 256))   # and has OpenBLAS' threads (stopped by the fork)
     if "multiprocessing" in sys.modules:   # and its own key for its children's connections
         sys.modules["multiprocessing"].current_process().authkey = os.urandom(32)
+    if "multiprocessing.spawn" in sys.modules:   # (torch imports it)
+        # The processes multiprocessing starts with an interpreter (a DataLoader's fork server,
+        # spawn's children) start through the launcher: warm too where it can serve them.
+        root = launch["env"][VARIABLE].rsplit(":", 2)[0]
+        sys.modules["multiprocessing.spawn"].set_executable(os.path.join(root, "bin", "python"))
     sys.argv = list(launch["argv"])
     sys.orig_argv = list(launch["orig_argv"])
     main = types.ModuleType("__main__")
@@ -258,8 +284,12 @@ def become(launch: dict, fds: list[int], notices: bytes, imports_set: dict) -> d
     else:
         first = ""
         main.__loader__ = BuiltinImporter
-    if not sys.flags.safe_path:   # the script's folder first, where the server's own was
-        sys.path[0] = first
+    # The import path a cold start computes: the script's folder (unless -P), then PYTHONPATH's
+    # entries made absolute, then the rest of the server's (started without PYTHONPATH), each once.
+    rest = sys.path if sys.flags.safe_path else sys.path[1:]
+    entries = launch["env"].get("PYTHONPATH", "")
+    entries = [os.path.abspath(entry) for entry in entries.split(os.pathsep)] if entries else []
+    sys.path[:] = ([] if sys.flags.safe_path else [first]) + list(dict.fromkeys([*entries, *rest]))
     sys.modules["__main__"] = main
     return main.__dict__
 
