@@ -25,7 +25,6 @@ import sys
 import time
 
 
-
 def inherited_fds() -> list:
     """The file descriptors above 2 this process was started with (not close-on-exec: inherited, as
     a `pass_fds` leaves them); a cold interpreter keeps them, so the rank gets them too."""
@@ -255,7 +254,8 @@ def run(connection: socket.socket, state: dict) -> None:
 def main() -> None:
     warm = os.environ.get("HVDGEN_WARM_START")
     parsed = parse() if warm else None
-    if parsed is None or any(k.startswith(("OMPI_", "PMIX_")) for k in os.environ):
+    mpi = any(k.startswith(("OMPI_", "PMIX_")) for k in os.environ)
+    if parsed is None or mpi or len(INHERITED) > 250:   # (one message carries 253 descriptors at most)
         plain()
     root, owner, netns = warm.rsplit(":", 2)
     try:
