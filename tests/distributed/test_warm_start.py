@@ -205,18 +205,11 @@ def test_rank0s_tracking_process_starts_warm(tmp_path):
         assert len(rank.stdout.readline().strip()) == 32, "no run opened"
         root = os.environ[warm_start.VARIABLE].rsplit(":", 2)[0]
         servers = {int(p.read_text()) for p in Path(root).glob("tracking-torch-*/pid")}
-        forked = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _parent(pid) in servers]
+        forked = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if int((_stat(pid) or [0, 0])[1]) in servers]
         assert servers and forked, "the tracking process was not forked from a warm server"
     finally:
         rank.communicate("\n", timeout=60)
     assert rank.returncode == 0
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
 
 
 def started(tmp_path: Path, body: str) -> tuple[subprocess.Popen, int]:
@@ -280,8 +273,14 @@ def test_a_signal_as_the_rank_ends_is_no_error_of_the_launcher(tmp_path):
         assert "Traceback" not in launcher.stderr.read()
 
 
-def _state(pid: int) -> str | None:
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, parent, ...); None once it has gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
+
+
+def _state(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[0] if fields else None

@@ -9,10 +9,9 @@ resource limits and signal state. The server forks; the child takes all of that 
 descriptor at its own number; multiprocessing then starts its interpreters through the launcher,
 so a DataLoader's fork server starts warm too), runs the script as `__main__`, exits through
 the interpreter's own finalisation, and the server sends its exit status back to the launcher,
-which exits with it. A launcher that goes away (SIGKILL from
-horovodrun's clean-up) takes its rank with it: the server kills the child when the connection
-closes; a rank that stops (SIGSTOP) stops its launcher, so a test that watches the launcher
-sees the rank's state. The server ends when its owner (the pytest worker) has gone.
+which exits with it. A launcher that goes away (SIGKILL from horovodrun's clean-up) takes its
+rank with it: the server kills the child when the connection closes; a rank that stops
+(SIGSTOP) stops its launcher, so a test that watches the launcher sees the rank's state. The server ends when its owner (the pytest worker) has gone.
 
 Single-threaded on purpose: a fork copies only the thread that forks, so the server never
 starts one (select over the connections, SIGCHLD through a wake-up pipe).
