@@ -51,6 +51,8 @@ def _cpu() -> float:
 def pytest_runtest_makereport(item, call):
     if call.when == "setup":
         item._budget_start = (time.monotonic(), _cpu())   # before the report's own bookkeeping
+    elif call.when == "call":   # the servers' CPU as the test ends: a session's last teardown stops them
+        _warm_servers_cpu()
     outcome = yield
     if call.when == "teardown" and hasattr(item, "_budget_start"):
         wall, cpu = item._budget_start

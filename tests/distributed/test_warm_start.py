@@ -4,7 +4,8 @@ Under real horovodrun, each rank of a probe (scripts/warm_start_probe.py) report
 environment, arguments, interpreter paths and flags, `__main__`, standard streams, signal state,
 umask, resource limits, threads, modules and what it computes; the two runs must agree, but for
 the job's own random values (ports, secrets), the parent process (the warm server) and the
-modules the server imported before the script began. Then the ways a process ends: each of a set
+modules the server imported before the script began, and sys.executable (the tests' `python`
+that started it, so that what the rank starts with it starts warm too). Then the ways a process ends: each of a set
 of small scripts runs cold and warm, and both must end alike (exit code or signal, output).
 """
 
@@ -64,6 +65,7 @@ def preloaded(profile: str) -> set[str]:
 @pytest.mark.parametrize("framework, profile", [("torch", "torch"), ("tensorflow", "tf-lean")])
 def test_a_rank_cannot_tell_a_warm_start_from_a_cold_one(tmp_path, cold, framework, profile):
     warm, warm_job = probe(tmp_path / "out", framework, profile)
+    warm_python = os.path.join(warm_start.bin_folder(), "python")
     cold()
     plain, plain_job = probe(tmp_path / "out", framework, profile)
 
@@ -73,6 +75,8 @@ def test_a_rank_cannot_tell_a_warm_start_from_a_cold_one(tmp_path, cold, framewo
         assert len(set(r["results"].pop("numpy_draws_differ_by_rank"))) == 2, "every rank seeds numpy afresh"
     imported_by_the_server = preloaded(profile)
     for w, p in zip(warm, plain):
+        # the interpreter each was started as: the tests' `python`, or the one it runs
+        assert (w.pop("executable"), p.pop("executable")) == (warm_python, sys.executable)
         warm_env, plain_env = w.pop("environ"), p.pop("environ")
         assert warm_env.pop(warm_start.VARIABLE)
         warm_env["PATH"] = warm_start.without_bin_folder(warm_env["PATH"])
@@ -180,6 +184,63 @@ def test_a_warm_ranks_loader_workers_start_warm_and_inherited_descriptors_pass(t
     assert warm[0] == plain[0] == 0 and warm[2] == plain[2] == b"through the descriptor it was given"
     assert warm[1][:-1] == plain[1][:-1] == ["[0,", "1,", "4,", "9,", "16,", "25]"]
     assert (warm[1][-1], plain[1][-1]) == ("server.py", "loader.py"), "the fork server did not start warm"
+
+
+PROJECT_TEST = """\
+import json, os, subprocess, sys
+from pathlib import Path
+
+import __main__
+
+
+def parent_of(pid):
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+
+
+def test_report(request):
+    rank = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, check=True).stdout
+    report = {"argv0": os.path.basename(sys.argv[0]), "path": sys.path[:3], "main": __main__.__spec__.name,
+              "main_file": os.path.basename(__main__.__file__), "orig_argv": sys.orig_argv[1:],
+              "rank": rank.split()[0], "pytest": os.path.basename(
+                  Path(f"/proc/{parent_of(os.getpid())}/cmdline").read_bytes().split(b"\\0")[1].decode()),
+              "rank_started_by": rank.split()[1]}
+    Path(os.environ["REPORT"]).write_text(json.dumps(report))
+"""
+
+PROJECT_TRAIN = """\
+import os
+from pathlib import Path
+
+import torch
+
+parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\\0")[1].decode()
+print(torch.ones(3).sum().item(), os.path.basename(parent))
+"""
+
+
+def test_a_projects_pytest_and_the_ranks_it_starts_run_warm(tmp_path, cold):
+    """`python -m pytest` in a generated project's folder (`make test`) is forked from the server of
+    the framework its train.py imports, runs as `-m` runs it, and the rank its test starts with
+    sys.executable is forked warm too."""
+    project = tmp_path / "proj"
+    (project / "tests").mkdir(parents=True)
+    (project / "train.py").write_text(PROJECT_TRAIN)
+    (project / "tests" / "test_it.py").write_text(PROJECT_TEST)
+
+    def run(name: str) -> dict:
+        report = tmp_path / f"{name}.json"
+        proc = subprocess.run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=project,
+                              capture_output=True, text=True, env=venv_env(REPORT=str(report)), timeout=300)
+        assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads(report.read_text())
+
+    warm = run("warm")
+    cold()
+    plain = run("cold")
+    assert (warm.pop("pytest"), warm.pop("rank_started_by")) == ("server.py", "server.py"), "not started warm"
+    assert "server.py" not in (plain.pop("pytest"), plain.pop("rank_started_by"))
+    assert warm == plain
+    assert warm["main"] == "pytest.__main__" and warm["rank"] == "3.0"
 
 
 TRACKED = """\

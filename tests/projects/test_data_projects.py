@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_horovod
+from helpers import python_command, run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
 ])
 def test_bad_config_stops_with_one_line(project, tmp_path, override, message):
     _, path = project
-    proc = subprocess.run([sys.executable, str(path / "train.py"), *override], cwd=tmp_path,
+    proc = subprocess.run(python_command([sys.executable, str(path / "train.py"), *override]), cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     # The last line is ours; TensorFlow may log its own start-up lines before it.

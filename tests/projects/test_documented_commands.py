@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from helpers import free_port, venv_env
+from helpers import free_port, python_command, venv_env
 from hvdgen.cli import main
 from test_staged_projects import RUNS as staged_runs
 
@@ -228,8 +228,8 @@ def every_documented_command_runs(tmp_path: Path, framework: str, strategy: str,
         elif re.match(r"(horovodrun|make|hvdgen|python prepare_tokens\.py) ", command):
             if "--data." in command:  # other data is a new training: a user's checkpoints would not fit it
                 shutil.rmtree(project / "checkpoints", ignore_errors=True)
-            if command.startswith("make"):
-                command += f" PYTHON={sys.executable}"
+            if command.startswith("make"):   # this interpreter (as the tests' `python` while the warm start is on)
+                command += f" PYTHON={python_command([sys.executable])[0]}"
             proc = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True,
                                   timeout=600)
             assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

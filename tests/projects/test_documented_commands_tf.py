@@ -4,9 +4,9 @@ A file of its own so that the suite's workers (one file each) run the two framew
 by side: together they are the suite's longest file.
 
 Cost: over 6% of the suite's CPU (docs/testing.md): 8 shapes, each a generated project with every
-documented command run (about 6 horovodrun jobs and `make test`, whose pytest and ranks start cold:
-they are the project's own, started with its interpreter). Each command is a different thing a user
-types; the ones that only add shape-independent options run once per framework, not per shape.
+documented command run (about 6 horovodrun jobs and `make test`, a pytest that trains the project
+again), each TensorFlow rank tracing its Keras steps afresh. Each command is a different thing a
+user types; the ones that only add shape-independent options run once per framework, not per shape.
 """
 
 import pytest

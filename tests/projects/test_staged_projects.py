@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_horovod
+from helpers import python_command, run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_bad_stage_setting_stops_with_one_line(tmp_path, framework, strategy, ov
                     "--output", str(tmp_path)], check=True)
     workdir = tmp_path / "work"
     workdir.mkdir()
-    proc = subprocess.run([sys.executable, str(tmp_path / "proj" / "train.py"), *override], cwd=workdir,
+    proc = subprocess.run(python_command([sys.executable, str(tmp_path / "proj" / "train.py"), *override]), cwd=workdir,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1
     # The last line is ours; TensorFlow may log its own start-up lines before it.

@@ -8,8 +8,9 @@ framework loads) to fork the rank, hands over its file descriptors (the standard
 it inherited), arguments, environment, working folder and signal state, forwards the signals it
 gets, stops while the rank is stopped, and exits as the rank did (the same code, or killed by
 the same signal). A DataLoader's fork server, which a warm rank starts through this launcher,
-is forked from the torch server too. Anything it does not recognise runs the real interpreter
-in its place (execv): other options, `-m`, a script that imports neither or both frameworks,
+is forked from the torch server too, and so is a generated project's `python -m pytest` (its
+train.py names the framework). Anything it does not recognise runs the real interpreter in its
+place (execv): other options, other modules, a script that imports neither or both frameworks,
 MPI's launches, another network namespace, or no warm start asked for.
 """
 
@@ -65,21 +66,25 @@ def plain():
 
 
 def parse():
-    """(script or None, code or None, unbuffered), or None where this is no launch to warm."""
+    """(script, code, module, unbuffered), two of the first three None; or None where this is no
+    launch to warm. The one module run warm is pytest (a generated project's `make test`)."""
     unbuffered, args = False, list(ARGS)
     while args and args[0] == "-u":
         unbuffered, args = True, args[1:]
     if args[:1] == ["-c"] and len(args) > 1:
-        return None, args[1], unbuffered
+        return None, args[1], None, unbuffered
+    if args[:2] == ["-m", "pytest"]:
+        return None, None, "pytest", unbuffered
     if not args or args[0].startswith("-") or not os.path.isfile(args[0]):
         return None
-    return args[0], None, unbuffered
+    return args[0], None, None, unbuffered
 
 
 def profile_of(text: str, args: list):
     """The server to fork from: HVDGEN_WARM_PROFILE, else by the framework the script imports at its
-    top level, else by the one of a generated project's train.py it is given as an argument
-    (tests/projects/scripts/train_in_rank_dir.py); None where that is neither or both."""
+    top level, else by the one of a generated project's train.py in the folders among `args`
+    (tests/projects/scripts/train_in_rank_dir.py's arguments; pytest's working folder); None
+    where that is neither or both."""
     chosen = os.environ.get("HVDGEN_WARM_PROFILE")
     if chosen:
         return chosen
@@ -185,7 +190,7 @@ def connect(root: str, owner: str, profile: str, unbuffered: bool, first: str):
     return connection
 
 
-def launch_state(script, code, unbuffered) -> dict:
+def launch_state(script, code, module, unbuffered) -> dict:
     ignored = set()
     for signum in range(1, signal.NSIG):
         try:
@@ -199,9 +204,13 @@ def launch_state(script, code, unbuffered) -> dict:
             limits[getattr(resource, name)] = resource.getrlimit(getattr(resource, name))
     umask = os.umask(0)
     os.umask(umask)
-    rest = ARGS[ARGS.index("-c") + 2:] if code is not None else ARGS[ARGS.index(script) + 1:]
-    return {"argv": ["-c" if code is not None else script, *rest], "orig_argv": [REAL, *ARGS], "code": code,
-            "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask, "rlimits": limits,
+    if module is not None:   # (runpy puts the module's file in argv[0], as `-m` does)
+        argv = ["-m", *ARGS[ARGS.index("-m") + 2:]]
+    elif code is not None:
+        argv = ["-c", *ARGS[ARGS.index("-c") + 2:]]
+    else:
+        argv = [script, *ARGS[ARGS.index(script) + 1:]]
+    return {"argv": argv, "orig_argv": [REAL, *ARGS], "code": code, "module": module, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask, "rlimits": limits,
             "ignored": ignored, "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, []),
             "unbuffered": unbuffered, "fds": [0, 1, 2, *INHERITED]}
 
@@ -263,22 +272,22 @@ def main() -> None:
         same_host = os.stat("/proc/self/ns/net").st_ino == int(netns)
     except OSError:
         same_host = False
-    script, code, unbuffered = parsed
+    script, code, module, unbuffered = parsed
     if not same_host:
         plain()
-    text = code
-    if code is None:
+    text = code or ""
+    if script is not None:
         try:
             with open(script, "rb") as source:
                 text = source.read().decode(errors="replace")
         except OSError:
             plain()
-    profile = profile_of(text, ARGS)
-    first = os.getcwd() if code is not None else os.path.dirname(os.path.realpath(script))
+    profile = profile_of(text, [os.getcwd()] if module else ARGS)
+    first = os.path.dirname(os.path.realpath(script)) if script is not None else os.getcwd()
     connection = connect(root, owner, profile, unbuffered, first) if profile else None
     if connection is None:
         plain()
-    run(connection, launch_state(script, code, unbuffered))
+    run(connection, launch_state(script, code, module, unbuffered))
 
 
 main()

@@ -6,12 +6,13 @@ in the environment of the first launch that needed it. It imports the profile's 
 listens on FOLDER/socket. Each connection brings one launch: the launcher's file descriptors
 (its standard streams and any it inherited), its arguments, environment, working folder, umask,
 resource limits and signal state. The server forks; the child takes all of that over (each
-descriptor at its own number; multiprocessing then starts its interpreters through the launcher,
-so a DataLoader's fork server starts warm too), runs the script as `__main__`, exits through
-the interpreter's own finalisation, and the server sends its exit status back to the launcher,
-which exits with it. A launcher that goes away (SIGKILL from horovodrun's clean-up) takes its
-rank with it: the server kills the child when the connection closes; a rank that stops
-(SIGSTOP) stops its launcher, so a test that watches the launcher sees the rank's state. The server ends when its owner (the pytest worker) has gone.
+descriptor at its own number; sys.executable is the launcher, so what the rank starts with it or
+through multiprocessing, a DataLoader's fork server say, starts warm too), runs the script (or
+`-m`'s module) as `__main__`, exits through the interpreter's own finalisation, and the server
+sends its exit status back to the launcher, which exits with it. A launcher that goes away
+(SIGKILL from horovodrun's clean-up) takes its rank with it: the server kills the child when the
+connection closes; a rank that stops (SIGSTOP) stops its launcher, so a test that watches the
+launcher sees the rank's state. The server ends when its owner (the pytest worker) has gone.
 
 Single-threaded on purpose: a fork copies only the thread that forks, so the server never
 starts one (select over the connections, SIGCHLD through a wake-up pipe).
@@ -266,16 +267,20 @@ def become(launch: dict, fds: list[int], notices: bytes, imports_set: dict) -> d
         numpy.ones((256, 256)) @ numpy.ones((256, 256))   # and has OpenBLAS' threads (stopped by the fork)
     if "multiprocessing" in sys.modules:   # and its own key for its children's connections
         sys.modules["multiprocessing"].current_process().authkey = os.urandom(32)
-    if "multiprocessing.spawn" in sys.modules:   # (torch imports it)
-        # The processes multiprocessing starts with an interpreter (a DataLoader's fork server,
-        # spawn's children) start through the launcher: warm too where it can serve them.
-        root = launch["env"][VARIABLE].rsplit(":", 2)[0]
-        sys.modules["multiprocessing.spawn"].set_executable(os.path.join(root, "bin", "python"))
+    # The interpreter this process was started as is the tests' `python` (the launcher): what it
+    # starts with sys.executable (a generated project's test starting its ranks) or through
+    # multiprocessing (a DataLoader's fork server, spawn's children) starts through it, warm too
+    # where it can serve them.
+    sys.executable = os.path.join(launch["env"][VARIABLE].rsplit(":", 2)[0], "bin", "python")
+    if "multiprocessing.spawn" in sys.modules:   # (torch imports it; it took sys.executable before)
+        sys.modules["multiprocessing.spawn"].set_executable(sys.executable)
     sys.argv = list(launch["argv"])
     sys.orig_argv = list(launch["orig_argv"])
     main = types.ModuleType("__main__")
     main.__dict__.update(__builtins__=sys.modules["builtins"], __spec__=None, __package__=None, __cached__=None)
-    if launch["code"] is None:
+    if launch["module"] is not None:   # runpy sets the rest, as `-m` does
+        first = launch["cwd"]
+    elif launch["code"] is None:
         path = os.path.abspath(launch["argv"][0])
         first = os.path.dirname(os.path.realpath(path))
         main.__file__ = path
@@ -319,8 +324,11 @@ if __name__ == "__main__":
     launch, fds = serve(folder, owner)
     namespace = become(launch, fds, written, imports_set)
     del launch["env"]
-    source = launch["code"] if launch["code"] is not None else Path(namespace["__file__"]).read_bytes()
-    code = compile(source, "<string>" if launch["code"] is not None else namespace["__file__"], "exec")
+    if launch["module"] is not None:   # as `-m` runs it, in this __main__
+        code = compile(f"__import__('runpy')._run_module_as_main({launch['module']!r})", __file__, "exec")
+    else:
+        source = launch["code"] if launch["code"] is not None else Path(namespace["__file__"]).read_bytes()
+        code = compile(source, "<string>" if launch["code"] is not None else namespace["__file__"], "exec")
     sys.excepthook = without_server_frames(sys.excepthook)
     try:
         exec(code, namespace)
