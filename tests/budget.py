@@ -5,8 +5,9 @@ meanwhile by its pytest worker, by the processes that worker waited for (horovod
 waited for), and by the warm-start servers of that worker with the ranks they forked
 (tests/warm_start): the ranks are their children, not the worker's. Session and module fixtures
 are charged to the test that first needs them. The summary lists the costliest files by CPU,
-with their share of the whole. A file over SHARE of the suite's CPU says why in its docstring,
-in a paragraph that starts with "Cost:"; the table marks the ones that do not.
+with their share of the whole, and when each worker ran out of tests (one that ends early has left
+a core idle). A file over SHARE of the suite's CPU says why in its docstring, in a paragraph that
+starts with "Cost:"; the table marks the ones that do not.
 """
 
 from __future__ import annotations
@@ -56,20 +57,29 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     if call.when == "teardown" and hasattr(item, "_budget_start"):
         wall, cpu = item._budget_start
-        outcome.get_result().user_properties.append(("budget", (time.monotonic() - wall, _cpu() - cpu)))
+        now = time.monotonic()   # the machine's clock: the same in every worker
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        outcome.get_result().user_properties.append(("budget", (now - wall, _cpu() - cpu, wall, now, worker)))
 
 
 class _Budget:
     def __init__(self) -> None:
         self.files: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        self.first_start = float("inf")
+        self.last_end: dict[str, tuple[float, str]] = {}   # worker -> when its last test ended, its file
 
     def add(self, report) -> None:
         for name, value in report.user_properties:
             if name == "budget":
-                entry = self.files[report.nodeid.split("::")[0]]
+                path = report.nodeid.split("::")[0]
+                entry = self.files[path]
                 entry[0] += 1
                 entry[1] += value[0]
                 entry[2] += value[1]
+                started, ended, worker = value[2:]
+                self.first_start = min(self.first_start, started)
+                if ended > self.last_end.get(worker, (0.0, ""))[0]:
+                    self.last_end[worker] = (ended, path)
 
 
 _budget = _Budget()
@@ -105,5 +115,8 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         write(f"{path:<58} {tests:>5} {wall:>8.0f} {cpu:>8.0f} {cpu / total_cpu:>6.1%}{' !' if over else ''}")
     write(f"{'all files':<58} {sum(e[0] for e in _budget.files.values()):>5} {total_wall:>8.0f} "
           f"{total_cpu:>8.0f} {1:>6.0%}")
+    if len(_budget.last_end) > 1:   # a worker that ends long before the others left its core idle
+        ends = sorted((end - _budget.first_start, worker, path) for worker, (end, path) in _budget.last_end.items())
+        write("workers ended at " + ", ".join(f"{end:.0f} s" for end, _, _ in ends) + f" (the last in {ends[-1][2]})")
     if unexplained:
         write(f"! over {SHARE:.0%} of the suite's CPU with no 'Cost:' paragraph in its docstring saying why")
