@@ -3,10 +3,10 @@
 Under real horovodrun, each rank of a probe (scripts/warm_start_probe.py) reports its
 environment, arguments, interpreter paths and flags, `__main__`, standard streams, signal state,
 umask, resource limits, threads, modules and what it computes; the two runs must agree, but for
-the job's own random values (ports, secrets), the parent process (the warm server) and the
-modules the server imported before the script began, and sys.executable (the tests' `python`
-that started it, so that what the rank starts with it starts warm too). Then the ways a process ends: each of a set
-of small scripts runs cold and warm, and both must end alike (exit code or signal, output).
+the job's own random values (ports, secrets), the parent process (the warm server), the modules
+the server imported before the script began, and sys.executable (the tests' `python` that started
+it, so that what the rank starts with it starts warm too). Then the ways a process ends: each of a
+set of small scripts runs cold and warm, and both must end alike (exit code or signal, output).
 """
 
 from __future__ import annotations

@@ -99,8 +99,8 @@ def test_bad_stage_setting_stops_with_one_line(tmp_path, framework, strategy, ov
                     "--output", str(tmp_path)], check=True)
     workdir = tmp_path / "work"
     workdir.mkdir()
-    proc = subprocess.run(python_command([sys.executable, str(tmp_path / "proj" / "train.py"), *override]), cwd=workdir,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(python_command([sys.executable, str(tmp_path / "proj" / "train.py"), *override]),
+                          cwd=workdir, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1
     # The last line is ours; TensorFlow may log its own start-up lines before it.
     assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-2000:]

@@ -3,16 +3,18 @@
 `install()` (a session fixture in tests/conftest.py) writes launcher.py as `python` and
 `python3` into a folder of its own and puts that folder first on PATH, so every `python ...`
 a test starts, horovodrun's ranks included, goes through it: a script that imports torch or
-TensorFlow (or a generated project's `python -m pytest`) is forked from server.py, a process that imported that framework once (nothing
-initialised, no thread started), with the launch's own process state taken over; anything
-else runs the real interpreter. tests/distributed/test_warm_start.py shows a rank cannot tell.
+TensorFlow (or a generated project's `python -m pytest`) is forked from server.py, a process
+that imported that framework once (nothing initialised, no thread started), with the launch's
+own process state taken over; anything else runs the real interpreter.
+tests/distributed/test_warm_start.py shows a rank cannot tell.
 
 What a rank can still tell: its parent process is the server, not horovodrun's shell; its
 sys.executable is the warm `python` it was started as (so a process it starts with it, a
 generated project's test starting its ranks say, starts warm too), not the interpreter that one
 runs; its string hashes share one seed with the other ranks of its kind (PYTHONHASHSEED, drawn
-once per server); the imports it shares were made before its script began. Tests marked `plain_start`
-run without it, so the start-up users get is still exercised for every framework and strategy.
+once per server); the imports it shares were made before its script began. Tests marked
+`plain_start` run without it, so the start-up users get is still exercised for every framework
+and strategy.
 """
 
 from __future__ import annotations

@@ -210,8 +210,8 @@ def launch_state(script, code, module, unbuffered) -> dict:
         argv = ["-c", *ARGS[ARGS.index("-c") + 2:]]
     else:
         argv = [script, *ARGS[ARGS.index(script) + 1:]]
-    return {"argv": argv, "orig_argv": [REAL, *ARGS], "code": code, "module": module, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask, "rlimits": limits,
-            "ignored": ignored, "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, []),
+    return {"argv": argv, "orig_argv": [REAL, *ARGS], "code": code, "module": module, "cwd": os.getcwd(),
+            "env": dict(os.environ), "umask": umask, "rlimits": limits, "ignored": ignored, "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, []),
             "unbuffered": unbuffered, "fds": [0, 1, 2, *INHERITED]}
 
 
