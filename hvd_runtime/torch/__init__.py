@@ -6,6 +6,7 @@ The epoch loop itself is framework-free: hvd_runtime.loop, driving a TrainStep o
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context, init_horovod
 from hvd_runtime.torch.elastic import run_elastic, start_elastic
+from hvd_runtime.torch.meta_init import build_on_meta
 from hvd_runtime.torch.objective import accuracy, cross_entropy
 from hvd_runtime.torch.optim import WarmupSchedule, make_optimizer
 from hvd_runtime.torch.precision import Precision
@@ -14,5 +15,5 @@ from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import SyncBatchNorm, use_sync_batchnorm
 
 __all__ = ["Context", "Precision", "ShardedBatches", "SyncBatchNorm", "TrainState", "TrainStep", "WarmupSchedule",
-           "accuracy", "checkpoint_store", "cross_entropy", "init_horovod", "start_elastic", "make_optimizer",
+           "accuracy", "build_on_meta", "checkpoint_store", "cross_entropy", "init_horovod", "start_elastic", "make_optimizer",
            "restore_or_broadcast", "run_elastic", "save_checkpoint", "use_sync_batchnorm"]

@@ -33,6 +33,7 @@ from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.torch.context import Context
+from hvd_runtime.torch.meta_init import materialize, whole
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
@@ -115,15 +116,13 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
     by the whole model's norm, summed over the stages."""
-    import horovod.torch as hvd
-
     dims = ctx.pipeline
-    # Every rank built the whole model under its own seed: make it rank 0's on all, so that each
-    # stage starts from the same model wherever the stages cut (`partition: time` may cut
-    # differently from one start to the next) and a run is the same at any cut.
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     partition = pipeline_partition(model, dims, ctx, cfg)
-    stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg)).to(ctx.device)
+    # The model is on the meta device: this rank draws only its stage (its slices under tp), from
+    # the seed and each tensor's name in the whole model, so each stage starts from the same model
+    # wherever the stages cut (`partition: time` may cut differently from one start to the next).
+    stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg))
+    stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
     optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))
@@ -136,20 +135,27 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
 def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
     """Apply `strategy` (one of STRATEGIES) to `model` as cfg.parallel and cfg.horovod say.
 
-    `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's sample batch,
-    whose shapes decide where the stages cut. model.py is never edited: every piece is applied
-    from outside, and the model of a pipeline stays whole for the checkpoints' unsplit format.
+    `model`: as hvd_runtime.torch.meta_init.build_on_meta builds it, on the meta device; a rank
+    makes real only what it holds (the whole model, its stage, its slices), each tensor drawn from
+    cfg.seed and its name in the whole model, so every layout starts from the same model (a model
+    built for real is used as it is). `dataset`: its vocabulary (num_classes) for a split head's
+    loss, and a pipeline's sample batch, whose shapes decide where the stages cut. model.py is never
+    edited: every piece is applied from outside.
     """
     check_strategy(strategy)
     if strategy == "pipeline":
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
+    if strategy == "tensor":  # this rank draws only its slices (and the tensors kept whole)
+        model = materialize(apply_tp(model, ctx.tensor.group), cfg.seed, ctx.device)
+    else:                     # every rank holds the whole model
+        model = whole(model, cfg.seed)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     if strategy == "model-split":
         # it places each block on its own device
         model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
     else:
-        model = (apply_tp(model, ctx.tensor.group) if strategy == "tensor" else model).to(ctx.device)
+        model = model.to(ctx.device)
     split = SplitParameters(model) if strategy == "tensor" else None
     objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
     optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)

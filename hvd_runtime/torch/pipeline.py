@@ -30,6 +30,7 @@ from hvd_runtime.pipeline.grid import micro_batch_sizes
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD
 from hvd_runtime.pipeline.grid import chunks_per_rank
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
+from hvd_runtime.torch.meta_init import is_meta
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.split_backward import SplitBackward, WeightWork
 from hvd_runtime.torch.stage import build_stage, plan_stages
@@ -45,15 +46,18 @@ def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
     """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
     group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
-    Every rank of the group first takes its first rank's weights: each rank built the model under
-    its own seed, and the slices must come from one model, the parameters kept whole (LayerNorm,
-    position embeddings) be the same on all. Unchanged at tp 1.
+    A stage on the meta device (hvd_runtime.torch.meta_init) splits into meta slices, which every
+    rank draws from the same recipes: one model for the group without a message. A real stage was
+    built under each rank's own seed: every rank of the group first takes its first rank's weights,
+    so that the slices come from one model and the parameters kept whole (LayerNorm, position
+    embeddings) are the same on all. Unchanged at tp 1.
     """
     group = dims.tensor_group
     if group is None:
         return stage
-    # Horovod: one model for the whole group, from its first rank
-    _broadcast_state(stage, dims.dims.tp_ranks(dims.rank)[0], group.process_set, "tp.init")
+    if not is_meta(stage):
+        # Horovod: one model for the whole group, from its first rank
+        _broadcast_state(stage, dims.dims.tp_ranks(dims.rank)[0], group.process_set, "tp.init")
     return split_model(stage, group)
 
 

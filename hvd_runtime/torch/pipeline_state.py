@@ -17,6 +17,7 @@ from torch import nn
 from hvd_runtime.checkpoint import CheckpointStore, TrainState
 from hvd_runtime.pipeline.checkpoint import checkpoint_payload, gather_stages, restore_own_stage
 from hvd_runtime.torch.buffers import average_buffers
+from hvd_runtime.torch.meta_init import whole
 from hvd_runtime.torch.state import (_to_cpu, checkpoint_store, load_latest, model_misfit, rng_state, saved_shapes,
                                      set_rng_state)
 
@@ -84,11 +85,13 @@ def newest_cut(checkpoint_cfg, ctx) -> dict | None:
 
 
 def gather_full_model(model: nn.Module, stage: nn.Module, dims, split=None) -> nn.Module:
-    """Every rank calls; on rank 0, `model` (the unsplit original) ends up with the trained weights."""
+    """Every rank calls; returns, on rank 0, `model` (the unsplit original, made real if it was on
+    the meta device) with the trained weights; on the other ranks `model` as it was."""
     import horovod.torch as hvd
 
     stages, _ = _gather_stages(stage, None, dims, split)
     if hvd.rank() == 0:
         merged = {k: v for part in stages.values() for k, v in part["model"].items()}
+        model = whole(model, seed=0)   # its values are the stages' next
         model.load_state_dict(merged)
     return model

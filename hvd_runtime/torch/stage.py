@@ -25,6 +25,7 @@ from torch import nn
 
 from hvd_runtime.pipeline.partition import (Partition, PartitionError, plan_on_rank0, plan_partition,
                                             refuse_weights_shared_across_stages)
+from hvd_runtime.torch.meta_init import is_meta, real_copy
 
 
 def named_blocks(model) -> list[tuple[str, nn.Module]]:
@@ -51,12 +52,15 @@ def time_costs(model, sample: torch.Tensor, repeats: int = 3, tail=None) -> list
     runs counts, since noise only ever adds time. `tail(output) -> loss` is what the last stage
     does beyond its blocks (the loss and the metrics): its forward and backward count to the last
     block, which always runs there. Left out, a time-balanced split gives the last stage more
-    than its share, most on small blocks, where the loss costs as much as a layer.
+    than its share, most on small blocks, where the loss costs as much as a layer. Blocks still on
+    the meta device are timed on a real copy each, so the model is never whole on the timing rank.
     """
     costs, x = [], sample
     blocks = named_blocks(model)
     kept = [b.detach().clone() for _, block in blocks for b in block.buffers()]  # BatchNorm's statistics
     for _, block in blocks:
+        if is_meta(block):   # a model built on the meta device: a real copy of one block at a time
+            block = real_copy(block, seed=0, device=x.device)
         costs.append(_fastest_forward_backward(lambda inp: block(inp).float().sum(), x, repeats))
         block.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -25,7 +25,9 @@ only the tokens in its rows (the others read zeros) and the group sums the looku
 column-parallel over the vocabulary and its logits stay split, which the loss and accuracy of
 `hvd_runtime.torch.vocab_parallel` read without ever gathering them (the largest activation of a
 language model: batch x tokens x vocabulary). A head tied to the embedding stays tied: both hold
-the same rows. Position embeddings and LayerNorms stay whole. It reads the model's own modules
+the same rows. Position embeddings and LayerNorms stay whole. A model built on the meta device
+(hvd_runtime.torch.meta_init) splits into meta slices that know which rows and columns of the whole
+tensors they hold: materialized, each rank draws only its own. It reads the model's own modules
 (`qkv`, `proj`, `mlp`, `norm1`, `norm2`, `heads` of a block; `tokens` of the embedding; `norm` and
 `out` of the head), so model.py is not edited.
 """
@@ -40,6 +42,7 @@ from torch import nn
 
 from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
                                                 split_range, vocab_range)
+from hvd_runtime.torch.meta_init import take
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
            "VocabParallelEmbedding", "apply_tp", "split_model"]
@@ -103,8 +106,8 @@ class ColumnParallelLinear(nn.Module):
                                        for c in range(chunks)])
         self.group = group
         self.in_features, self.out_features = linear.in_features, len(self.source_index)
-        self.weight = nn.Parameter(linear.weight.detach()[self.source_index].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[self.source_index].clone()) if linear.bias is not None else None
+        self.weight = take(linear.weight, rows=self.source_index)
+        self.bias = take(linear.bias, rows=self.source_index) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_CopyToGroup.apply(x, self.group, self.name), self.weight, self.bias)
@@ -123,8 +126,8 @@ class RowParallelLinear(nn.Module):
         self.source_index = torch.arange(part.start, part.stop)  # the original input features (columns) held
         self.group = group
         self.in_features, self.out_features = part.stop - part.start, linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach()[:, part].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.weight = take(linear.weight, cols=part)
+        self.bias = take(linear.bias) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = sum_over_group(F.linear(x, self.weight), self.group, self.name)
@@ -147,7 +150,7 @@ class VocabParallelEmbedding(nn.Module):
         part = vocab_range(embedding.num_embeddings, group.size, group.rank)
         self.start, self.stop = part.start, part.stop
         self.source_index = torch.arange(part.start, part.stop)  # the original rows (token ids) held
-        self.weight = nn.Parameter(embedding.weight.detach()[part].clone())
+        self.weight = take(embedding.weight, rows=part)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.stop)
