@@ -1,0 +1,114 @@
+"""No rank of a generated torch GPT project allocates a parameter it does not hold, at any layout.
+
+Under real horovodrun, a pipeline of 2 stages cut at block 2, the same pipeline with each stage split over tp 2,
+and the tensor strategy at tp 2 train an epoch each. On every rank the parameter elements made
+at start-up (counted as each real nn.Parameter is made: tests/projects/scripts/count_held_elements.py)
+are exactly the elements of the parameters the rank trains, and its optimizer holds state for
+those alone, each of a parameter's size. Across the ranks the held tensors are the unsplit
+model's: each one held whole by one stage, or by every rank of its tp group, or split so that the
+group's slices add up to it.
+
+With `partition: time` rank 0 also makes a real copy of each block in turn, to time it, and nothing
+more: one block at a time, never the whole model at once.
+
+The model starts the same at every layout (each tensor drawn from the seed and its name): the
+2-stage pipeline and 2 stages x tp 2 train the same epoch to 1e-5, as do tp 2 and the unsplit model
+(tp 1, one rank), each reading the same batches.
+"""
+
+import json
+import subprocess
+import sys
+from math import prod
+from pathlib import Path
+
+import pytest
+
+from helpers import run_horovod
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+pytestmark = pytest.mark.slow
+
+TINY = ["--model.width", "16", "--model.heads", "2", "--model.layers", "2", "--model.context", "16",
+        "--train.batch_size", "8", "--tracking.enabled", "false", "--train.epochs", "1"]
+
+
+def generate(tmp_path: Path, *shape: str) -> tuple[Path, list[str]]:
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", *shape, "--model", "gpt", "--framework", "torch",
+                    "--output", str(tmp_path)], check=True, capture_output=True)
+    project = tmp_path / "proj"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((project / "README.md").read_text()[:3200])
+    subprocess.run([sys.executable, "prepare_tokens.py", str(corpus), "--out", str(tmp_path / "tokens")],
+                   cwd=project, check=True, capture_output=True)
+    return project, ["--data.path", str(tmp_path / "tokens"), *TINY]
+
+
+def counted(np_: int, project: Path, ranks: Path, *overrides: str) -> tuple[dict, dict]:
+    """held.json of a run (every rank's record, the unsplit shapes) and its epoch's metrics."""
+    run_horovod(np_, [sys.executable, str(SCRIPTS / "count_held_elements.py"), str(project), str(ranks),
+                      *overrides], cwd=project, timeout=400)
+    [epoch] = [json.loads(line) for line in (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text()
+               .splitlines()]
+    return json.loads((ranks / "held.json").read_text()), epoch
+
+
+def check_each_rank_made_only_what_it_holds(report: dict, tp: int) -> None:
+    unsplit = report["unsplit"]
+    total = sum(prod(shape) for shape in unsplit.values())
+    holders: dict[str, list[int]] = {name: [] for name in unsplit}
+    for r in report["ranks"]:
+        held = sum(prod(shape) for shape in r["held"].values())
+        assert r["at_start_up"] == held, f"rank {r['rank']} made {r['at_start_up']} parameter elements, holds {held}"
+        assert set(r["optimizer_state"]) == set(r["held"]), f"rank {r['rank']}: optimizer state for other tensors"
+        for name, sizes in r["optimizer_state"].items():
+            assert sizes and all(s == prod(r["held"][name]) for s in sizes), f"rank {r['rank']} {name}: {sizes}"
+        if len(report["ranks"]) > 1:
+            assert held < total, f"rank {r['rank']} holds the whole model ({held} of {total} elements)"
+        for name, shape in r["held"].items():
+            assert name in unsplit, f"rank {r['rank']} holds {name}, which the unsplit model has not"
+            holders[name].append(prod(shape))
+    for name, sizes in holders.items():
+        whole = prod(unsplit[name])
+        assert sizes, f"no rank holds {name}"
+        assert sizes == [whole] * len(sizes) and len(sizes) in (1, tp) or sum(sizes) == whole and len(sizes) == tp, \
+            f"{name} ({whole} elements) held as {sizes}"
+
+
+def same_epoch(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for key in ("train_loss", "train_accuracy", "val_loss"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+
+
+def test_pipeline_stages_and_their_slices_make_only_what_they_hold(tmp_path):
+    project, args = generate(tmp_path, "--strategy", "pipeline", "--stages", "2", "--tp", "2")
+    cut = ["--parallel.partition", "2"]   # stage 1 starts at block 2, whatever the blocks cost
+    pp, pp_epoch = counted(2, project, tmp_path / "pp2", *args, *cut, "--parallel.tp", "1")
+    check_each_rank_made_only_what_it_holds(pp, tp=1)
+    names = [set(r["held"]) for r in pp["ranks"]]
+    assert not names[0] & names[1], "two stages hold the same tensor"
+    pptp, pptp_epoch = counted(4, project, tmp_path / "pp2tp2", *args, *cut)
+    check_each_rank_made_only_what_it_holds(pptp, tp=2)
+    same_epoch(pptp_epoch, pp_epoch)
+
+
+def test_timing_the_blocks_makes_each_one_once_on_rank_0_only(tmp_path):
+    """`partition: time`: rank 0 times a real copy of each block, one at a time, before any stage
+    is made; the other ranks make only their stage."""
+    project, args = generate(tmp_path, "--strategy", "pipeline", "--stages", "2")
+    report, _ = counted(2, project, tmp_path / "timed", *args, "--parallel.partition", "time")
+    first, second = sorted(report["ranks"], key=lambda r: r["rank"])
+    held = [sum(prod(shape) for shape in r["held"].values()) for r in (first, second)]
+    assert second["at_start_up"] == held[1]
+    assert first["at_start_up"] == held[0] + sum(prod(shape) for shape in report["unsplit"].values())
+
+
+def test_tensor_parallel_ranks_make_only_their_slices(tmp_path):
+    project, args = generate(tmp_path, "--strategy", "tensor")
+    tp, tp_epoch = counted(2, project, tmp_path / "tp2", *args)
+    check_each_rank_made_only_what_it_holds(tp, tp=2)
+    assert any(len(shape) == 2 and shape != tp["unsplit"][name] for name, shape in tp["ranks"][0]["held"].items())
+    unsplit, unsplit_epoch = counted(1, project, tmp_path / "tp1", *args, "--parallel.tp", "1")
+    check_each_rank_made_only_what_it_holds(unsplit, tp=1)
+    same_epoch(tp_epoch, unsplit_epoch)
