@@ -21,6 +21,10 @@ parallelism slices a meta parameter (rows and/or columns of the whole one).
 What cannot be drawn a slice at a time (a tensor written in part, as nn.Embedding's padding row,
 or by a non-element-wise operation, as orthogonal_) is said in one line naming the tensor
 (`MetaInitError`); a model that every rank holds whole is then built for real instead (`whole`).
+torch skips trunc_normal_, orthogonal_, dirac_ and sparse_ on meta tensors; while the model is
+built, nn.init's own are replaced by the recorder's (trunc_normal_'s recipe; the others
+refused), so only a copy of them taken before the build (`from torch.nn.init import orthogonal_`
+at import) would go unseen. A tensor made empty and never written draws zeros.
 """
 
 from __future__ import annotations
@@ -137,7 +141,28 @@ class _Recorder(TorchDispatchMode):
             target = args[0]
             if self._key(target) is not None:
                 self._set(target, self._changed(func, target, args[1:], kwargs))
+        else:   # any other operation that writes into a tensor leaves it undrawable
+            for argument, value in zip(func._schema.arguments, [*args, *kwargs.values()]):
+                if argument.alias_info is not None and argument.alias_info.is_write and self._key(value) is not None:
+                    self._set(value, Recipe(unknown=f"it is written by aten.{func.__name__}"))
         return out
+
+    def trunc_normal(self, tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator=None):
+        """nn.init.trunc_normal_'s recipe (torch skips it on the meta device): uniform between the
+        bounds' normal quantiles, then the inverse error function, scaled, shifted and clamped."""
+        low, high = (math.erf((bound - mean) / std / math.sqrt(2.0)) for bound in (a, b))
+        self._set(tensor, Recipe("uniform", (low, high), ((_aten.erfinv_.default, ()),
+                                                          (_aten.mul_.Tensor, (std * math.sqrt(2.0),)),
+                                                          (_aten.add_.Tensor, (mean,)),
+                                                          (_aten.clamp_.default, (a, b)))))
+        return tensor
+
+    def refused(self, name: str):
+        """An initialiser torch skips on the meta device and that is not element-wise."""
+        def initialise(tensor, *args, **kwargs):
+            self._set(tensor, Recipe(unknown=f"nn.init.{name} is not element-wise"))
+            return tensor
+        return initialise
 
     def _changed(self, func, target: torch.Tensor, args: tuple, kwargs: dict) -> Recipe:
         before = self.recipe_of(target)
@@ -150,10 +175,11 @@ class _Recorder(TorchDispatchMode):
             if self._key(source) in self.recipes:
                 return self.recipe_of(source)
             return Recipe(unknown="it is copied from a tensor made by an operation that cannot be replayed")
-        scalars = [a for a in args if a is not None]
-        if any(isinstance(a, torch.Tensor) and a.numel() != 1 for a in scalars):
+        if any(isinstance(a, torch.Tensor) and a.numel() != 1 for a in args):
             return Recipe(unknown=f"aten.{func.__name__} with a tensor argument is not element-wise")
-        scalars = tuple(a.item() if isinstance(a, torch.Tensor) and not a.is_meta else a for a in scalars)
+        if kwargs.get("alpha", 1) != 1:
+            return Recipe(unknown=f"aten.{func.__name__} with alpha={kwargs['alpha']}")
+        scalars = tuple(a.item() if isinstance(a, torch.Tensor) and not a.is_meta else a for a in args)
         if any(isinstance(a, torch.Tensor) for a in scalars):
             return Recipe(unknown=f"aten.{func.__name__} with a meta tensor argument")
         if func in _OVERWRITE:
@@ -165,8 +191,18 @@ def build_on_meta(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module
     """build(*args, **kwargs) on the meta device, each parameter and buffer carrying its `Held`:
     its name in the whole model and how it is initialised. Costs no memory for the tensors."""
     recorder = _Recorder()
-    with torch.device("meta"), recorder:
-        model = build(*args, **kwargs)
+    # nn.init skips these on meta tensors without a word: the recorder stands in for them meanwhile
+    standing_in = {"_no_grad_trunc_normal_": recorder.trunc_normal,
+                   **{name: recorder.refused(name) for name in ("orthogonal_", "dirac_", "sparse_", "eye_")}}
+    originals = {name: getattr(nn.init, name) for name in standing_in}
+    try:
+        for name, stand_in in standing_in.items():
+            setattr(nn.init, name, stand_in)
+        with torch.device("meta"), recorder:
+            model = build(*args, **kwargs)
+    finally:
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
     seen = set()
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         if id(t) not in seen:           # a tied parameter keeps the first name it has

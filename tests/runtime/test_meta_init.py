@@ -139,3 +139,26 @@ def test_a_tensor_written_in_part_is_refused_in_one_line_and_a_whole_model_is_bu
     assert "\n" not in str(e.value)
     real = whole(build_on_meta(build), seed=0)
     assert not is_meta(real) and torch.equal(real[0].weight[0], torch.zeros(4))
+
+
+def test_initialisers_torch_skips_on_meta_are_drawn_or_refused():
+    """trunc_normal_, which torch leaves undone on meta tensors, is drawn as torch draws it
+    (inside its bounds, the truncated normal's spread); orthogonal_ is refused by name."""
+    def build():
+        layer = nn.Linear(300, 200)
+        nn.init.trunc_normal_(layer.weight, std=0.1, a=-0.15, b=0.15)
+        return layer
+
+    drawn = materialize(build_on_meta(build), seed=0).weight
+    eager = build().weight
+    assert -0.15 <= drawn.min().item() and drawn.max().item() <= 0.15 and drawn.min().item() < -0.149
+    assert drawn.std().item() == pytest.approx(eager.std().item(), rel=0.02)
+
+    def rotated():
+        layer = nn.Linear(4, 4)
+        nn.init.orthogonal_(layer.weight)
+        return layer
+
+    with pytest.raises(MetaInitError, match=r"^model.py initialises `weight` .*: nn.init.orthogonal_ is not element-wise"):
+        materialize(build_on_meta(rotated), seed=0)
+    assert nn.init.orthogonal_.__module__ == "torch.nn.init", "build_on_meta left its stand-in in nn.init"
