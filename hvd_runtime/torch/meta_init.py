@@ -20,7 +20,8 @@ parallelism slices a meta parameter (rows and/or columns of the whole one).
 
 What cannot be drawn a slice at a time (a tensor written in part, as nn.Embedding's padding row,
 or by a non-element-wise operation, as orthogonal_) is said in one line naming the tensor
-(`MetaInitError`); a model that every rank holds whole is then built for real instead (`whole`).
+(`MetaInitError`). A model that every rank holds whole is built for real by its own constructor
+under the seed (`whole`): nothing to save there, and its values stay the model's own draws.
 torch skips trunc_normal_, orthogonal_, dirac_ and sparse_ on meta tensors; while the model is
 built, nn.init's own are replaced by the recorder's (trunc_normal_'s recipe; the others
 refused), so only a copy of them taken before the build (`from torch.nn.init import orthogonal_`
@@ -272,12 +273,13 @@ def real_copy(module: nn.Module, seed: int, device: torch.device | str = "cpu") 
 
 
 def whole(model: nn.Module, seed: int, device: torch.device | str = "cpu") -> nn.Module:
-    """The whole model made real: drawn from its recipes, or, where some tensor's cannot be drawn,
-    built again for real under the seed (every rank then holds the same whole model anyway)."""
+    """The whole model made real, where every rank holds it whole (data parallel, model-split):
+    built again by the model's own constructor under the seed, so its values are the ones the
+    model's own initialisation gives; drawn from the recipes only for a model build_on_meta did
+    not build."""
     if not is_meta(model):
         return model
-    undrawable = [t for t in [*model.parameters(), *model.buffers()] if t.is_meta and _held(t).recipe.unknown]
-    if undrawable and hasattr(model, "_hvd_build"):
+    if hasattr(model, "_hvd_build"):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return model._hvd_build().to(device)

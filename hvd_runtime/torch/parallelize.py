@@ -135,10 +135,11 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
 def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
     """Apply `strategy` (one of STRATEGIES) to `model` as cfg.parallel and cfg.horovod say.
 
-    `model`: as hvd_runtime.torch.meta_init.build_on_meta builds it, on the meta device; a rank
-    makes real only what it holds (the whole model, its stage, its slices), each tensor drawn from
-    cfg.seed and its name in the whole model, so every layout starts from the same model (a model
-    built for real is used as it is). `dataset`: its vocabulary (num_classes) for a split head's
+    `model`: as hvd_runtime.torch.meta_init.build_on_meta builds it, on the meta device; a
+    pipeline or tensor-parallel rank makes real only its stage or slices, each tensor drawn from
+    cfg.seed and its name in the whole model, so every cut and tp starts from the same model; the
+    whole model (data, model-split) is built for real under cfg.seed; a model built for real is
+    used as it is. `dataset`: its vocabulary (num_classes) for a split head's
     loss, and a pipeline's sample batch, whose shapes decide where the stages cut. model.py is never
     edited: every piece is applied from outside.
     """
@@ -147,7 +148,7 @@ def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, ste
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     if strategy == "tensor":  # this rank draws only its slices (and the tensors kept whole)
         model = materialize(apply_tp(model, ctx.tensor.group), cfg.seed, ctx.device)
-    else:                     # every rank holds the whole model
+    else:                     # every rank holds the whole model: built for real, under the seed
         model = whole(model, cfg.seed)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch

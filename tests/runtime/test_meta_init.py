@@ -5,7 +5,7 @@ both; a generated model of each kind is drawn with its own initialisation (GPT-2
 the layers' kaiming bounds, LayerNorm and BatchNorm constants), tied weights stay one; a GPT split
 by apply_tp on the meta device draws, on each tp rank, exactly the rows and columns of the unsplit
 model that rank holds, allocating no real tensor larger than what it keeps; a tensor written in
-part is refused in one line, and a whole model with one is built for real instead.
+part is refused in one line, and a whole model is built for real by its own constructor.
 """
 
 import math
@@ -129,7 +129,6 @@ def test_each_tp_rank_draws_exactly_its_slices_of_the_unsplit_model(models, tp):
 
 def test_a_tensor_written_in_part_is_refused_in_one_line_and_a_whole_model_is_built_for_real():
     def build():
-        torch.manual_seed(99)
         return nn.Sequential(nn.Embedding(10, 4, padding_idx=0), nn.Linear(4, 4))
 
     model = build_on_meta(build)
@@ -137,8 +136,11 @@ def test_a_tensor_written_in_part_is_refused_in_one_line_and_a_whole_model_is_bu
                                             r"at a time: it is written in part .*; initialise it with nn.init's") as e:
         materialize(model, seed=0)
     assert "\n" not in str(e.value)
-    real = whole(build_on_meta(build), seed=0)
+    real = whole(build_on_meta(build), seed=5)
     assert not is_meta(real) and torch.equal(real[0].weight[0], torch.zeros(4))
+    torch.manual_seed(5)
+    eager = build()
+    assert all(torch.equal(a, b) for a, b in zip(real.state_dict().values(), eager.state_dict().values()))
 
 
 def test_initialisers_torch_skips_on_meta_are_drawn_or_refused():
