@@ -139,9 +139,9 @@ def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, ste
     pipeline or tensor-parallel rank makes real only its stage or slices, each tensor drawn from
     cfg.seed and its name in the whole model, so every cut and tp starts from the same model; the
     whole model (data, model-split) is built for real under cfg.seed; a model built for real is
-    used as it is. `dataset`: its vocabulary (num_classes) for a split head's
-    loss, and a pipeline's sample batch, whose shapes decide where the stages cut. model.py is never
-    edited: every piece is applied from outside.
+    used as it is. `dataset`: its vocabulary (num_classes) for a split head's loss, and a
+    pipeline's sample batch, whose shapes decide where the stages cut. model.py is never edited:
+    every piece is applied from outside.
     """
     check_strategy(strategy)
     if strategy == "pipeline":
