@@ -17,7 +17,6 @@ The model starts the same at every layout (each tensor drawn from the seed and i
 """
 
 import json
-import subprocess
 import sys
 from math import prod
 from pathlib import Path
@@ -25,23 +24,12 @@ from pathlib import Path
 import pytest
 
 from helpers import run_horovod
+from test_tensor_projects import generate
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
 
-TINY = ["--model.width", "16", "--model.heads", "2", "--model.layers", "2", "--model.context", "16",
-        "--train.batch_size", "8", "--tracking.enabled", "false", "--train.epochs", "1"]
-
-
-def generate(tmp_path: Path, *shape: str) -> tuple[Path, list[str]]:
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", *shape, "--model", "gpt", "--framework", "torch",
-                    "--output", str(tmp_path)], check=True, capture_output=True)
-    project = tmp_path / "proj"
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text((project / "README.md").read_text()[:3200])
-    subprocess.run([sys.executable, "prepare_tokens.py", str(corpus), "--out", str(tmp_path / "tokens")],
-                   cwd=project, check=True, capture_output=True)
-    return project, ["--data.path", str(tmp_path / "tokens"), *TINY]
+ONE_EPOCH = ["--train.epochs", "1"]
 
 
 def counted(np_: int, project: Path, ranks: Path, *overrides: str) -> tuple[dict, dict]:
@@ -82,7 +70,8 @@ def same_epoch(a: dict, b: dict) -> None:
 
 
 def test_pipeline_stages_and_their_slices_make_only_what_they_hold(tmp_path):
-    project, args = generate(tmp_path, "--strategy", "pipeline", "--stages", "2", "--tp", "2")
+    project, args = generate(tmp_path, "torch", "--strategy", "pipeline", "--stages", "2", "--tp", "2")
+    args += ONE_EPOCH
     cut = ["--parallel.partition", "2"]   # stage 1 starts at block 2, whatever the blocks cost
     pp, pp_epoch = counted(2, project, tmp_path / "pp2", *args, *cut, "--parallel.tp", "1")
     check_each_rank_made_only_what_it_holds(pp, tp=1)
@@ -96,7 +85,8 @@ def test_pipeline_stages_and_their_slices_make_only_what_they_hold(tmp_path):
 def test_timing_the_blocks_makes_each_one_once_on_rank_0_only(tmp_path):
     """`partition: time`: rank 0 times a real copy of each block, one at a time, before any stage
     is made; the other ranks make only their stage."""
-    project, args = generate(tmp_path, "--strategy", "pipeline", "--stages", "2")
+    project, args = generate(tmp_path, "torch", "--strategy", "pipeline", "--stages", "2")
+    args += ONE_EPOCH
     report, _ = counted(2, project, tmp_path / "timed", *args, "--parallel.partition", "time")
     first, second = sorted(report["ranks"], key=lambda r: r["rank"])
     held = [sum(prod(shape) for shape in r["held"].values()) for r in (first, second)]
@@ -105,7 +95,8 @@ def test_timing_the_blocks_makes_each_one_once_on_rank_0_only(tmp_path):
 
 
 def test_tensor_parallel_ranks_make_only_their_slices(tmp_path):
-    project, args = generate(tmp_path, "--strategy", "tensor")
+    project, args = generate(tmp_path, "torch", "--strategy", "tensor")
+    args += ONE_EPOCH
     tp, tp_epoch = counted(2, project, tmp_path / "tp2", *args)
     check_each_rank_made_only_what_it_holds(tp, tp=2)
     assert any(len(shape) == 2 and shape != tp["unsplit"][name] for name, shape in tp["ranks"][0]["held"].items())

@@ -4,23 +4,18 @@ Every real (not meta) nn.Parameter made while the project's train() runs is coun
 made, and the count taken when parallelize returns: the elements of the parameters this rank
 allocated at start-up. parallelize is the project's own, called as train.py calls it; this script
 only keeps what it returned, to read the names and shapes of the parameters the rank trains and
-its optimizer's state once training is over. Rank 0 writes every rank's record to RANKS_DIR/held.json,
-with the unsplit model's names and shapes (built on the meta device: no memory).
+its optimizer's state once training is over, and the names and shapes of the whole model it was
+handed (on the meta device). Rank 0 writes every rank's record and those to RANKS_DIR/held.json.
 usage: horovodrun ... python count_held_elements.py PROJECT RANKS_DIR [config overrides...]
 """
 
 import json
-import os
-import sys
-from pathlib import Path
+
+from train_in_rank_dir import enter_rank_dir
 
 
 def main() -> None:
-    project, ranks_dir, overrides = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
-    workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    os.chdir(workdir)
-    sys.path.insert(0, str(project))
+    _, ranks_dir, overrides = enter_rank_dir()
 
     import torch
     from torch import nn
@@ -42,15 +37,16 @@ def main() -> None:
 
     kept = {}
 
-    def parallelize(*args, **kwargs):
-        kept["parallel"] = train.parallelize.__wrapped__(*args, **kwargs)
+    def parallelize(model, *args, **kwargs):
+        # the whole model as train.py built it, on the meta device: read before it is split in place
+        kept["unsplit"] = {name: list(p.shape) for name, p in model.named_parameters()}
+        kept["parallel"] = train.parallelize.__wrapped__(model, *args, **kwargs)
         kept["at_start_up"] = made["elements"]
         return kept["parallel"]
 
     parallelize.__wrapped__ = train.parallelize
     train.parallelize = parallelize
-    cfg = train.load_config(train.CONFIG_FILE, overrides)
-    train.train(cfg)
+    train.train(train.load_config(train.CONFIG_FILE, overrides))
 
     parallel = kept["parallel"]
     held = {name: list(p.shape) for name, p in parallel.module.named_parameters()}
@@ -60,15 +56,7 @@ def main() -> None:
     record = {"rank": hvd.rank(), "at_start_up": kept["at_start_up"], "held": held, "optimizer_state": state}
     records = hvd.allgather_object(record)
     if hvd.rank() == 0:
-        from data import load_data
-        from model import build_model
-
-        from hvd_runtime.torch import build_on_meta
-
-        dataset = load_data(cfg, seed=cfg.seed)
-        unsplit = build_on_meta(build_model, cfg.model, dataset.input_shape, dataset.num_classes)
-        (ranks_dir / "held.json").write_text(json.dumps({
-            "ranks": records, "unsplit": {name: list(p.shape) for name, p in unsplit.named_parameters()}}))
+        (ranks_dir / "held.json").write_text(json.dumps({"ranks": records, "unsplit": kept["unsplit"]}))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,20 @@ import sys
 from pathlib import Path
 
 
-def main() -> None:
+def enter_rank_dir() -> tuple[Path, Path, list[str]]:
+    """PROJECT, RANKS_DIR and the overrides of argv; this rank now works in RANKS_DIR/rankN and
+    imports the project's modules."""
     project, ranks_dir, overrides = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve(), sys.argv[3:]
     workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)
     sys.path.insert(0, str(project))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return project, ranks_dir, overrides
+
+
+def main() -> None:
+    project, ranks_dir, overrides = enter_rank_dir()
 
     import numpy as np
 
