@@ -1,15 +1,19 @@
-"""Checkpoint files: written by rank 0 only, atomically, keeping the last K; read newest-first.
+"""Checkpoints on disk: written atomically, keeping the last K; read newest-first.
 
-Framework-free: the caller passes how to write and read one file (torch.save / torch.load, or a
-Keras equivalent). A write goes to a temporary file in the same folder and is renamed into place,
-so a job killed mid-write never leaves a half-written checkpoint under a real name. If the newest
-file still fails to load (a truncated copy, a full disk), the previous one is used, with a warning.
+Framework-free. A checkpoint is a file rank 0 writes (`ckpt-<step>.<suffix>`: the caller passes
+how to write and read it), or a folder of shards every rank of the first replica writes into
+(`ckpt-<step>/`, hvd_runtime.shards). A file goes to a temporary name in the same folder and is
+renamed into place; a folder is written under a hidden name (`staging`) and renamed into place
+once its index is in it (`publish`). Either way a job killed mid-write never leaves a
+half-written checkpoint under a real name. If the newest still fails to load (a truncated copy,
+a full disk), the previous one is used, with a warning.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -46,7 +50,8 @@ def state_fields(state) -> dict:
     return {name: getattr(state, name) for name in TrainState.__dataclass_fields__}
 
 
-_NAME = re.compile(r"ckpt-(\d{9})\.(\w+)$")
+_NAME = re.compile(r"ckpt-(\d{9})(?:\.(\w+))?$")
+_STAGING = re.compile(r"\.ckpt-\d{9}\.(partial|old)$")
 
 
 class CheckpointStore:
@@ -61,13 +66,50 @@ class CheckpointStore:
     def path_for(self, step: int) -> Path:
         return self.directory / f"ckpt-{step:09d}.{self.suffix}"
 
+    def folder_for(self, step: int) -> Path:
+        return self.directory / f"ckpt-{step:09d}"
+
     def paths(self) -> list[Path]:
-        """Existing checkpoints, newest (highest step) first."""
+        """Existing checkpoints, newest (highest step) first: files of this store's suffix, and
+        folders holding an index (a sharded checkpoint's, the one of a step before its file)."""
         if not self.directory.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
-                 if (m := _NAME.match(p.name)) and m.group(2) == self.suffix]
-        return [p for _, p in sorted(found, reverse=True)]
+        found = [(int(m.group(1)), m.group(2) is None, p) for p in self.directory.iterdir()
+                 if (m := _NAME.match(p.name)) and (m.group(2) == self.suffix or (m.group(2) is None
+                                                                                  and (p / "index.json").is_file()))]
+        return [p for *_, p in sorted(found, reverse=True)]
+
+    def staging(self, step: int) -> Path:
+        """An empty hidden folder for checkpoint `step`'s shards (the writer's; a leftover of an
+        interrupted write, of this step or another, is removed first)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.iterdir():
+            if _STAGING.match(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
+        folder = self.directory / f".{self.folder_for(step).name}.partial"
+        folder.mkdir()
+        return folder
+
+    def publish(self, step: int, staging: Path) -> Path:
+        """Rename a staged folder (its index written) into place, replacing a checkpoint of the
+        same step, and prune to the last K. The writer's only."""
+        final = self.folder_for(step)
+        if final.exists():
+            old = self.directory / f".{final.name}.old"
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for old in self.paths()[self.keep:]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
     def save(self, step: int, write: Callable[[Path], None]) -> Path | None:
         """Write checkpoint `step` with `write(tmp_path)`, rename it into place, prune old ones.
@@ -88,8 +130,7 @@ class CheckpointStore:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        for old in self.paths()[self.keep:]:
-            old.unlink(missing_ok=True)
+        self._prune()
         return final
 
     def load_latest(self, read: Callable[[Path], Any]) -> tuple[Path, Any] | None:

@@ -65,6 +65,11 @@ class RankContext:
         return self._hvd().broadcast_object(value, root_rank=0)
 
     @property
+    def coords(self):
+        """This rank's (dp, pp, tp) in the grid of a tensor-parallel or pipeline job; None without one."""
+        return None if self._grid is None else self._grid.dims.coords(self.rank)
+
+    @property
     def dp_set(self):
         """The Horovod process set gradients are averaged in; None when this rank is the only replica."""
         return self._hvd().global_process_set if self._grid is None else self._grid.dp_set

@@ -18,7 +18,7 @@ from hvd_runtime.checkpoint import CheckpointStore, state_fields
 from hvd_runtime.elastic_reset import follow_resets, sync_now
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context
-from hvd_runtime.torch.state import restore_on_root
+from hvd_runtime.torch.checkpoint import restore_on_root
 
 
 def start_elastic(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context, resume: bool = True):

@@ -3,7 +3,7 @@
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes)   # model.py: no Horovod
     parallel = parallelize(model, "tensor", ctx, cfg, dataset, steps_per_epoch=len(train_batches))
     train_epoch(parallel.step, ...)                                            # hvd_runtime.loop
-    save_checkpoint(checkpoints, parallel.module, parallel.optimizer, state, split=parallel.split)
+    save_checkpoint(checkpoints, parallel, state, ctx)               # hvd_runtime.torch.checkpoint
 
 As torchtitan's `parallelize_llama` does, it applies the parallelisms in order, each a small
 function with explicit arguments, so that a strategy is a path through them, not a copy of train.py:
@@ -32,12 +32,12 @@ from hvd_runtime.config import partition_spec
 from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
+from hvd_runtime.torch.checkpoint import newest_cut
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.meta_init import materialize, whole
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
-from hvd_runtime.torch.pipeline_state import newest_cut
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.torch.step import TrainStep

@@ -1,13 +1,15 @@
-"""A tensor-parallel model's state in the unsplit model's format: gathered to save, sliced to load.
+"""Which parameters of a tensor-parallel model are split, and how: for checkpoints, the whole model and clipping.
 
     split = SplitParameters(model)                       # after apply_tp
-    saved = split.full_model_state()                     # every rank calls (a collective); whole tensors
-    model.load_state_dict(split.local_model_state(saved))
+    split.by_name["blocks.0.attn.qkv.weight"]            # Split(dim, whole positions held, group)
+    whole = split.whole_model(build_model(...))          # every rank calls (a collective); whole tensors
 
-apply_tp keeps the unsplit model's parameter names and order, so a checkpoint written this way
-is the unsplit model's own: a run saved at tp=2 resumes at tp=1 (or 4, or under data
-parallelism), and the model logged to MLflow loads into the plain `build_model`. Optimizer state
-tensors shaped like their parameter (momentum, Adam's moments) are gathered and sliced with it.
+apply_tp keeps the unsplit model's parameter names and order, so the slices' names are the
+unsplit model's: checkpoints (hvd_runtime.torch.checkpoint) write each slice under its name with
+the positions it holds, and the model logged to MLflow loads into the plain `build_model`.
+Checkpoints written before shards hold the unsplit state: local_model_state and
+local_optimizer_state take this rank's slices of it (optimizer slots shaped like their parameter,
+momentum and Adam's moments, sliced with it).
 
 The gradient norm that clipping needs is the whole model's: the split parameters' squares are
 summed over the group, the whole ones (LayerNorms, position embeddings, row-parallel biases)
@@ -111,10 +113,6 @@ class SplitParameters:
                             and isinstance(value, torch.Tensor) and value.dim() > 0 else value
                             for key, value in entries.items()}
         return {**state_dict, "state": moved}
-
-    def full_optimizer_state(self, optimizer) -> dict:
-        """The optimizer's state_dict as the unsplit model's optimizer would hold it; every rank calls it."""
-        return self._map_optimizer_state(optimizer, optimizer.state_dict(), _gather)
 
     def local_optimizer_state(self, optimizer, full: dict) -> dict:
         return self._map_optimizer_state(optimizer, full, lambda t, s, _: t.index_select(s.dim, s.index))

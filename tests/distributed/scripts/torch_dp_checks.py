@@ -15,8 +15,9 @@ import horovod.torch as hvd
 from hvd_runtime.checkpoint import CheckpointStore
 from hvd_runtime.config import HorovodConfig, OptimConfig
 from hvd_runtime.loop import means_over_ranks  # noqa: E402
+from hvd_runtime.torch.parallelize import Parallel  # noqa: E402
 from hvd_runtime.torch.step import sum_over_ranks  # noqa: E402
-from hvd_runtime.torch import (SyncBatchNorm, init_horovod, make_optimizer, restore_or_broadcast,
+from hvd_runtime.torch import (SyncBatchNorm, init_horovod, make_optimizer, restore_checkpoint,
                                use_sync_batchnorm)
 
 warnings.filterwarnings("ignore")
@@ -105,13 +106,13 @@ values = torch.arange(5.0) if R == 0 else torch.arange(5.0, 7.0)
 means = means_over_ranks({"v": values.sum()}, len(values), sum_over_ranks, "check.means")
 report("metric_average_weights_by_count", abs(means["v"] - 3.0) < 1e-12, f"got {means['v']}")
 
-# 6. Ranks initialised differently start identical after restore_or_broadcast; LR warmup scales.
+# 6. Ranks initialised differently start identical after restore_checkpoint; LR warmup scales.
 torch.manual_seed(1000 + R)
 model = nn.Linear(4, 2)
 scaled = OptimConfig(name="sgd", lr=0.1, momentum=0.9, scale_lr=True, warmup_epochs=1)
 opt, schedule = make_optimizer(model, scaled, HorovodConfig(), ctx, steps_per_epoch=4)
 with tempfile.TemporaryDirectory() as tmp:
-    state = restore_or_broadcast(CheckpointStore(tmp, is_writer=R == 0), model, opt, ctx)
+    state = restore_checkpoint(CheckpointStore(tmp, is_writer=R == 0), Parallel(model, opt, None), ctx)
 weights = hvd.allgather_object(model.weight.detach().clone())
 lrs = []
 for step in range(5):

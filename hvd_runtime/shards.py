@@ -1,0 +1,191 @@
+"""Sharded checkpoints, whatever the framework: each rank writes what it holds, one index makes it valid.
+
+A checkpoint is a folder `ckpt-<step>/` of one safetensors file per writing rank and `index.json`:
+
+    ckpt-000000120/
+        rank-00000.safetensors     the tensors and slices rank 0 holds, under their whole-model names
+        rank-00001.safetensors     ... one file per rank of the first replica (one for data parallelism)
+        index.json                 written last: which file holds which part of which tensor
+
+Every tensor keeps its name in the whole model (`model/<name>`, `optimizer/<parameter>/<slot>`), and
+each piece its Placement: the whole tensor's shape and, for a slice, the dimension it was cut
+along and the whole positions it holds, as runs. A rank resuming in another layout (another tp,
+another pipeline cut, unsplit) reads from each file only the rows it will hold (plan_reads):
+safetensors reads a slice without reading the tensor.
+
+The folder is written under a hidden name and renamed into place once the index is in it
+(CheckpointStore.publish), so a job killed in the middle leaves the previous checkpoint the newest
+valid one. The index records each file's size: a truncated or missing file is found before any
+tensor is read (read_index), and the caller falls back to the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = 1
+INDEX = "index.json"
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint folder whose index or files do not hold what the index says; the message names which."""
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def runs_of(positions) -> list[list[int]]:
+    """`positions` (whole positions in a slice's own order) as runs [start, stop) of consecutive ones."""
+    runs: list[list[int]] = []
+    for p in (int(p) for p in positions):
+        if runs and runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, p + 1])
+    return runs
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tensor a rank holds sits in the whole one: the whole `shape` and, for a slice, the
+    `dim` it was cut along and the whole positions it holds there (`runs`, in its own order)."""
+
+    shape: tuple[int, ...]
+    dim: int | None = None
+    runs: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def whole(cls, shape) -> "Placement":
+        return cls(tuple(int(s) for s in shape))
+
+    @classmethod
+    def slice(cls, shape, dim: int, positions) -> "Placement":
+        return cls(tuple(int(s) for s in shape), dim, tuple(tuple(r) for r in runs_of(positions)))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.dim] = sum(b - a for a, b in self.runs)
+        return tuple(shape)
+
+    def along(self, dim: int) -> tuple[tuple[int, int], ...]:
+        """Its runs along `dim`: all of it, for a whole tensor."""
+        if self.dim is None:
+            return ((0, self.shape[dim]),)
+        return self.runs
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dim": self.dim, "runs": [list(r) for r in self.runs]}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "Placement":
+        return cls(tuple(entry["shape"]), entry["dim"], tuple(tuple(r) for r in entry["runs"]))
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One read: rows `src` of a saved piece (`file`, `key`) into rows `dst` of the tensor being
+    loaded, both along `dim`; dim None copies the whole tensor."""
+
+    file: str
+    key: str
+    dim: int | None
+    src: tuple[int, int] = (0, 0)
+    dst: tuple[int, int] = (0, 0)
+
+
+def plan_reads(name: str, want: Placement, entry: dict) -> list[Copy]:
+    """The reads that fill a tensor placed as `want` from the index's `entry` for it.
+
+    Raises DamagedCheckpoint when the pieces do not cover it (a file of the index lacks a slice),
+    ValueError when the whole shapes differ (the caller names that as a misfit beforehand).
+    """
+    if tuple(entry["shape"]) != want.shape:
+        raise ValueError(f"{name}: {tuple(entry['shape'])} saved, {want.shape} now")
+    pieces = [(piece, Placement.from_json({"shape": entry["shape"], **piece})) for piece in entry["pieces"]]
+    if want.dim is None:
+        whole = next(((p, at) for p, at in pieces if at.dim is None), None)
+        if whole is not None:
+            return [Copy(whole[0]["file"], whole[0]["key"], None)]
+    dims = {at.dim for _, at in pieces if at.dim is not None}
+    dim = want.dim if want.dim is not None else (dims.pop() if len(dims) == 1 else None)
+    if dim is None or dims - {dim}:
+        raise DamagedCheckpoint(f"{name} is saved in pieces that do not fit together")
+    copies, covered = [], 0
+    wanted, start = [], 0
+    for a, b in want.along(dim):
+        wanted.append((a, b, start))
+        start += b - a
+    for piece, at in pieces:
+        offset = 0
+        for a, b in at.along(dim):
+            for wa, wb, wstart in wanted:
+                lo, hi = max(a, wa), min(b, wb)
+                if lo < hi:
+                    copies.append(Copy(piece["file"], piece["key"], dim, (offset + lo - a, offset + hi - a),
+                                       (wstart + lo - wa, wstart + hi - wa)))
+                    covered += hi - lo
+            offset += b - a
+        if covered >= start:
+            break   # a whole piece and the slices of it (pieces never overlap otherwise)
+    if covered != start:
+        raise DamagedCheckpoint(f"the checkpoint holds {covered} of the {start} rows {name} needs along dimension {dim}")
+    return copies
+
+
+def merge_index(shards: list[dict], **fields) -> dict:
+    """The index rank 0 writes, from every writer's description of its file (what write_shard
+    returned) and the checkpoint's other fields (train state, RNG states, pipeline cut)."""
+    tensors: dict[str, dict] = {}
+    values: dict[str, object] = {}
+    files = {}
+    for shard in shards:
+        files[shard["file"]] = {"bytes": shard["bytes"]}
+        for name, entry in shard["tensors"].items():
+            tensors.setdefault(name, {"shape": entry["shape"], "pieces": []})["pieces"].append(
+                {"file": shard["file"], "key": entry["key"], "dim": entry["dim"], "runs": entry["runs"]})
+        values.update(shard["values"])
+    return {"format": FORMAT, **fields, "files": files, "tensors": tensors, "values": values}
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write `obj` as JSON and make it durable before returning (the index is what makes a checkpoint)."""
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_index(folder: Path) -> dict:
+    """The index of a checkpoint folder, once every file it names is there at its full size."""
+    try:
+        index = json.loads((folder / INDEX).read_text())
+    except (OSError, ValueError) as exc:
+        raise DamagedCheckpoint(f"its {INDEX} cannot be read ({exc})") from exc
+    if index.get("format") != FORMAT:
+        raise DamagedCheckpoint(f"its {INDEX} is of format {index.get('format')!r}, this runtime reads {FORMAT}")
+    for name, described in index["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise DamagedCheckpoint(f"{name} is missing")
+        if path.stat().st_size != described["bytes"]:
+            raise DamagedCheckpoint(f"{name} is {path.stat().st_size} bytes, the index says {described['bytes']} "
+                                    "(truncated?)")
+    return index
+
+
+def index_misfit(index: dict, wanted: dict[str, tuple[int, ...]]) -> str | None:
+    """Why the model's tensors (`wanted`: every `model/...` name the job holds, with its whole
+    shape) do not match the checkpoint's: a name missing on either side or a shape changed."""
+    saved = {k: tuple(v["shape"]) for k, v in index["tensors"].items() if k.startswith("model/")}
+    if saved == wanted:
+        return None
+    differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    name = differ[0].removeprefix("model/")
+    return f"{name}: {saved.get(differ[0])} saved, {wanted.get(differ[0])} now"

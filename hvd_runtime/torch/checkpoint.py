@@ -1,0 +1,420 @@
+"""Checkpoints for every strategy, in PyTorch: each rank writes what it holds, and reads what it will hold.
+
+    checkpoints = checkpoint_store(cfg.checkpoint, ctx)
+    state = restore_checkpoint(checkpoints, parallel, ctx, resume=cfg.checkpoint.resume)
+    save_checkpoint(checkpoints, parallel, state, ctx)          # every rank calls
+
+A checkpoint is a folder of shards (hvd_runtime.shards): the ranks of the first replica each
+write their model's and optimizer's tensors (a pipeline stage's, a tensor-parallel slice's) under
+their names in the whole model, with where each slice sits in the whole tensor; rank 0 writes
+the index last. No rank gathers another's tensors, and a checkpoint resumes at any layout: each
+rank reads from the shards only the rows of the tensors it holds now, so a job saved at pp 2 x
+tp 2 resumes unsplit, at another tp, cut elsewhere, and back.
+
+A checkpoint holds what an exact resume needs: model (BatchNorm statistics first averaged over
+the replicas), optimizer slots, the position in the epoch (in samples, so a resized job carries
+on too), and each rank's RNG state, handed back to the same rank when the job has the same size.
+The LR schedule is a function of the step, so it needs no state of its own.
+
+Where every rank holds the whole model (data parallelism, model-split) rank 0 alone reads and
+broadcasts what it read, as the start of a data-parallel job always has: the ranks then begin
+bit-identical, and only rank 0 needs to see the checkpoint folder. Elsewhere every rank reads
+its own slices, so the folder must be one every rank mounts (a ReadWriteMany volume, a shared
+file system). Checkpoints written before shards (one `ckpt-<step>.pt`) still resume
+(hvd_runtime.torch.legacy_checkpoint); every new one is a folder.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from hvd_runtime.checkpoint import (CheckpointStore, ElasticStart, TrainState, announce_resume, misfit_message,
+                                    state_fields)
+from hvd_runtime.config import ConfigError
+from hvd_runtime.shards import (INDEX, Copy, DamagedCheckpoint, Placement, index_misfit, merge_index, plan_reads,
+                                read_index, shard_name, write_json)
+from hvd_runtime.torch.buffers import average_buffers
+from hvd_runtime.torch.context import Context
+
+MODEL, OPTIMIZER = "model/", "optimizer/"
+
+
+# -- RNG states, as JSON (no pickle in a checkpoint) ----------------------------------------------
+
+def _bytes(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_state() -> dict:
+    """This rank's Python, NumPy, torch and CUDA generator states, as JSON-ready values."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": _bytes(torch.get_rng_state()),
+            "cuda": [_bytes(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_tensor(state["torch"]))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_tensor(s) for s in state["cuda"]])
+
+
+# -- what this rank holds, by whole-model name ----------------------------------------------------
+
+def _model_placements(module: nn.Module, split) -> dict[str, Placement]:
+    """Where each of the module's state_dict entries sits in the whole model's."""
+    placements = {}
+    shapes = split.saved_shapes() if split is not None else None
+    for name, t in module.state_dict().items():
+        cut = split.by_name.get(name) if split is not None else None
+        placements[name] = (Placement.slice(shapes[name], cut.dim, cut.index.tolist()) if cut is not None
+                            else Placement.whole(t.shape))
+    return placements
+
+
+def _slot_placement(param_at: Placement, shape, like_param: bool) -> Placement:
+    """An optimizer slot shaped like its parameter (momentum, Adam's moments: `like_param`) is
+    split with it; any other (a step count) is whole, of `shape`."""
+    return param_at if like_param and len(shape) > 0 else Placement.whole(shape)
+
+
+def _parameters(module: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
+    """The optimizer's parameters in its own order, with their names in the whole model."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def held_tensors(module: nn.Module, optimizer, split=None) -> dict[str, tuple[object, Placement | None]]:
+    """Everything this rank checkpoints: `model/<name>` and `optimizer/<parameter>/<slot>`, each a
+    tensor with its Placement, or a value that is not a tensor (Placement None)."""
+    placements = _model_placements(module, split)
+    held: dict[str, tuple[object, Placement | None]] = {
+        MODEL + name: (t, placements[name]) for name, t in module.state_dict().items()}
+    if optimizer is None:
+        return held
+    for name, param in _parameters(module, optimizer):
+        for slot, value in optimizer.state.get(param, {}).items():
+            at = (_slot_placement(placements[name], value.shape, value.shape == param.shape)
+                  if isinstance(value, torch.Tensor) else None)
+            held[f"{OPTIMIZER}{name}/{slot}"] = (value, at)
+    return held
+
+
+# -- writing ----------------------------------------------------------------------------------------
+
+def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool) -> dict:
+    """Write this rank's file; return its description for the index. Whole tensors are written by
+    one rank of a tensor-parallel group (`write_whole`); tensors sharing storage (tied weights) once."""
+    from safetensors.torch import save_file
+
+    tensors, described, values, keys = {}, {}, {}, {}
+    for entry, (value, at) in held.items():
+        if at is None:
+            values[entry] = value
+            continue
+        if at.dim is None and not write_whole:
+            continue
+        t = value.detach()
+        same = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = keys.setdefault(same, entry)
+        if key == entry:
+            tensors[key] = t.cpu().contiguous()
+        described[entry] = {"key": key, **at.to_json()}
+    path = folder / shard_name(rank)
+    save_file(tensors, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"file": path.name, "bytes": path.stat().st_size, "tensors": described, "values": values}
+
+
+def _cut(module: nn.Module) -> dict | None:
+    plan = getattr(module, "plan", None)
+    return None if plan is None else {"names": list(plan.names), "bounds": [list(b) for b in plan.bounds]}
+
+
+def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Path | None:
+    """Every rank calls: the first replica's ranks each write their shard, rank 0 the index, last.
+
+    Returns the checkpoint folder on rank 0, None elsewhere. A rank that fails to write (a full
+    disk) makes every rank raise the same error, and the folder is never published: the previous
+    checkpoint stays the newest.
+    """
+    import horovod.torch as hvd
+
+    module, optimizer = parallel.module, parallel.optimizer
+    if ctx.dp_set is not None:
+        average_buffers(module, process_set=ctx.dp_set, name="checkpoint.buffers")
+    rngs = hvd.allgather_object(rng_state(), name="checkpoint.rng")
+    staging = None
+    if store.is_writer:
+        try:
+            staging = str(store.staging(state.step))
+        except OSError as exc:
+            staging = OSError(f"cannot make {store.directory}: {exc}")
+    staging = hvd.broadcast_object(staging, root_rank=0, name="checkpoint.staging")
+    if isinstance(staging, Exception):
+        raise staging
+    description = None
+    if ctx.data_rank == 0:
+        coords = ctx.coords
+        try:
+            description = _write_shard(Path(staging), ctx.rank, held_tensors(module, optimizer, parallel.split),
+                                       write_whole=coords is None or coords.tp == 0)
+        except OSError as exc:
+            description = {"error": f"rank {ctx.rank} could not write its shard in {staging}: {exc}"}
+    shards = [d for d in hvd.allgather_object(description, name="checkpoint.shards") if d is not None]
+    failed = next((d["error"] for d in shards if "error" in d), None)
+    outcome = final = None
+    if store.is_writer:
+        try:
+            if failed:
+                raise OSError(failed)
+            index = merge_index(shards, step=state.step, state=state_fields(state), rng=rngs, cut=_cut(module))
+            write_json(Path(staging) / INDEX, index)
+            final = store.publish(state.step, Path(staging))
+        except OSError as exc:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+            outcome = f"checkpoint {state.step} was not written, the previous one stays the newest: {exc}"
+    outcome = hvd.broadcast_object(outcome, root_rank=0, name="checkpoint.outcome")
+    if outcome:
+        raise OSError(outcome)
+    return final
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+class ShardReader:
+    """The files of one checkpoint folder, each opened once; fills tensors placed as this rank holds them."""
+
+    def __init__(self, folder: Path, index: dict):
+        self.folder, self.index, self._open = folder, index, {}
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self._open:
+            self._open[name] = safe_open(self.folder / name, framework="pt", device="cpu")
+        return self._open[name]
+
+    def read(self, entry: str, want: Placement) -> torch.Tensor:
+        copies = plan_reads(entry, want, self.index["tensors"][entry])
+        if len(copies) == 1 and copies[0].dim is None:
+            return self._file(copies[0].file).get_tensor(copies[0].key)
+        out = None
+        for copy in copies:
+            piece = self._piece(copy)
+            if out is None:
+                out = torch.empty(want.local_shape, dtype=piece.dtype)
+            out.narrow(copy.dim, copy.dst[0], copy.dst[1] - copy.dst[0]).copy_(piece)
+        return out
+
+    def _piece(self, copy: Copy) -> torch.Tensor:
+        sliced = self._file(copy.file).get_slice(copy.key)
+        return sliced[(slice(None),) * copy.dim + (slice(*copy.src),)]
+
+
+def wanted_shapes(module: nn.Module, split=None) -> dict[str, tuple[int, ...]]:
+    """`model/<name>` of every tensor this rank holds, with its whole shape."""
+    return {MODEL + name: at.shape for name, at in _model_placements(module, split).items()}
+
+
+def _load_held(reader: ShardReader, module: nn.Module, optimizer, split=None) -> None:
+    """Load this rank's tensors (and optimizer slots) from the checkpoint, as this rank holds them."""
+    placements = _model_placements(module, split)
+    module.load_state_dict({name: reader.read(MODEL + name, at) for name, at in placements.items()})
+    if optimizer is None:
+        return
+    tensors, values = reader.index["tensors"], reader.index["values"]
+    state = {}
+    for i, (name, _) in enumerate(_parameters(module, optimizer)):
+        prefix = f"{OPTIMIZER}{name}/"
+        slots = {entry[len(prefix):]: value for entry, value in values.items() if entry.startswith(prefix)}
+        for entry, saved in tensors.items():
+            if entry.startswith(prefix):
+                like_param = tuple(saved["shape"]) == placements[name].shape
+                slots[entry[len(prefix):]] = reader.read(entry, _slot_placement(placements[name], saved["shape"],
+                                                                                like_param))
+        if slots:
+            state[i] = slots
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def _read_newest(store: CheckpointStore):
+    """Rank 0: (path, index) of the newest sharded checkpoint whose files are all there, or (path,
+    payload) of a checkpoint written before shards; None if there is none. Each damaged one is
+    warned about and the previous one tried; when none can be read, a ConfigError names the newest's
+    problem (training afresh would prune them)."""
+    problems = []
+
+    def read(path: Path):
+        try:
+            if path.is_dir():
+                return read_index(path)
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # a corrupt file can raise almost anything from the unpickler
+            problems.append(f"{path.name}: {exc}")
+            raise
+
+    found = store.load_latest(read)
+    if found is None and problems:
+        raise ConfigError(f"no checkpoint in {store.directory} can be read (the newest, {problems[0]}): move them "
+                          "aside or pass --checkpoint.resume false to start over")
+    return found
+
+
+def _newest_on_root(store: CheckpointStore, ctx: Context, resume: bool):
+    """Rank 0's _read_newest (announced), or the ConfigError it raised, for rank 0 to hand on; None elsewhere."""
+    if not (ctx.is_root and resume):
+        return None
+    try:
+        found = _read_newest(store)
+    except ConfigError as exc:
+        return exc
+    if found is not None:
+        announce_resume(*found)
+    return found
+
+
+def _whole_payload(folder: Path, index: dict, module: nn.Module, optimizer) -> dict:
+    """What rank 0 broadcasts where every rank holds the whole model: the state it loaded."""
+    misfit = index_misfit(index, wanted_shapes(module))
+    if misfit:
+        return {"misfit": misfit_message(misfit)}
+    _load_held(ShardReader(folder, index), module, optimizer)
+    return {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "state": index["state"],
+            "rng": index["rng"]}
+
+
+def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: bool = True) -> TrainState:
+    """Every rank calls: load the newest checkpoint (if any, and `resume`) into what this rank
+    holds; return where training stands. A checkpoint that does not fit the model stops every
+    rank with the same ConfigError, before anything is written."""
+    import horovod.torch as hvd
+
+    from hvd_runtime.torch.legacy_checkpoint import restore_legacy
+
+    found = _newest_on_root(store, ctx, resume)
+    if ctx.coords is None:
+        return _restore_whole(found, parallel, ctx)
+    where = found if found is None or isinstance(found, ConfigError) else (
+        str(found[0]), found[1] if found[0].is_dir() else None)
+    where = hvd.broadcast_object(where, root_rank=0, name="checkpoint.newest")
+    if isinstance(where, ConfigError):
+        raise where
+    if where is None:
+        return TrainState()
+    path, index = Path(where[0]), where[1]
+    if index is None:
+        return restore_legacy(found[1] if ctx.is_root else None, parallel, ctx)
+    verdict = None
+    try:
+        reader = ShardReader(path, index)
+        names = hvd.allgather_object(wanted_shapes(parallel.module, parallel.split), name="checkpoint.names")
+        misfit = index_misfit(index, {k: v for mine in names for k, v in mine.items()})
+        if misfit:
+            verdict = misfit_message(misfit)
+        else:
+            _load_held(reader, parallel.module, parallel.optimizer, parallel.split)
+    except (DamagedCheckpoint, OSError, SafetensorError) as exc:
+        verdict = (f"the checkpoint {path} cannot be read on rank {ctx.rank} ({exc}): every rank must see "
+                   "--checkpoint.dir (a shared volume); move the damaged folder aside to resume from the "
+                   "previous one, or pass --checkpoint.resume false")
+    verdicts = [v for v in hvd.allgather_object(verdict, name="checkpoint.fits") if v]
+    if verdicts:
+        raise ConfigError(verdicts[0])
+    rngs = index.get("rng")
+    if rngs and len(rngs) == ctx.size:
+        set_rng_state(rngs[ctx.rank])
+    return TrainState(**index["state"])
+
+
+def _restore_whole(found, parallel, ctx: Context) -> TrainState:
+    """Every rank holds the whole model: rank 0 reads, every rank starts from what it broadcasts."""
+    import horovod.torch as hvd
+
+    from hvd_runtime.torch.legacy_checkpoint import legacy_payload
+
+    module, optimizer = parallel.module, parallel.optimizer
+    payload = None
+    if ctx.is_root:
+        if isinstance(found, ConfigError):
+            payload = {"misfit": str(found)}
+        elif found is None:
+            payload = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                       "state": state_fields(TrainState()), "rng": None}
+        elif found[0].is_dir():
+            payload = _whole_payload(found[0], found[1], module, optimizer)
+        else:
+            payload = legacy_payload(found[1], module)
+    # Horovod: every rank starts from rank 0's weights, optimizer state and position.
+    payload = hvd.broadcast_object(payload, root_rank=0, name="initial_state")
+    if "misfit" in payload:  # every rank stops with rank 0's reason, none waits for the others
+        raise ConfigError(payload["misfit"])
+    module.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    rngs = payload.get("rng")
+    if rngs and len(rngs) == ctx.size:
+        set_rng_state(rngs[ctx.rank])
+    return TrainState(**payload["state"])
+
+
+def restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Context,
+                    resume: bool = True) -> ElasticStart:
+    """Rank 0 alone loads its latest checkpoint (if any), with no collective: an elastic job's
+    state reaches the other ranks in its first sync (see ElasticStart). RNG states are not handed
+    back (the world may differ)."""
+    from hvd_runtime.torch.legacy_checkpoint import legacy_payload
+
+    found = _newest_on_root(store, ctx, resume)
+    if isinstance(found, ConfigError):
+        return ElasticStart(refusal=str(found))
+    if found is None:
+        return ElasticStart()
+    payload = _whole_payload(found[0], found[1], model, optimizer) if found[0].is_dir() \
+        else legacy_payload(found[1], model)
+    if "misfit" in payload:
+        return ElasticStart(refusal=payload["misfit"])
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    return ElasticStart(**payload["state"])
+
+
+def newest_cut(checkpoint_cfg, ctx) -> dict | None:
+    """Where the newest checkpoint's pipeline stages were cut (rank 0 reads its index, every rank
+    gets it); None when there is none to resume. Read before the stages are built, so that
+    `partition: time` cuts a resumed run where it was cut before."""
+    import horovod.torch as hvd
+
+    cut = None
+    if ctx.is_root and checkpoint_cfg.resume:
+        try:
+            found = _read_newest(checkpoint_store(checkpoint_cfg, ctx))
+        except ConfigError:
+            found = None       # restore_checkpoint refuses it, on every rank
+        cut = found[1].get("cut") if found else None
+    return hvd.broadcast_object(cut, root_rank=0, name="pp.newest_cut")
+
+
+def checkpoint_store(cfg, ctx: Context) -> CheckpointStore:
+    """Rank 0 manages the folder (stages, publishes, prunes); the first replica's ranks write shards into it."""
+    return CheckpointStore(cfg.dir, cfg.keep, is_writer=ctx.is_root)
