@@ -26,6 +26,14 @@ def horovodrun_path() -> str:
     return found
 
 
+def copy_checkpoint(saved: Path, folder: Path) -> Path:
+    """Copy one checkpoint (a file, or torch's folder of shards) into `folder`, made if missing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if saved.is_dir():
+        return Path(shutil.copytree(saved, folder / saved.name))
+    return Path(shutil.copy(saved, folder / saved.name))
+
+
 def venv_env(**extra: str) -> dict[str, str]:
     """os.environ with this interpreter's folder first on PATH (the venv's horovodrun, python, mlflow),
     after the warm start's `python` while it is on (tests/warm_start)."""

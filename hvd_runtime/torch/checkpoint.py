@@ -97,8 +97,11 @@ def _slot_placement(param_at: Placement, shape, like_param: bool) -> Placement:
 
 
 def _parameters(module: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
-    """The optimizer's parameters in its own order, with their names in the whole model."""
-    names = {id(p): name for name, p in module.named_parameters()}
+    """The optimizer's parameters in its own order, with their names in the whole model: the
+    module's state_dict keys (a model-split's are the unsplit model's, not its attributes')."""
+    names: dict[int, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), name)   # a tied parameter: its first name
     return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -166,7 +169,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Pa
     staging = None
     if store.is_writer:
         try:
-            staging = str(store.staging(state.step))
+            staging = str(store.staging(state.step).resolve())  # rank 0's folder, wherever a rank runs
         except OSError as exc:
             staging = OSError(f"cannot make {store.directory}: {exc}")
     staging = hvd.broadcast_object(staging, root_rank=0, name="checkpoint.staging")
@@ -179,7 +182,8 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Pa
             description = _write_shard(Path(staging), ctx.rank, held_tensors(module, optimizer, parallel.split),
                                        write_whole=coords is None or coords.tp == 0)
         except OSError as exc:
-            description = {"error": f"rank {ctx.rank} could not write its shard in {staging}: {exc}"}
+            description = {"error": f"rank {ctx.rank} could not write its shard in {staging} ({exc}): every rank "
+                                    "must see --checkpoint.dir (a shared volume)"}
     shards = [d for d in hvd.allgather_object(description, name="checkpoint.shards") if d is not None]
     failed = next((d["error"] for d in shards if "error" in d), None)
     outcome = final = None
@@ -317,7 +321,7 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     if ctx.coords is None:
         return _restore_whole(found, parallel, ctx)
     where = found if found is None or isinstance(found, ConfigError) else (
-        str(found[0]), found[1] if found[0].is_dir() else None)
+        str(found[0].resolve()), found[1] if found[0].is_dir() else None)
     where = hvd.broadcast_object(where, root_rank=0, name="checkpoint.newest")
     if isinstance(where, ConfigError):
         raise where

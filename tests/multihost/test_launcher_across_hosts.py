@@ -31,8 +31,8 @@ DIGESTS = '''\
 with Gloo or through mpirun; horovodrun itself and its helpers have no rank and record nothing).
 
 Each rank writes a digest of its weights to HVDT_DIGESTS/<part>-rank<N> whenever the job
-checkpoints (every rank takes part in that, only rank 0 writes the file): `model` for data
-parallel, `stage<S>` for a pipeline's stage, so the test can compare ranks on different hosts.
+checkpoints (every rank takes part in that): `model` for data parallel, `stage<S>` for a
+pipeline's stage, so the test can compare ranks on different hosts.
 """
 import hashlib, os
 from pathlib import Path
@@ -56,16 +56,16 @@ if RANK is not None:
 
     if os.environ["HVDT_FRAMEWORK"] == "torch":
         import hvd_runtime.torch as package
-        import hvd_runtime.torch.pipeline_state as pipeline
-        import hvd_runtime.torch.state as state
+        import hvd_runtime.torch.checkpoint as checkpoint
 
-        def torch_weights(store, module, *rest):
-            return [t.detach().cpu().numpy() for t in module.state_dict().values()]
+        def torch_weights(store, parallel, *rest):
+            return [t.detach().cpu().numpy() for t in parallel.module.state_dict().values()]
 
-        state.save_checkpoint = package.save_checkpoint = after(
-            state.save_checkpoint, lambda *args: "model", torch_weights)
-        pipeline.save_pipeline_checkpoint = after(
-            pipeline.save_pipeline_checkpoint, lambda *args: f"stage{args[-1].dims.coords(rank).pp}", torch_weights)
+        def torch_part(store, parallel, state, ctx):
+            return "model" if ctx.coords is None else f"stage{ctx.coords.pp}"
+
+        checkpoint.save_checkpoint = package.save_checkpoint = after(checkpoint.save_checkpoint, torch_part,
+                                                                     torch_weights)
     else:
         import hvd_runtime.tf as package
         import hvd_runtime.tf.state as state
@@ -127,9 +127,15 @@ def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, c
         written = [n for n in (*WORKSPACE_OUTPUTS, "checkpoints") if (pod.files / "workspace" / n).exists()
                    and (n != "checkpoints" or any((pod.files / "workspace" / n).iterdir()))]
         assert not written, f"{pod.name} wrote {written}"
-    assert [p.suffix for p in volume.iterdir()] == [".pt" if framework == "torch" else ".pkl"], \
-        "rank 0's checkpoint is not (alone) on the checkpoint volume"
-    assert {p.stat().st_uid for p in volume.iterdir()} == {0 if user else 1000}, "not written as the job's user"
+    if framework == "torch":  # a folder: one shard from each rank of the first replica (rank 0 alone in data)
+        [saved] = volume.iterdir()
+        shards = {"rank-00000.safetensors", "rank-00001.safetensors"} if strategy == "pipeline" \
+            else {"rank-00000.safetensors"}
+        assert {p.name for p in saved.iterdir()} == {"index.json", *shards}, "not the checkpoint's shards alone"
+    else:
+        assert [p.suffix for p in volume.iterdir()] == [".pkl"], "rank 0's checkpoint is not (alone) on the volume"
+    written = [volume, *volume.rglob("*")]
+    assert {p.stat().st_uid for p in written[1:]} == {0 if user else 1000}, "not written as the job's user"
 
 
 def test_pipeline_stages_link_across_hosts_that_name_themselves_on_loopback(cluster, tmp_path):
@@ -144,7 +150,8 @@ def test_pipeline_stages_link_across_hosts_that_name_themselves_on_loopback(clus
     cluster.own_name_on_loopback = True
     out, worker_pods, volume = run_across_hosts(cluster, project, job, env=venv_env())
     assert "pipeline of 2 stages x 1 replica(s)" in out and re.search(r"epoch\s+1\b.*val_accuracy", out), out[-3000:]
-    assert [p.suffix for p in volume.iterdir()] == [".pt"]
+    [saved] = volume.iterdir()   # each stage's rank wrote its shard onto the shared volume
+    assert {p.name for p in saved.iterdir()} == {"index.json", "rank-00000.safetensors", "rank-00001.safetensors"}
 
 
 def test_a_host_the_launcher_cannot_use_ends_the_job_in_one_line(cluster, tmp_path):

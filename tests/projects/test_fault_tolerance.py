@@ -34,7 +34,7 @@ from hvd_runtime.data import load_dataset
 pytestmark = pytest.mark.slow
 N_TRAIN = len(load_dataset(DataConfig(), seed=42).train)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-SUFFIX = {"torch": "pt", "tensorflow": "pkl"}
+SUFFIX = {"torch": "", "tensorflow": ".pkl"}  # torch: a folder of shards
 NO_TF = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                            reason="TensorFlow is not installed: the TF project is not tested here")
 FRAMEWORKS = ["torch", pytest.param("tensorflow", marks=NO_TF)]
@@ -87,7 +87,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def checkpoint_steps(directory: Path, suffix: str) -> list[int]:
-    return sorted(int(p.name.split("-")[1].split(".")[0]) for p in directory.glob(f"ckpt-*.{suffix}"))
+    return sorted(int(p.name.split("-")[1].split(".")[0]) for p in directory.glob(f"ckpt-*{suffix}"))
 
 
 class Job:
@@ -214,7 +214,7 @@ def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strat
     writer = first if killed == 1 else survivor
     after = min(s for s in checkpoint_steps(writer / "checkpoints", SUFFIX[framework]) if s > step)
     assert after == step + commit_every, "training did not go on from the commit"
-    trained_at = (writer / "checkpoints" / f"ckpt-{after:09d}.{SUFFIX[framework]}").stat().st_mtime
+    trained_at = (writer / "checkpoints" / f"ckpt-{after:09d}{SUFFIX[framework]}").stat().st_mtime
     print(f"{framework} {strategy}, rank {killed} killed: reset {reset_at - killed_at:.1f}s after the kill; "
           f"step {after} ({commit_every} steps past the commit) done {trained_at - killed_wall:.1f}s after it")
 
@@ -244,7 +244,7 @@ def test_full_restart_reaches_the_same_result(tmp_path, framework):
     assert resumed_epoch < 4, "killed too late: the last epoch would not be resumed"
 
     resumed = run_horovod(2, args[5:], cwd=project)
-    assert f"resuming from {ckpt / f'ckpt-{newest:09d}.{suffix}'}: epoch {resumed_epoch}, step {newest}" in resumed.stdout
+    assert f"resuming from {ckpt / f'ckpt-{newest:09d}{suffix}'}: epoch {resumed_epoch}, step {newest}" in resumed.stdout
     by_epoch = {m["epoch"]: m for m in metrics(tmp_path / "b")}   # the resumed run's line wins
     for expected in metrics(tmp_path / "a")[resumed_epoch:]:
         got = by_epoch[expected["epoch"]]
@@ -270,8 +270,9 @@ def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, framework):
     args = [sys.executable, "train.py", "--train.epochs", "2", "--run_dir", str(tmp_path / "run"),
             "--checkpoint.dir", str(tmp_path / "ckpt"), *UNTRACKED]
     run_horovod(2, args, cwd=project)
-    newest, previous = sorted((tmp_path / "ckpt").glob(f"ckpt-*.{SUFFIX[framework]}"), reverse=True)[:2]
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    newest, previous = sorted((tmp_path / "ckpt").glob(f"ckpt-*{SUFFIX[framework]}"), reverse=True)[:2]
+    damaged = newest / "rank-00000.safetensors" if newest.is_dir() else newest
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
 
     again = run_horovod(2, [*args[:3], "3", *args[4:]], cwd=project)
     assert "could not be read" in again.stderr + again.stdout

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,10 +110,11 @@ def test_bad_stage_setting_stops_with_one_line(tmp_path, framework, strategy, ov
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_pipeline_trains_alike_at_any_cut_and_resumes_only_at_its_own(tmp_path, framework):
-    """Where the stages cut changes nothing but speed: every stage starts from rank 0's model. A
-    checkpoint holds each stage's blocks, so a run cut elsewhere stops with one line naming the
-    checkpoint's cut and leaves its files alone; `time` resumes at the checkpoint's cut."""
+def test_pipeline_trains_alike_at_any_cut_and_resumes_at_its_own(tmp_path, framework):
+    """Where the stages cut changes nothing but speed: every stage starts from the same model.
+    torch's checkpoint (shards, under the model's names) resumes at another cut on the same
+    losses; TensorFlow's holds each stage's blocks, so a run cut elsewhere stops with one line
+    naming the checkpoint's cut and leaves its files alone. `time` resumes at the checkpoint's cut."""
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", "pipeline",
                     "--output", str(tmp_path)], check=True)
     project = tmp_path / "proj"
@@ -122,25 +124,36 @@ def test_pipeline_trains_alike_at_any_cut_and_resumes_only_at_its_own(tmp_path, 
                                "--train.epochs", str(epochs), "--parallel.partition", cut, "--tracking.enabled", "false"],
                            cwd=project, env={"SKIP_DIGEST": "1"}, timeout=300, check=check)
 
+    def last_epoch(ranks: Path) -> dict:
+        return json.loads((ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()[-1])
+
     histories = []
     for cut in ("2", "3"):
         train(tmp_path / f"cut{cut}", cut, epochs=1)
-        [record] = [json.loads(line) for line in
-                    (tmp_path / f"cut{cut}" / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
-        histories.append(record)
+        histories.append(last_epoch(tmp_path / f"cut{cut}"))
     for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
         assert histories[0][key] == pytest.approx(histories[1][key], rel=1e-5, abs=1e-6), key
 
     ranks = tmp_path / "cut3"
-    before = {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()}
-    proc = train(ranks, "2", epochs=2, check=False)
-    assert proc.returncode != 0
-    # train_in_rank_dir calls train() itself: the ConfigError that train.py prints as its one line
-    errors = [line for line in proc.stderr.splitlines() if "ConfigError: " in line]
-    assert errors and all(" was written by stages cut elsewhere (stages 2.. start at blocks " in e and
-                              "): resume with --parallel.partition " in e for e in errors), proc.stderr[-3000:]
-    assert {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()} == before
+    if framework == "torch":
+        shutil.copytree(ranks, tmp_path / "elsewhere")
+        elsewhere = train(tmp_path / "elsewhere", "2", epochs=2)
+        assert "resuming from checkpoints/ckpt-" in elsewhere.stdout
+    else:
+        before = {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()}
+        proc = train(ranks, "2", epochs=2, check=False)
+        assert proc.returncode != 0
+        # train_in_rank_dir calls train() itself: the ConfigError that train.py prints as its one line
+        errors = [line for line in proc.stderr.splitlines() if "ConfigError: " in line]
+        assert errors and all(" was written by stages cut elsewhere (stages 2.. start at blocks " in e and
+                                  "): resume with --parallel.partition " in e for e in errors), proc.stderr[-3000:]
+        assert {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()} == before
     # `time` resumes where the checkpoint cut (stage 1: block 3 alone), whatever its timings would say
     resumed = train(ranks, "time", epochs=2)
     assert "resuming from checkpoints/ckpt-" in resumed.stdout and "; stage 1: " in resumed.stdout
     assert resumed.stdout.split("; stage 1: ", 1)[1].split("\n", 1)[0].endswith("(1 block, 650 parameters)")
+    if framework == "torch":   # epoch 2 after a resume at another cut: the same as at the checkpoint's own
+        at_own, at_another = last_epoch(ranks), last_epoch(tmp_path / "elsewhere")
+        assert at_own["epoch"] == at_another["epoch"] == 2
+        for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
+            assert at_another[key] == pytest.approx(at_own[key], rel=1e-5, abs=1e-6), key

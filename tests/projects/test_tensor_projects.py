@@ -3,10 +3,11 @@ resumes at another tp.
 
 One job of 4 ranks (tp 2 x 2 replicas) trains two short epochs on token files the test writes:
 the loss falls; the ranks holding the same slices (0 and 2, 1 and 3) end with the same weights,
-and the two slices differ; only rank 0 writes, and the checkpoint holds the unsplit model's names
-and shapes. Then a checkpoint written at tp 2 resumes at tp 1 (one unsplit process), and one
-written at tp 1 resumes at tp 2: epoch 2 of the resumed run equals the straight run's within
-1e-5, so the slices are gathered to, and taken from, their own places.
+and the two slices differ; the checkpoint names the unsplit model's tensors and shapes (torch:
+each rank of the first replica writes its slices, TensorFlow: rank 0 the gathered model). Then a
+checkpoint written at tp 2 resumes at tp 1 (one unsplit process), and one written at tp 1
+resumes at tp 2: epoch 2 of the resumed run equals the straight run's within 1e-5, so the
+slices are written from, and read into, their own places.
 
 A pipeline of tensor-parallel stages (`--strategy pipeline --tp 2`, 2 stages x tp 2 = 4 ranks;
 torch and TensorFlow) trains the same way, writes the unsplit model, and its epoch-1 checkpoint resumes as a
@@ -19,7 +20,6 @@ straight run and a resumed one to compare at 1e-5; the tp x replicas case starts
 
 import json
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_horovod
+from helpers import copy_checkpoint, run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -62,8 +62,16 @@ def train(np_: int, project: Path, ranks: Path, epochs: int, *overrides: str,
     return [json.loads(line) for line in lines], proc.stdout, digests
 
 
+def sharded_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
+    """The whole shapes of the model's tensors in torch's folder of shards, as its index names them."""
+    index = json.loads((checkpoint / "index.json").read_text())
+    return {tuple(t["shape"]) for name, t in index["tensors"].items() if name.startswith("model/")}
+
+
 def saved_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
-    """The shapes of the model's weights in a checkpoint (torch's state_dict, or Keras' variable list)."""
+    """The shapes of the model's weights in a checkpoint (torch's index, or Keras' variable list)."""
+    if checkpoint.is_dir():
+        return sharded_shapes(checkpoint)
     if checkpoint.suffix == ".pkl":
         with open(checkpoint, "rb") as f:
             return {tuple(a.shape) for a in pickle.load(f)["model"]}
@@ -79,8 +87,11 @@ def test_tensor_project_trains_tp_groups_times_replicas(tmp_path, framework):
     assert epochs[1]["train_loss"] < epochs[0]["train_loss"]
     assert digests[0] == digests[2] and digests[1] == digests[3], "replicas of one slice differ"
     assert digests[0] != digests[1], "the two ranks of a tensor-parallel group hold the same weights"
-    assert not list((tmp_path / "tp2dp2").glob("rank[123]/checkpoints/*")), "only rank 0 writes checkpoints"
-    [saved] = (tmp_path / "tp2dp2" / "rank0" / "checkpoints").glob(f"ckpt-{epochs[1]['step']:09d}.*")
+    # rank 0's checkpoint folder (torch: each rank of the first replica writes its slices into it)
+    assert not list((tmp_path / "tp2dp2").glob("rank[123]/checkpoints/*")), "a checkpoint outside rank 0's folder"
+    [saved] = (tmp_path / "tp2dp2" / "rank0" / "checkpoints").glob(f"ckpt-{epochs[1]['step']:09d}*")
+    if framework == "torch":   # the two slices of the first replica; the second replica writes nothing
+        assert {p.name for p in saved.iterdir()} == {"index.json", "rank-00000.safetensors", "rank-00001.safetensors"}
     # the unsplit q, k, v projection and MLP output (torch: (out, in); Keras: (in, out)), no slices
     whole = {(48, 16), (16, 64)} if framework == "torch" else {(16, 48), (64, 16)}
     assert whole <= saved_shapes(saved)
@@ -95,9 +106,8 @@ def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, framewo
     project, args = generate(tmp_path, framework)
     straight, _, _ = train(saved_at, project, tmp_path / "straight", 2, *args, "--parallel.tp", str(saved_at))
     steps = straight[0]["step"]
-    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}.*")
-    (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
-    shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}*")
+    copy_checkpoint(saved, tmp_path / "resumed" / "rank0" / "checkpoints")
     resumed, out, _ = train(resumed_at, project, tmp_path / "resumed", 2, *args, "--parallel.tp", str(resumed_at))
     assert f"resuming from checkpoints/{saved.name}: epoch 1, step {steps}" in out
     assert [(e["epoch"], e["step"]) for e in resumed] == [(2, straight[1]["step"])]
@@ -106,7 +116,9 @@ def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, framewo
 
 
 def stage_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
-    """The shapes of every stage's weights in a pipeline checkpoint (torch state_dicts, or Keras variable lists)."""
+    """The shapes of every stage's weights in a pipeline checkpoint (torch's index, or Keras variable lists)."""
+    if checkpoint.is_dir():
+        return sharded_shapes(checkpoint)
     if checkpoint.suffix == ".pkl":
         with open(checkpoint, "rb") as f:
             return {tuple(a.shape) for part in pickle.load(f)["stages"].values() for a in part["model"]}
@@ -122,15 +134,14 @@ def test_a_pipeline_of_tensor_parallel_stages_trains_and_resumes_unsplit(tmp_pat
     straight, out, _ = train(4, project, tmp_path / "straight", 2, *args, digest=False)
     assert "pipeline of 2 stages (tp 2) x 1 replica(s)" in out
     assert straight[1]["train_loss"] < straight[0]["train_loss"]
-    assert not list((tmp_path / "straight").glob("rank[123]/checkpoints/*")), "only rank 0 writes checkpoints"
+    assert not list((tmp_path / "straight").glob("rank[123]/checkpoints/*")), "a checkpoint outside rank 0's folder"
     steps = straight[0]["step"]
-    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}.*")
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}*")
     whole, slices = ({(48, 16), (16, 64)}, {(24, 16), (16, 32)}) if framework == "torch" else \
         ({(16, 48), (64, 16)}, {(16, 24), (32, 16)})
-    assert whole <= stage_shapes(saved) and not slices & stage_shapes(saved), "slices saved, not the whole model"
+    assert whole <= stage_shapes(saved) and not slices & stage_shapes(saved), "the checkpoint does not hold the whole model's shapes"
 
-    (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
-    shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)
+    copy_checkpoint(saved, tmp_path / "resumed" / "rank0" / "checkpoints")
     resumed, out, _ = train(2, project, tmp_path / "resumed", 2, *args, "--parallel.tp", "1", digest=False)
     assert "pipeline of 2 stages (tp 1) x 1 replica(s)" in out
     assert f"resuming from checkpoints/{saved.name}: epoch 1, step {steps}" in out

@@ -13,7 +13,6 @@ fewer than its 4 micro-batches: that batch runs as 2 micro-batches on every stag
 """
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import run_horovod
+from helpers import copy_checkpoint, run_horovod
 from test_pipeline_resume import assert_same
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -109,9 +108,8 @@ def learns_from_disk_and_resumes_exactly(tmp_path: Path, framework: str, model: 
     straight, _ = train(project, tmp_path / "straight", 2, *args, *every, digest=not pipeline)
     step = straight[0]["step"] if pipeline else 2
     assert pipeline or straight[0]["step"] > 2, "the checkpoint at step 2 must be mid-epoch"
-    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{step:09d}.*")
-    (tmp_path / "resumed" / "rank0" / "checkpoints").mkdir(parents=True)
-    shutil.copy(saved, tmp_path / "resumed" / "rank0" / "checkpoints" / saved.name)
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{step:09d}*")
+    copy_checkpoint(saved, tmp_path / "resumed" / "rank0" / "checkpoints")
     resumed, out = train(project, tmp_path / "resumed", 2, *args, *every, digest=not pipeline)
     assert f"resuming from checkpoints/{saved.name}: epoch {1 if pipeline else 0}, step {step}" in out
     if pipeline:

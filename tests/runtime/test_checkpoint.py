@@ -54,7 +54,7 @@ def test_failed_write_leaves_no_file(tmp_path):
 def test_a_checkpoint_of_another_model_is_named_not_loaded():
     """Another dataset's classes change the head: the user gets the layer, both shapes and the fix."""
     torch = pytest.importorskip("torch")
-    from hvd_runtime.torch.state import model_misfit
+    from hvd_runtime.torch.legacy_checkpoint import model_misfit
 
     ten, three = torch.nn.Linear(4, 10), torch.nn.Linear(4, 3)
     assert model_misfit(ten.state_dict(), torch.nn.Linear(4, 10).state_dict()) is None

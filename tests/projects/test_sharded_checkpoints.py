@@ -1,0 +1,178 @@
+"""torch's checkpoints as folders of shards, tried as a user would: generated projects under horovodrun.
+
+- Resume at any layout: a GPT pipeline of 2 stages x tp 2 (4 ranks) trains three epochs; its
+  epoch-1 checkpoint resumes unsplit (1 rank), at tp 2 and at pp 2, and the checkpoint each of
+  those writes after epoch 2 resumes back at pp 2 x tp 2. Every resumed epoch equals the straight
+  run's within 1e-5: each rank read exactly its rows of every tensor, whoever wrote them.
+- A job SIGKILLed in the middle of writing its shards (rank 1's written, rank 0's index not yet)
+  resumes from the previous checkpoint, on the straight run's losses; the half-written folder is
+  never taken for a checkpoint.
+- A damaged newest checkpoint, when it is the only one: a missing shard, a truncated shard, an
+  index naming a tensor the model lacks. Every rank stops on the same config-error line naming
+  the problem and the fix, and nothing in the project changes. (A model whose shapes changed:
+  test_start_up_refusals' pipeline case; a damaged newest with an older one to fall back to:
+  test_fault_tolerance.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import copy_checkpoint, horovodrun_path, python_command, run_horovod, venv_env
+from test_start_up_refusals import QUIET, SMALL_DATA, refused
+from test_start_up_refusals import generate as generate_mlp
+from test_tensor_projects import generate, train
+
+pytestmark = pytest.mark.slow
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# -np, parallel.stages, parallel.tp
+LAYOUTS = {"pp2xtp2": (4, 2, 2), "unsplit": (1, 1, 1), "tp2": (2, 1, 2), "pp2": (2, 2, 1)}
+KEYS = ("train_loss", "train_accuracy", "val_loss", "val_perplexity")
+
+
+def at(layout: str) -> tuple[int, tuple[str, ...]]:
+    np_, stages, tp = LAYOUTS[layout]
+    return np_, ("--parallel.stages", str(stages), "--parallel.tp", str(tp))
+
+
+def assert_same(got: dict, expected: dict, what: str) -> None:
+    assert (got["epoch"], got["step"]) == (expected["epoch"], expected["step"]), what
+    for key in KEYS:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), (what, key)
+
+
+def test_a_checkpoint_resumes_at_every_layout_and_back(tmp_path):
+    project, args = generate(tmp_path, "torch", "--strategy", "pipeline", "--stages", "2", "--tp", "2")
+    np_, layout = at("pp2xtp2")
+    straight, _, _ = train(np_, project, tmp_path / "straight", 3, *args, *layout, digest=False)
+    first = straight[0]["step"]
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{first:09d}")
+    assert {p.name for p in saved.iterdir()} == {"index.json", *(f"rank-0000{r}.safetensors" for r in range(4))}
+    for name in ("unsplit", "tp2", "pp2"):
+        ranks = tmp_path / name
+        copy_checkpoint(saved, ranks / "rank0" / "checkpoints")
+        np_, layout = at(name)
+        there, out, _ = train(np_, project, ranks, 2, *args, *layout, digest=False)
+        assert f"resuming from checkpoints/{saved.name}: epoch 1, step {first}" in out
+        assert len(there) == 1
+        assert_same(there[0], straight[1], f"pp2xtp2 resumed at {name}")
+
+        np_, layout = at("pp2xtp2")
+        back, out, _ = train(np_, project, ranks, 3, *args, *layout, digest=False)
+        assert f"resuming from checkpoints/ckpt-{straight[1]['step']:09d}: epoch 2" in out
+        assert_same(back[-1], straight[2], f"{name} resumed at pp2xtp2")
+
+
+STOP_MID_WRITE = """\
+\"\"\"train.py, except that rank 1 stops itself (SIGSTOP) once it has written its shard of checkpoint
+STEP, before rank 0 writes the index; it touches MARKER first. usage: python stop.py STEP MARKER ARGS...\"\"\"
+import os, runpy, signal, sys
+from pathlib import Path
+
+step, marker = int(sys.argv[1]), Path(sys.argv[2])
+sys.argv = ["train.py", *sys.argv[3:]]
+if os.environ["HOROVOD_RANK"] == "1":
+    import hvd_runtime.torch.checkpoint as checkpoint
+
+    write_shard = checkpoint._write_shard
+
+    def stopping(folder, *args, **kwargs):
+        described = write_shard(folder, *args, **kwargs)
+        if folder.name == f".ckpt-{step:09d}.partial":
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return described
+
+    checkpoint._write_shard = stopping
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpoint(tmp_path):
+    project = generate_mlp(tmp_path, "torch", "pipeline")
+    common = ["--train.epochs", "3", "--tracking.enabled", "false", *SMALL_DATA]
+
+    def metrics(run: str) -> list[dict]:
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    run_horovod(2, [sys.executable, "train.py", *common, "--run_dir", str(tmp_path / "straight"),
+                    "--checkpoint.dir", str(tmp_path / "straight-ckpt")], cwd=project, env=QUIET, timeout=400)
+    straight = metrics("straight")
+    per_epoch = straight[0]["step"]
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "stopped"
+    (tmp_path / "stop.py").write_text(STOP_MID_WRITE)
+    args = [*common, "--run_dir", str(tmp_path / "killed"), "--checkpoint.dir", str(ckpt)]
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen([horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo",
+                                *python_command([sys.executable, str(tmp_path / "stop.py"), str(2 * per_epoch),
+                                                 str(marker), *args])],
+                               cwd=project, env=venv_env(**QUIET), stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(job.pid, signal.SIGKILL)   # the whole job: horovodrun and both ranks
+    finally:
+        job.wait(timeout=60)
+    partial = ckpt / f".ckpt-{2 * per_epoch:09d}.partial"
+    assert (partial / "rank-00001.safetensors").is_file() and not (partial / "index.json").exists()
+    assert [p.name for p in ckpt.iterdir() if not p.name.startswith(".")] == [f"ckpt-{per_epoch:09d}"]
+
+    resumed = run_horovod(2, [sys.executable, "train.py", *common, "--run_dir", str(tmp_path / "resumed"),
+                              "--checkpoint.dir", str(ckpt)], cwd=project, env=QUIET, timeout=400)
+    assert f"resuming from {ckpt / f'ckpt-{per_epoch:09d}'}: epoch 1, step {per_epoch}" in resumed.stdout
+    got = metrics("resumed")
+    assert [m["epoch"] for m in got] == [2, 3]
+    for mine, expected in zip(got, straight[1:]):
+        assert mine["step"] == expected["step"]
+        for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
+            assert mine[key] == pytest.approx(expected[key], rel=1e-5), (mine["epoch"], key)
+    assert not partial.exists(), "the next checkpoint did not clear the half-written folder"
+
+
+def _drop_a_shard(folder: Path) -> str:
+    (folder / "rank-00001.safetensors").unlink()
+    return "rank-00001.safetensors is missing"
+
+
+def _truncate_a_shard(folder: Path) -> str:
+    shard = folder / "rank-00000.safetensors"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    return f"rank-00000.safetensors is {size // 2} bytes, the index says {size} (truncated?)"
+
+
+def _name_a_tensor_the_model_lacks(folder: Path) -> str:
+    index = json.loads((folder / "index.json").read_text())
+    some = next(iter(index["tensors"].values()))
+    index["tensors"]["model/extra.weight"] = {**some, "shape": [3]}
+    (folder / "index.json").write_text(json.dumps(index))
+    return "the newest checkpoint holds a different model (extra.weight: (3,) saved, None now)"
+
+
+@pytest.mark.timeout(900)
+def test_a_damaged_only_checkpoint_stops_every_rank_with_one_line(tmp_path):
+    project = generate_mlp(tmp_path, "torch", "pipeline")
+    run_horovod(2, [sys.executable, "train.py", "--train.epochs", "1", "--tracking.enabled", "false", *SMALL_DATA],
+                cwd=project, env=QUIET, timeout=400)
+    [saved] = (project / "checkpoints").iterdir()
+    kept = copy_checkpoint(saved, tmp_path / "kept")
+    for damage in (_drop_a_shard, _truncate_a_shard, _name_a_tensor_the_model_lacks):
+        problem = damage(saved)
+        line = refused(project, "--train.epochs", "2", *SMALL_DATA)
+        assert problem in line, line
+        assert "--checkpoint.resume false" in line, line
+        subprocess.run(["rm", "-r", str(saved)], check=True)
+        copy_checkpoint(kept, project / "checkpoints")
