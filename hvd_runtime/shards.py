@@ -135,7 +135,8 @@ def plan_reads(name: str, want: Placement, entry: dict) -> list[Copy]:
         if covered >= start:
             break   # a whole piece and the slices of it (pieces never overlap otherwise)
     if covered != start:
-        raise DamagedCheckpoint(f"the checkpoint holds {covered} of the {start} rows {name} needs along dimension {dim}")
+        raise DamagedCheckpoint(f"the checkpoint holds {covered} of the {start} rows {name} needs along "
+                                f"dimension {dim}")
     return copies
 
 

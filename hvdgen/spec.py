@@ -20,8 +20,8 @@ MAX_NAME = 63  # it names the Kubernetes job, its pods and the image: DNS labels
 # Distributions a project installs or imports: a project of the same name would replace or shadow one.
 TAKEN_NAMES = frozenset({"hvdgen", "hvd-runtime", "horovod", "torch", "tensorflow", "keras", "mlflow", "numpy",
                          "scikit-learn", "sklearn", "matplotlib", "pytest", "click", "jinja2", "pyyaml", "yaml",
-                         "tqdm", "cloudpickle", "psutil", "packaging", "cffi", "jsonschema", "setuptools", "pip",
-                         "wheel", "hatchling", "cmake", "train", "model", "data", "tests"})
+                         "tqdm", "cloudpickle", "psutil", "packaging", "cffi", "jsonschema", "safetensors",
+                         "setuptools", "pip", "wheel", "hatchling", "cmake", "train", "model", "data", "tests"})
 # The generated config: what --micro-batches can split (what --stages can: catalog.MODELS).
 BATCH_SIZE = 32    # per rank (config.yaml train.batch_size)
 

@@ -86,7 +86,8 @@ def test_model_split_resumes_exactly_mid_epoch(tmp_path, framework):
     steps_per_epoch = straight[0]["step"]
     assert steps_per_epoch > 10, "the checkpoint at step 10 must be mid-epoch"
     name = f"ckpt-{10:09d}{SUFFIX[framework]}"
-    copy_checkpoint(tmp_path / "straight" / "rank0" / "checkpoints" / name, tmp_path / "resumed" / "rank0" / "checkpoints")
+    copy_checkpoint(tmp_path / "straight" / "rank0" / "checkpoints" / name,
+                    tmp_path / "resumed" / "rank0" / "checkpoints")
 
     resumed, out = train(project, tmp_path / "resumed", 2, *every, "--parallel.partition", "3")
     assert f"resuming from checkpoints/{name}: epoch 0, step 10" in out

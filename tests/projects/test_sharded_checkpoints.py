@@ -79,6 +79,7 @@ from pathlib import Path
 
 step, marker = int(sys.argv[1]), Path(sys.argv[2])
 sys.argv = ["train.py", *sys.argv[3:]]
+sys.path.insert(0, os.getcwd())   # the project's own modules, as `python train.py` finds them
 if os.environ["HOROVOD_RANK"] == "1":
     import hvd_runtime.torch.checkpoint as checkpoint
 
