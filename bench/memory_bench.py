@@ -1,7 +1,8 @@
-"""Is an image folder streamed? Peak resident memory per rank while ResNet-18 trains on 2 GB of images.
+"""Peak resident memory per rank: is an image folder streamed, and does splitting a GPT split its memory?
 
     python bench/memory_bench.py                  # 2 GB of 256x256 PNGs, one epoch, -np 2
     python bench/memory_bench.py --gigabytes 0.5 --framework tensorflow
+    python bench/memory_bench.py --gpt            # a ~100 M-parameter GPT: unsplit, tp 2, pp 2, pp 2 x tp 2
 
 Writes the folder (random pixels, so PNG cannot compress it), generates a ResNet-18 project,
 trains it one epoch under `horovodrun -np 2` (images resized to 32x32 as they are read, by one
@@ -44,7 +45,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gigabytes", type=float, default=2.0)
     parser.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
+    parser.add_argument("--gpt", action="store_true", help="the GPT layouts instead of the image folder (torch)")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
+    if args.gpt:
+        from memory_bench_gpt import gpt_layouts
+
+        gpt_layouts(args.width, args.layers)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         started = time.perf_counter()

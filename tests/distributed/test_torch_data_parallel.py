@@ -10,7 +10,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "torch_dp_checks.py"
 CHECKS = ["allreduce_step_matches_global_batch", "backward_passes_per_step_accumulates", "fp16_compression_close",
           "sync_batchnorm_uses_global_statistics",
           "sync_batchnorm_gradients_match", "sync_batchnorm_running_stats_match", "metric_average_weights_by_count",
-          "broadcast_makes_ranks_identical", "lr_warms_up_to_world_size_times_lr"]
+          "broadcast_makes_ranks_identical", "lr_warms_up_to_world_size_times_lr",
+          "a_checkpoint_from_before_shards_resumes"]
 
 
 @pytest.mark.slow

@@ -5,9 +5,11 @@ global batch, and prints `OK <name>` on rank 0 when it holds.
 """
 
 import checks  # beside this script: report()
+import random
 import tempfile
 import warnings
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -122,3 +124,38 @@ report("broadcast_makes_ranks_identical", torch.equal(weights[0], weights[1]) an
 expected_lrs = [0.1, 0.125, 0.15, 0.175, 0.2]
 report("lr_warms_up_to_world_size_times_lr", all(abs(a - b) < 1e-9 for a, b in zip(lrs, expected_lrs)),
        f"{lrs}")
+
+# 7. A checkpoint of the format before shards (one torch.save'd file from rank 0: the model's and
+# optimizer's state dicts, the position, each rank's RNG objects) still resumes: every rank takes
+# its weights, momentum and position, and its own RNG state back; the next checkpoint is a folder.
+torch.manual_seed(2000 + R)
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model(torch.ones(3, 4)).sum().backward()
+opt.step()
+saved_python_rng = random.getstate()
+rngs = hvd.allgather_object({"python": saved_python_rng, "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state(), "cuda": []})
+old = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rngs,
+       "state": {"epoch": 3, "step": 30, "samples_in_epoch": 12, "run_id": None}}
+expected = hvd.broadcast_object((model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"].clone()))
+with tempfile.TemporaryDirectory() as tmp:
+    tmp = hvd.broadcast_object(tmp)
+    store = CheckpointStore(tmp, is_writer=R == 0)
+    if R == 0:
+        torch.save(old, store.path_for(30))
+    hvd.barrier()
+    fresh = nn.Linear(4, 2)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    random.seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = restore_checkpoint(store, Parallel(fresh, fresh_opt, None), ctx)
+    drawn = random.random()
+    random.setstate(saved_python_rng)
+    same_rng = drawn == random.random()
+    ok = (torch.equal(fresh.weight, expected[0]) and torch.equal(fresh_opt.state[fresh.weight]["momentum_buffer"],
+                                                                  expected[1])
+          and (state.epoch, state.step, state.samples_in_epoch) == (3, 30, 12) and same_rng)
+    hvd.barrier()
+report("a_checkpoint_from_before_shards_resumes", ok)
