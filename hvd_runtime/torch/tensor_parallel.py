@@ -18,23 +18,28 @@ The row-parallel bias is added after the sum, whole on every rank, and so gets t
 every rank, as does anything else left unsplit. The layers are built from the model's own
 nn.Linear, so the model file never knows it was split.
 
-`apply_tp(model, group)` splits the generated GPT this way, as Megatron-LM does: each transformer
-block's attention by heads (q, k and v column-parallel, the output projection row-parallel) and
-its MLP column then row; the token embedding and the head by vocabulary rows. Each rank looks up
+`apply_tp(model, group)` splits the generated GPT this way, as Megatron-LM does, by swapping
+layers (torchtitan's plan style): in each transformer block the linear layers BLOCK_PLAN names are
+replaced by column- and row-parallel ones (attention by heads: q, k and v column-parallel, the
+output projection row-parallel; the MLP column then row), the block's `heads` becomes this rank's
+share, and the block's own forward runs on them, so an edited `Block.forward` is still the model
+that trains. The token embedding and the head split by vocabulary rows. Each rank looks up
 only the tokens in its rows (the others read zeros) and the group sums the lookups; the head is
 column-parallel over the vocabulary and its logits stay split, which the loss and accuracy of
 `hvd_runtime.torch.vocab_parallel` read without ever gathering them (the largest activation of a
 language model: batch x tokens x vocabulary). A head tied to the embedding stays tied: both hold
 the same rows. Position embeddings and LayerNorms stay whole. A model built on the meta device
 (hvd_runtime.torch.meta_init) splits into meta slices that know which rows and columns of the whole
-tensors they hold: materialized, each rank draws only its own. It reads the model's own modules
-(`qkv`, `proj`, `mlp`, `norm1`, `norm2`, `heads` of a block; `tokens` of the embedding; `norm` and
-`out` of the head), so model.py is not edited.
+tensors they hold: materialized, each rank draws only its own. It finds the model's modules by
+what they are (a block: a module holding the plan's linear layers and a `heads` count; the token
+embedding: a `tokens` nn.Embedding; the head: an `out` nn.Linear beside a `norm`), so model.py is
+not edited; a block whose heads do not split is refused in one line.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +49,8 @@ from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError
                                                 split_range, vocab_range)
 from hvd_runtime.torch.meta_init import take
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TensorGroup", "TensorParallelBlock", "TensorParallelError",
-           "VocabParallelEmbedding", "apply_tp", "split_model"]
+__all__ = ["BLOCK_PLAN", "ColumnParallelLinear", "Columnwise", "RowParallelLinear", "Rowwise", "TensorGroup",
+           "TensorParallelError", "VocabParallelEmbedding", "apply_tp", "split_model", "transformer_blocks"]
 
 
 def _sum_over(tensor: torch.Tensor, group: TensorGroup, name: str) -> torch.Tensor:
@@ -161,58 +166,93 @@ class VocabParallelEmbedding(nn.Module):
         return f"rows {self.start}..{self.stop - 1}, width {self.weight.shape[1]} (split over tp {self.group.size})"
 
 
-class TensorParallelBlock(nn.Module):
-    """A pre-norm transformer block (the generated GPT's `Block`) with its heads and MLP split over the group."""
+@dataclass(frozen=True)
+class Columnwise:
+    """A plan entry: the layer's output features split (`chunks` equal parts, each split: a fused q, k, v)."""
 
-    def __init__(self, block: nn.Module, group: TensorGroup, name: str = "tp"):
-        super().__init__()
-        check_block_splits(block.heads, block.dropout, group.size)
-        self.heads = block.heads // group.size
-        # The block's own names, in its order: the split model's state_dict and parameter order
-        # are the unsplit model's (hvd_runtime.torch.tensor_state relies on it for checkpoints).
-        self.norm1 = block.norm1
-        self.qkv = ColumnParallelLinear(block.qkv, group, chunks=3, name=f"{name}.qkv")
-        self.proj = RowParallelLinear(block.proj, group, name=f"{name}.proj")
-        self.norm2 = block.norm2
-        self.mlp = nn.Sequential(ColumnParallelLinear(block.mlp[0], group, name=f"{name}.up"), block.mlp[1],
-                                 RowParallelLinear(block.mlp[2], group, name=f"{name}.down"))
+    chunks: int = 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens, _ = x.shape
-        local = self.qkv.out_features // 3
-        q, k, v = self.qkv(self.norm1(x)).split(local, dim=2)
-        q, k, v = (t.view(batch, tokens, self.heads, local // self.heads).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, local))
-        return x + self.mlp(self.norm2(x))
+    def swap(self, linear: nn.Linear, group: TensorGroup, name: str) -> nn.Module:
+        return ColumnParallelLinear(linear, group, chunks=self.chunks, name=name)
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """A plan entry: the layer's input features split, the partial products summed over the group."""
+
+    def swap(self, linear: nn.Linear, group: TensorGroup, name: str) -> nn.Module:
+        return RowParallelLinear(linear, group, name=name)
+
+
+# How a transformer block splits, torchtitan's plan style: each of its linear layers by its name in
+# the block. Attention by heads (q, k and v column-parallel, the output projection row-parallel),
+# the MLP column then row. The block's own forward runs on the swapped layers, its `heads` set to
+# this rank's share of them.
+BLOCK_PLAN = {"qkv": Columnwise(chunks=3), "proj": Rowwise(), "mlp.0": Columnwise(), "mlp.2": Rowwise()}
+
+
+def _linear_at(block: nn.Module, path: str) -> nn.Linear | None:
+    try:
+        module = block.get_submodule(path)
+    except AttributeError:
+        return None
+    return module if isinstance(module, nn.Linear) else None
 
 
 def _is_transformer_block(module: nn.Module) -> bool:
-    mlp = getattr(module, "mlp", None)
-    return (all(isinstance(getattr(module, name, None), nn.Linear) for name in ("qkv", "proj"))
-            and isinstance(getattr(module, "heads", None), int) and isinstance(mlp, nn.Sequential)
-            and len(mlp) >= 3 and isinstance(mlp[0], nn.Linear) and isinstance(mlp[2], nn.Linear))
+    return all(_linear_at(module, path) is not None for path in BLOCK_PLAN)
 
 
 def transformer_blocks(model: nn.Module) -> list[str]:
-    """The names of the blocks apply_tp splits (attention with qkv and proj, an MLP of two linears)."""
+    """The names of the blocks apply_tp splits: modules holding every linear layer BLOCK_PLAN names."""
     return [name for name, module in model.named_modules() if name and _is_transformer_block(module)]
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
+def _dropout_of(block: nn.Module) -> float:
+    """The block's dropout: its `dropout` attribute if a number, else the largest of its nn.Dropout layers."""
+    rate = getattr(block, "dropout", None)
+    layers = [m.p for m in block.modules() if isinstance(m, nn.Dropout)]
+    return float(rate) if isinstance(rate, (int, float)) else max(layers, default=0.0)
 
 
-def _holding(model: nn.Module, owner_name: str, attribute: str, module: nn.Module) -> None:
-    """Put `module` as the `attribute` of the submodule `owner_name` of `model`, in a copy of that
-    submodule: a pipeline stage shares its modules with the whole model, which stays unsplit."""
-    owner = model.get_submodule(owner_name) if owner_name else model
-    if owner_name:
-        owner = copy.copy(owner)
-        owner._modules = dict(owner._modules)  # its own table of children: the original keeps its own
-        _replace(model, owner_name, owner)
-    setattr(owner, attribute, module)
+def _check_heads(name: str, block: nn.Module, tp: int) -> int:
+    """The block's head count (its `heads`), checked against its q, k, v layer and tp: one line if off."""
+    heads = getattr(block, "heads", None)
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise TensorParallelError(f"model.py's block `{name}` has no head count: tensor parallelism splits "
+                                  "attention by heads and reads them from the block's `heads` (an int); "
+                                  "keep `self.heads` in Block")
+    features = block.get_submodule("qkv").out_features
+    if features % (3 * heads):
+        raise TensorParallelError(f"model.py's block `{name}`: its qkv layer's {features} features are not 3 x "
+                                  f"{heads} heads of one width: make qkv 3 x width and width a multiple of heads")
+    check_block_splits(heads, _dropout_of(block), tp)
+    return heads
+
+
+class _Owner:
+    """Swaps a module's children in shallow copies of it and of every module above it, so a model
+    that shares modules with another (a pipeline stage with the whole model) changes alone."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.copies = model, set()
+
+    def own(self, name: str) -> nn.Module:
+        """The submodule `name`, made this model's own (copied once, with its own table of children)."""
+        module = self.model
+        for child in name.split(".") if name else []:
+            below = module._modules[child]
+            if id(below) not in self.copies:
+                below = copy.copy(below)
+                below._modules = dict(below._modules)
+                self.copies.add(id(below))
+                module._modules[child] = below
+            module = below
+        return module
+
+    def swap(self, name: str, module: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(self.own(parent), child, module)
 
 
 def _holder(model: nn.Module, attribute: str, kind: type, beside: str | None = None):
@@ -222,28 +262,39 @@ def _holder(model: nn.Module, attribute: str, kind: type, beside: str | None = N
                 None)
 
 
+def _join(owner: str, child: str) -> str:
+    return f"{owner}.{child}" if owner else child
+
+
 def split_model(model: nn.Module, group: TensorGroup) -> nn.Module:
-    """Split whatever `model` holds of the GPT over the group, in place, and return it: transformer
-    blocks by heads and features; the token embedding (the `tokens` nn.Embedding of a module) and
-    the head (the `out` nn.Linear of a module with a `norm`) by vocabulary rows. A pipeline stage
-    may hold any of them, or none."""
+    """Split whatever `model` holds of the GPT over the group, in place, and return it: each
+    transformer block's linear layers swapped as BLOCK_PLAN says and its `heads` set to this rank's
+    share, the token embedding (the `tokens` nn.Embedding of a module) and the head (the `out`
+    nn.Linear of a module with a `norm`) by vocabulary rows. Every module keeps its name, so the
+    split model's state_dict names are the unsplit model's. A pipeline stage may hold any of them,
+    or none; the modules it shares with the whole model are copied before they change."""
+    owner = _Owner(model)
     for name in transformer_blocks(model):
-        _replace(model, name, TensorParallelBlock(model.get_submodule(name), group, name=f"tp.{name}"))
+        heads = _check_heads(name, model.get_submodule(name), group.size)
+        block = owner.own(name)
+        for path, style in BLOCK_PLAN.items():
+            owner.swap(_join(name, path), style.swap(block.get_submodule(path), group, f"tp.{_join(name, path)}"))
+        block.heads = heads // group.size
     split_tokens, tokens = None, _holder(model, "tokens", nn.Embedding)
     if tokens is not None:
         owner_name, embedding = tokens[0], tokens[1].tokens
         dropout = getattr(tokens[1], "dropout", None)
         check_no_dropout(dropout.p if isinstance(dropout, nn.Dropout) else 0.0)
-        split_tokens = VocabParallelEmbedding(embedding, group, name=f"tp.{owner_name}.tokens")
-        _holding(model, owner_name, "tokens", split_tokens)
+        split_tokens = VocabParallelEmbedding(embedding, group, name=f"tp.{_join(owner_name, 'tokens')}")
+        owner.swap(_join(owner_name, "tokens"), split_tokens)
     head = _holder(model, "out", nn.Linear, beside="norm")
     if head is not None:
         owner_name, out = head[0], head[1].out
         rows = vocab_range(out.out_features, group.size, group.rank)
-        split_out = ColumnParallelLinear(out, group, name=f"tp.{owner_name}.out", part=rows)
+        split_out = ColumnParallelLinear(out, group, name=f"tp.{_join(owner_name, 'out')}", part=rows)
         if tokens is not None and out.weight is embedding.weight:  # tied: one parameter, the same rows
             split_out.weight = split_tokens.weight
-        _holding(model, owner_name, "out", split_out)
+        owner.swap(_join(owner_name, "out"), split_out)
     return model
 
 
@@ -252,7 +303,7 @@ def apply_tp(model: nn.Module, group: TensorGroup) -> nn.Module:
     of one: tp 1 is the unsplit model). Its logits are then split over the vocabulary:
     train with hvd_runtime.torch.vocab_parallel's loss and accuracy."""
     if not transformer_blocks(model):
-        raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
-                                  "qkv and proj, an MLP of two linears): tensor parallelism splits the gpt model; "
+        raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (linear layers "
+                                  f"{', '.join(BLOCK_PLAN)}): tensor parallelism splits the gpt model; "
                                   "use --strategy data, model-split or pipeline for this one")
     return model if group.size == 1 else split_model(model, group)
