@@ -213,7 +213,7 @@ class ShardReader:
     def __init__(self, folder: Path, index: dict):
         self.folder, self.index, self._open = folder, index, {}
 
-    def _file(self, name: str):
+    def file(self, name: str):
         from safetensors import safe_open
 
         if name not in self._open:
@@ -223,7 +223,7 @@ class ShardReader:
     def read(self, entry: str, want: Placement) -> torch.Tensor:
         copies = plan_reads(entry, want, self.index["tensors"][entry])
         if len(copies) == 1 and copies[0].dim is None:
-            return self._file(copies[0].file).get_tensor(copies[0].key)
+            return self.file(copies[0].file).get_tensor(copies[0].key)
         out = None
         for copy in copies:
             piece = self._piece(copy)
@@ -233,7 +233,7 @@ class ShardReader:
         return out
 
     def _piece(self, copy: Copy) -> torch.Tensor:
-        sliced = self._file(copy.file).get_slice(copy.key)
+        sliced = self.file(copy.file).get_slice(copy.key)
         return sliced[(slice(None),) * copy.dim + (slice(*copy.src),)]
 
 

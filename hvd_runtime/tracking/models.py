@@ -5,17 +5,65 @@ now; MLflow turns the example and that output into the signature where the model
 tracking process, see remote.py), so the training process need not import MLflow. The
 frameworks are found in sys.modules, never imported: a torch job has no TF, and the other way
 round.
+
+A model kept as a file (ModelFile: a split model's weights, written from its checkpoint's shards)
+is the exception: it is built whole, and its example run, only where it is logged.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 log = logging.getLogger("hvd_runtime.tracking")
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A torch model kept as a safetensors file of its whole state_dict
+    (hvd_runtime.torch.whole_model) and the function that builds it unsplit: what a run logs in place
+    of a live model, so that no training process holds the whole model to log it. Whoever logs it
+    builds it (`live`: the tracking process, or the spool when the server is down). `discard`: the
+    file is a copy made for this record alone, removed once it is logged (`finished`)."""
+
+    weights: str
+    build: Callable
+    discard: bool = False
+
+    def load(self):
+        from hvd_runtime.torch.whole_model import load_whole_model
+
+        return load_whole_model(self.build(), self.weights)
+
+    def finished(self) -> None:
+        if self.discard:
+            try:
+                os.remove(self.weights)
+            except FileNotFoundError:
+                pass
+
+
+def live(record: dict) -> dict:
+    """The record with a ModelFile built, its weights loaded and its example's output computed
+    (the signature needs it), ready to log; any other record as it is."""
+    model = record["model"]
+    if not isinstance(model, ModelFile):
+        return record
+    whole = model.load()
+    inputs, outputs = _torch_forward(whole, record["input_example"])
+    return {**record, "model": whole, "input_example": inputs, "output_example": outputs}
+
+
+def finished(record: dict) -> None:
+    """Once the record's model is logged or saved: a ModelFile's copy of the weights is removed."""
+    if isinstance(record.get("model"), ModelFile):
+        record["model"].finished()
 
 
 def flavor_of(model) -> str:
@@ -75,8 +123,11 @@ def model_record(model, input_example, name: str = "model", step: int = 0, check
     queue: a checkpoint's LoggedModel is that epoch's model. A Keras model that cannot be cloned
     (a layer without get_config, or one tied to another, as the GPT's head to its embedding) is
     logged as it is when sent if it is the final model (training is over); a checkpoint raises
-    NoSnapshot rather than log later weights under its name.
+    NoSnapshot rather than log later weights under its name. A ModelFile is its own snapshot.
     """
+    if isinstance(model, ModelFile):  # built and run where it is logged (live)
+        return {"kind": "model", "flavor": "pytorch", "name": name, "model": model,
+                "input_example": np.asarray(input_example), "output_example": None, "step": int(step)}
     flavor = flavor_of(model)
     inputs, outputs = (_torch_forward if flavor == "pytorch" else _keras_forward)(model, input_example)
     snapshot = copy.deepcopy(model) if flavor == "pytorch" else _keras_snapshot(model)

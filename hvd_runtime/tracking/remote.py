@@ -35,6 +35,8 @@ from multiprocessing.connection import Connection
 
 import cloudpickle
 
+from .models import ModelFile
+
 CLOSE_SECONDS = 10.0    # how long close() waits for the process to exit once told to
 UNPICKLABLE = "HVD_RUNTIME_UNPICKLABLE"  # the error code of a request the tracking process cannot read
 
@@ -161,7 +163,8 @@ class RemoteSink:
 
 
 def _on_cpu(module) -> bool:
-    return all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
+    """A live module with every tensor on the CPU, or a ModelFile (built on the CPU where it is logged)."""
+    return isinstance(module, ModelFile) or all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
 
 
 def _reply_to_failure(exc: BaseException) -> tuple:

@@ -20,6 +20,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 from packaging.version import InvalidVersion, Version
 
+from .models import finished, live
+
 ORIGINAL_RUN_TAG = "hvd_runtime.original_run_id"      # set when a stored run id is not on this server
 CHANGED_PARAMS_TAG = "hvd_runtime.params_changed"     # MLflow params are write-once; a resume may differ
 MODEL_ARGUMENT = {"pytorch": "pytorch_model", "tensorflow": "model"}
@@ -118,9 +120,10 @@ def _signature(record: dict):
 
 def save_model(record: dict, path: Path) -> None:
     """Write an in-memory model record as an MLflow model directory (signature and example kept)."""
-    flavor = _flavor(record["flavor"])
-    flavor.save_model(record["model"], str(path), signature=_signature(record),
-                      input_example=record["input_example"], pip_requirements=_requirements(flavor))
+    flavor, saved = _flavor(record["flavor"]), live(record)
+    flavor.save_model(saved["model"], str(path), signature=_signature(saved),
+                      input_example=saved["input_example"], pip_requirements=_requirements(flavor))
+    finished(record)
 
 
 class MlflowSink:
@@ -210,7 +213,8 @@ class MlflowSink:
             saved = Model.load(local)
             model, signature, example = flavor.load_model(local), saved.signature, saved.load_input_example(local)
         else:
-            model, signature, example = record["model"], _signature(record), record["input_example"]
+            built = live(record)
+            model, signature, example = built["model"], _signature(built), built["input_example"]
         # Model.log finds the store and the experiment through MLflow's process-wide state, not
         # the run: point both at this run (this process logs to one place anyway).
         mlflow.set_tracking_uri(self.uri)
@@ -220,3 +224,4 @@ class MlflowSink:
             Model.log(artifact_path=None, name=record["name"], flavor=flavor, run_id=run_id, signature=signature,
                       input_example=example, pip_requirements=_requirements(flavor), step=int(record.get("step", 0)),
                       **{MODEL_ARGUMENT[record["flavor"]]: model})
+        finished(record)

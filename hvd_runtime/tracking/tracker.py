@@ -152,10 +152,16 @@ class Tracker(NullTracker):
 
         checkpoint: training goes on, so the model must be copied now; one that cannot be (see
         models.model_record) is skipped, with one warning. Which checkpoints are logged at all:
-        config tracking.checkpoint_models (checkpoint_model_due)."""
+        config tracking.checkpoint_models (checkpoint_model_due).
+
+        A ModelFile (a split model's weights in one file, hvd_runtime.torch.whole_model) is logged
+        as the torch model it builds; one not logged has its discardable file removed."""
+        from .models import ModelFile, NoSnapshot, model_record
+
         if self._closed or (checkpoint and not self.wants_checkpoint_model()):
+            if isinstance(model, ModelFile):
+                model.finished()
             return
-        from .models import NoSnapshot, model_record
 
         def record():
             try:

@@ -4,6 +4,9 @@
   epoch-1 checkpoint resumes unsplit (1 rank), at tp 2 and at pp 2, and the checkpoint each of
   those writes after epoch 2 resumes back at pp 2 x tp 2. Every resumed epoch equals the straight
   run's within 1e-5: each rank read exactly its rows of every tensor, whoever wrote them.
+- The whole model rank 0 writes from the shards at the end of a run (runs/latest/model.safetensors)
+  is the unsplit model's state_dict, and the same (1e-5) whether 1, 2 or 4 ranks' shards made it:
+  the straight run's and each run resumed back; the runs at unsplit, tp 2 and pp 2 alike.
 - A job SIGKILLed in the middle of writing its shards (rank 1's written, rank 0's index not yet)
   resumes from the previous checkpoint, on the straight run's losses; the half-written folder is
   never taken for a checkpoint.
@@ -56,6 +59,8 @@ def test_a_checkpoint_resumes_at_every_layout_and_back(tmp_path):
     first = straight[0]["step"]
     [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{first:09d}")
     assert {p.name for p in saved.iterdir()} == {"index.json", *(f"rank-0000{r}.safetensors" for r in range(4))}
+    assert_whole_models_equal([whole_model(tmp_path / "straight")])
+    epoch_2 = {}
     for name in ("unsplit", "tp2", "pp2"):
         ranks = tmp_path / name
         copy_checkpoint(saved, ranks / "rank0" / "checkpoints")
@@ -64,11 +69,36 @@ def test_a_checkpoint_resumes_at_every_layout_and_back(tmp_path):
         assert f"resuming from checkpoints/{saved.name}: epoch 1, step {first}" in out
         assert len(there) == 1
         assert_same(there[0], straight[1], f"pp2xtp2 resumed at {name}")
+        epoch_2[name] = whole_model(ranks)
 
         np_, layout = at("pp2xtp2")
         back, out, _ = train(np_, project, ranks, 3, *args, *layout, digest=False)
         assert f"resuming from checkpoints/ckpt-{straight[1]['step']:09d}: epoch 2" in out
         assert_same(back[-1], straight[2], f"{name} resumed at pp2xtp2")
+        assert_whole_models_equal([whole_model(tmp_path / "straight"), whole_model(ranks)])
+    # the model file rank 0 writes from 1, 2 (tp) and 2 (stages) shards: one unsplit model
+    assert_whole_models_equal(list(epoch_2.values()))
+
+
+def whole_model(ranks: Path) -> dict:
+    """The model.safetensors rank 0 wrote at the end of the run (no other rank writes one)."""
+    from safetensors.torch import load_file
+
+    assert not list(ranks.glob("rank[123]/runs/latest/model.safetensors")), "a rank other than 0 wrote the model"
+    return load_file(str(ranks / "rank0" / "runs" / "latest" / "model.safetensors"))
+
+
+def assert_whole_models_equal(models: list[dict]) -> None:
+    """The unsplit GPT's state_dict, whole tensors under every name (the tied head's too), equal at 1e-5."""
+    import torch
+
+    first = models[0]
+    assert {"0.tokens.weight", "1.qkv.weight", "3.out.weight"} <= set(first)
+    assert tuple(first["1.qkv.weight"].shape) == (48, 16) and tuple(first["1.mlp.2.weight"].shape) == (16, 64)
+    for other in models[1:]:
+        assert set(other) == set(first)
+        for key, t in first.items():
+            torch.testing.assert_close(other[key], t, rtol=1e-5, atol=1e-6, msg=key)
 
 
 STOP_MID_WRITE = """\
