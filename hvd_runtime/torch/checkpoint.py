@@ -213,7 +213,12 @@ class ShardReader:
     def __init__(self, folder: Path, index: dict):
         self.folder, self.index, self._open = folder, index, {}
 
+    def close(self) -> None:
+        """Let go of every opened file: its memory map, and with it the pages read so far."""
+        self._open.clear()
+
     def file(self, name: str):
+        """The safetensors file `name` of the folder, opened (memory-mapped) on first use."""
         from safetensors import safe_open
 
         if name not in self._open:

@@ -7,7 +7,8 @@
 A model split over ranks (pipeline stages, tensor-parallel slices) is never gathered whole into a
 training process: rank 0 reads the checkpoint every rank just wrote (hvd_runtime.torch.checkpoint)
 and writes each of the model's tensors into one file, assembled from its pieces, then drops it
-before the next one. The writer's memory stays at its own share plus the largest single tensor.
+and the shards' memory maps before the next one. The writer's memory stays at its own share plus
+the largest single tensor.
 The file is an ordinary safetensors file of the unsplit model's state_dict (a tied weight under
 each of its names), which `safetensors.torch.load_file` and `load_whole_model` read.
 
@@ -71,6 +72,7 @@ def write_whole_model(checkpoint: Path, out: Path) -> Path:
                 tensor = reader.read(entry, Placement.whole(shape)).contiguous()
                 f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
                 del tensor
+                reader.close()  # the pages of the shards read so far would stay resident while mapped
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, out)

@@ -11,6 +11,9 @@ group's slices add up to it.
 With `partition: time` rank 0 also makes a real copy of each block in turn, to time it, and nothing
 more: one block at a time, never the whole model at once.
 
+At the checkpoint ending the epoch no rank allocates a tensor to write it, and the ranks' shards
+hold every parameter and its Adam moments exactly once, each rank writing from what it holds.
+
 The model starts the same at every layout (each tensor drawn from the seed and its name): the
 2-stage pipeline and 2 stages x tp 2 train the same epoch to 1e-5, as do tp 2 and the unsplit model
 (tp 1, one rank), each reading the same batches.
@@ -61,6 +64,25 @@ def check_each_rank_made_only_what_it_holds(report: dict, tp: int) -> None:
         assert sizes, f"no rank holds {name}"
         assert sizes == [whole] * len(sizes) and len(sizes) in (1, tp) or sum(sizes) == whole and len(sizes) == tp, \
             f"{name} ({whole} elements) held as {sizes}"
+    check_each_rank_wrote_only_what_it_holds(report)
+
+
+def check_each_rank_wrote_only_what_it_holds(report: dict) -> None:
+    """At a checkpoint no rank allocates a tensor (no gather, no copy), and the shards together
+    hold every parameter and its optimizer moments exactly once, each rank's part of what it holds."""
+    written: dict[str, int] = {}
+    for r in report["ranks"]:
+        assert r["at_checkpoint"] and set(r["at_checkpoint"]) == {0}, \
+            f"rank {r['rank']} allocated {r['at_checkpoint']} elements to write its checkpoints"
+        for key, shape in r["shard"].items():
+            kind, rest = key.split("/", 1)
+            name = rest if kind == "model" else rest.rsplit("/", 1)[0]
+            if name in r["held"] and shape:   # a parameter or a moment of one (buffers and step counts aside)
+                assert shape == r["held"][name], f"rank {r['rank']} wrote {key} as {shape}, holds {r['held'][name]}"
+                written[key] = written.get(key, 0) + prod(shape)
+    for name, shape in report["unsplit"].items():
+        for key in (f"model/{name}", f"optimizer/{name}/exp_avg", f"optimizer/{name}/exp_avg_sq"):
+            assert written.get(key) == prod(shape), f"{key}: {written.get(key)} elements written, {prod(shape)} held"
 
 
 def same_epoch(a: dict, b: dict) -> None:

@@ -5,11 +5,18 @@ made, and the count taken when parallelize returns: the elements of the paramete
 allocated at start-up. parallelize is the project's own, called as train.py calls it; this script
 only keeps what it returned, to read the names and shapes of the parameters the rank trains and
 its optimizer's state once training is over, and the names and shapes of the whole model it was
-handed (on the meta device). Rank 0 writes every rank's record and those to RANKS_DIR/held.json.
+handed (on the meta device).
+
+At each checkpoint (train.py's own save_checkpoint, called as it calls it) every floating-point
+tensor an operation makes on new memory is counted, views and in-place results aside, and every
+floating-point element a Horovod collective hands back: what a rank allocates or receives to
+write its checkpoint. Its shard's tensors are read back from the file, by name
+and size. Rank 0 writes every rank's record and those to RANKS_DIR/held.json.
 usage: horovodrun ... python count_held_elements.py PROJECT RANKS_DIR [config overrides...]
 """
 
 import json
+from pathlib import Path
 
 from train_in_rank_dir import enter_rank_dir
 
@@ -32,10 +39,70 @@ def main() -> None:
     nn.Parameter.__new__ = staticmethod(counted)
 
     import horovod.torch as hvd
+    from safetensors import safe_open
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     import train
 
-    kept = {}
+    class NewMemory(TorchDispatchMode):
+        """Counts the elements of the floating-point tensors operations make on new memory."""
+
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            old = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.elements += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                                 and t.is_floating_point() and t.untyped_storage().data_ptr() not in old)
+            return out
+
+    def received(value) -> int:
+        """The floating-point elements in what a collective handed back (tensors, or objects holding them)."""
+        return sum(t.numel() for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+    # Horovod allocates a collective's output on its own thread, out of the mode's sight: what every
+    # collective returns is counted instead (object collectives: the tensors inside the objects).
+    COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "grouped_allreduce",
+                   "grouped_allgather", "grouped_reducescatter", "synchronize", "allgather_object",
+                   "broadcast_object")
+
+    def counting_collectives(counting):
+        originals = {name: getattr(hvd, name) for name in COLLECTIVES}
+
+        def wrap(call):
+            def counted_call(*args, **kwargs):
+                out = call(*args, **kwargs)
+                counting.elements += received(out)
+                return out
+            return counted_call
+
+        for name, call in originals.items():
+            setattr(hvd, name, wrap(call))
+        return originals
+
+    kept = {"at_checkpoint": [], "shard": {}}
+
+    def save_checkpoint(checkpoints, parallel, state, ctx):
+        with NewMemory() as counting:
+            originals = counting_collectives(counting)
+            try:
+                folder = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx)
+            finally:
+                for name, call in originals.items():
+                    setattr(hvd, name, call)
+        kept["at_checkpoint"].append(counting.elements)
+        # named: unnamed, each rank would name it by its own object's type (str on rank 0, NoneType elsewhere)
+        folder = hvd.broadcast_object(None if folder is None else str(folder.resolve()), root_rank=0,
+                                      name="count.checkpoint_folder")
+        shard = Path(folder) / f"rank-{hvd.rank():05d}.safetensors"
+        if shard.exists():
+            with safe_open(shard, framework="pt") as f:
+                kept["shard"] = {key: f.get_slice(key).get_shape() for key in f.keys()}
+        return folder
+
+    save_checkpoint.__wrapped__ = train.save_checkpoint
+    train.save_checkpoint = save_checkpoint
 
     def parallelize(model, *args, **kwargs):
         # the whole model as train.py built it, on the meta device: read before it is split in place
@@ -53,7 +120,8 @@ def main() -> None:
     by_id = {id(p): name for name, p in parallel.module.named_parameters()}
     state = {by_id[id(p)]: [t.numel() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
              for p, s in parallel.optimizer.state.items()}
-    record = {"rank": hvd.rank(), "at_start_up": kept["at_start_up"], "held": held, "optimizer_state": state}
+    record = {"rank": hvd.rank(), "at_start_up": kept["at_start_up"], "held": held, "optimizer_state": state,
+              "at_checkpoint": kept["at_checkpoint"], "shard": kept["shard"]}
     records = hvd.allgather_object(record)
     if hvd.rank() == 0:
         (ranks_dir / "held.json").write_text(json.dumps({"ranks": records, "unsplit": kept["unsplit"]}))
