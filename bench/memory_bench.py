@@ -52,7 +52,10 @@ def main() -> None:
     if args.gpt:
         from memory_bench_gpt import gpt_layouts
 
-        gpt_layouts(args.width, args.layers)
+        # the default size writes the docs page; another is only printed
+        default = (args.width, args.layers) == (1024, 8)
+        gpt_layouts(args.width, args.layers, Path(__file__).resolve().parents[1] / "docs" / "benchmarks-memory-gpt.md"
+                    if default else None)
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -1,12 +1,12 @@
-"""Which parameters of a tensor-parallel model are split, and how: for checkpoints, the whole model and clipping.
+"""Which parameters of a tensor-parallel model are split, and how: for checkpoints and clipping.
 
     split = SplitParameters(model)                       # after apply_tp
     split.by_name["blocks.0.attn.qkv.weight"]            # Split(dim, whole positions held, group)
-    whole = split.whole_model(build_model(...))          # every rank calls (a collective); whole tensors
 
 apply_tp keeps the unsplit model's parameter names and order, so the slices' names are the
 unsplit model's: checkpoints (hvd_runtime.torch.checkpoint) write each slice under its name with
-the positions it holds, and the model logged to MLflow loads into the plain `build_model`.
+the positions it holds, and the whole model written from them (hvd_runtime.torch.whole_model)
+loads into the plain `build_model`.
 Checkpoints written before shards hold the unsplit state: local_model_state and
 local_optimizer_state take this rank's slices of it (optimizer slots shaped like their parameter,
 momentum and Adam's moments, sliced with it).
@@ -49,17 +49,6 @@ def _splits(model: nn.Module) -> dict[str, Split]:
     return splits
 
 
-def _gather(tensor: torch.Tensor, split: Split, name: str) -> torch.Tensor:
-    import horovod.torch as hvd
-
-    pieces = hvd.allgather(tensor.detach().movedim(split.dim, 0).contiguous(), process_set=split.group.process_set,
-                           name=f"tp.gather.{name}")
-    positions = hvd.allgather(split.index, process_set=split.group.process_set, name=f"tp.gather.{name}.index")
-    whole = torch.empty_like(pieces)
-    whole[positions] = pieces
-    return whole.movedim(0, split.dim)
-
-
 class SplitParameters:
     """Which parameters apply_tp split and how; the checkpoint and clipping views built on that."""
 
@@ -71,24 +60,6 @@ class SplitParameters:
 
     def _params_in_order(self, optimizer) -> list[nn.Parameter]:
         return [p for group in optimizer.param_groups for p in group["params"]]
-
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The unsplit model's state_dict; every rank of the job must call it.
-
-        It ends with a barrier of the whole job: each group gathers in its own process set, and a
-        group that finished and exited would shut Horovod down under a group still gathering.
-        """
-        import horovod.torch as hvd
-
-        state = self.model.state_dict()
-        whole = {name: _gather(t, self.by_name[name], name) if name in self.by_name else t for name, t in state.items()}
-        hvd.barrier()
-        return whole
-
-    def whole_model(self, unsplit: nn.Module) -> nn.Module:
-        """`unsplit` (a fresh build of the same model) holding the trained weights; every rank calls."""
-        unsplit.load_state_dict(self.full_model_state())
-        return unsplit
 
     def local_model_state(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.index_select(self.by_name[name].dim, self.by_name[name].index) if name in self.by_name else t
