@@ -58,12 +58,15 @@ def _header(reader: ShardReader, names: list[str]) -> tuple[bytes, list[tuple[st
 def write_whole_model(checkpoint: Path, out: Path) -> Path:
     """Write the model of the checkpoint folder `checkpoint` to `out` as one safetensors file of
     whole tensors, one tensor in memory at a time; returns `out`. Written under a temporary name
-    and renamed, so `out` is never a partial file."""
+    and renamed, so `out` is never a partial file. A `ckpt-<step>.pt` from before shards (rank 0
+    read it whole to resume it anyway) is written from its whole state."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    if not checkpoint.is_dir():
+        return _write_legacy(checkpoint, out, partial)
     index = read_index(checkpoint)
     reader = ShardReader(checkpoint, index)
     header, order = _header(reader, sorted(k for k in index["tensors"] if k.startswith(MODEL)))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
     try:
         with open(partial, "wb") as f:
             f.write(struct.pack("<Q", len(header)))
@@ -75,6 +78,20 @@ def write_whole_model(checkpoint: Path, out: Path) -> Path:
                 reader.close()  # the pages of the shards read so far would stay resident while mapped
             f.flush()
             os.fsync(f.fileno())
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
+
+
+def _write_legacy(checkpoint: Path, out: Path, partial: Path) -> Path:
+    from safetensors.torch import save_file
+
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state = payload["model"] if "model" in payload else {
+        name: t for stage in payload["stages"].values() for name, t in stage["model"].items()}
+    try:   # a tensor of its own under each name: safetensors refuses tied (shared) ones
+        save_file({name: t.detach().clone().contiguous() for name, t in state.items()}, str(partial))
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)

@@ -118,3 +118,16 @@ def test_the_newest_checkpoint_becomes_a_model_file_the_tracker_builds(tmp_path)
     kept = model_file(store, Tiny, tmp_path / "run" / "model.safetensors")
     kept.finished()
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_a_checkpoint_file_from_before_shards_is_written_whole_too(tmp_path):
+    """A run resumed from a `ckpt-<step>.pt` after its last epoch trains nothing: its newest
+    checkpoint is that file, and the model file comes from it (tied weights under both names)."""
+    whole = {name: t.detach().clone() for name, t in build().state_dict().items()}
+    store = CheckpointStore(tmp_path / "checkpoints", keep=3)
+    (tmp_path / "checkpoints").mkdir()
+    torch.save({"model": build().state_dict(), "optimizer": {}, "state": {}}, tmp_path / "checkpoints" / "ckpt-000000009.pt")
+    record = model_file(store, Tiny, tmp_path / "run" / "model.safetensors")
+    loaded = load_file(record.weights)
+    assert set(loaded) == set(whole) and all(torch.equal(loaded[k], v) for k, v in whole.items())
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["model.safetensors"]
