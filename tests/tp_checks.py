@@ -37,6 +37,26 @@ def check_apply_tp_refusals(apply_tp, build_model, plain_model) -> None:
         apply_tp(build_model(ModelConfig(width=8, heads=2, layers=1, context=4, dropout=0.1), (4,), 16), group)
 
 
+def check_edited_block_refusals(apply_tp, build_model, block_of) -> None:
+    """apply_tp reads the head count from the block itself: a Block whose `heads` was changed or
+    removed since the config was written, or whose qkv no longer holds 3 x heads, is refused in
+    one line. `block_of(model)`: the block of the built model to edit."""
+    group = TensorGroup(rank=0, size=2, process_set=None)
+
+    def edited(edit):
+        model = build_model(ModelConfig(width=12, heads=2, layers=2, context=4), (4,), 16)
+        edit(block_of(model))
+        return model
+
+    with pytest.raises(TensorParallelError, match=r"^model.heads 3 do not split over tp 2: choose a tp that divides 3$"):
+        apply_tp(edited(lambda block: setattr(block, "heads", 3)), group)
+    with pytest.raises(TensorParallelError, match=r"^model.py's block .+ has no head count: .*keep `self.heads` in Block$"):
+        apply_tp(edited(lambda block: delattr(block, "heads")), group)
+    with pytest.raises(TensorParallelError, match=r"^model.py's block .+: its qkv layer's 36 (features|units) are not "
+                                                  r"3 x 5 heads of one width: "):
+        apply_tp(edited(lambda block: setattr(block, "heads", 5)), group)
+
+
 def load_generated_model(project, name: str):
     """A generated project's model.py, by its path: a `model` module of another project may already be imported."""
     import importlib.util

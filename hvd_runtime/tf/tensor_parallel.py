@@ -7,7 +7,8 @@ features (the kernel's rows), summed over the group. Megatron's f and g are `tf.
 functions over Horovod's allreduce in the group's process set.
 
 `apply_tp(model, group)` returns a new keras.Sequential of the generated GPT's layers with each
-transformer block split (attention by heads, the MLP's `fc` column- and `out` row-parallel), and
+transformer block split (attention by heads, the MLP's `fc` column- and `out` row-parallel, as
+BLOCK_PLAN names them; the block's own `call` runs on the split layers), and
 the token embedding and the head split by vocabulary rows, as in PyTorch: the logits stay split
 over the vocabulary, for the loss and accuracy of `hvd_runtime.tf.vocab_parallel`, and a head
 tied to the embedding multiplies by the embedding's own rows. Position embeddings and LayerNorms
@@ -24,7 +25,7 @@ from keras import ops
 from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
                                                 split_range, vocab_range)
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock", "TensorParallelEmbedding",
+__all__ = ["BLOCK_PLAN", "ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock", "TensorParallelEmbedding",
            "TensorParallelError", "TensorParallelHead", "VocabParallelEmbedding", "apply_tp", "is_transformer_block",
            "split_layers", "sum_over_group"]
 
@@ -114,29 +115,51 @@ class RowParallelDense(_SplitDense):
         return y if self.bias is None else y + ops.cast(self.bias, y.dtype)
 
 
+# How a transformer block splits, as in torch (hvd_runtime.torch.tensor_parallel.BLOCK_PLAN): each
+# Dense of the block by its attribute name; (column-parallel?, chunks).
+BLOCK_PLAN = {"qkv": (True, 3), "proj": (False, 1), "fc": (True, 1), "out": (False, 1)}
+
+
+def _check_heads(block, tp: int) -> int:
+    """The block's head count, checked against its qkv Dense and tp: one line if off."""
+    heads = getattr(block, "heads", None)
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise TensorParallelError(f"model.py's block {block.name!r} has no head count: tensor parallelism splits "
+                                  "attention by heads and reads them from the block's `heads` (an int); "
+                                  "keep `self.heads` in Block")
+    if block.qkv.units % (3 * heads):
+        raise TensorParallelError(f"model.py's block {block.name!r}: its qkv layer's {block.qkv.units} units are not "
+                                  f"3 x {heads} heads of one width: make qkv 3 x width and width a multiple of heads")
+    dropout = getattr(block, "rate", 0.0)
+    check_block_splits(heads, dropout if isinstance(dropout, (int, float)) else 0.0, tp)
+    return heads
+
+
 class TensorParallelBlock(keras.layers.Layer):
-    """A pre-norm transformer block (the generated GPT's `Block`) with its heads and MLP split over the group."""
+    """The model's own transformer block with the Dense layers BLOCK_PLAN names split over the
+    group, running the block's own `call`: every other attribute is the block's (its other layers
+    the same objects, its numbers copied), `heads` this rank's share. An edited `Block.call`
+    is what trains, at any tp."""
 
     def __init__(self, block: keras.layers.Layer, group: TensorGroup):
         super().__init__(dtype=block.dtype_policy, name=f"{block.name}_tp")
-        check_block_splits(block.heads, block.rate, group.size)
-        self.heads, self.local = block.heads // group.size, block.width // group.size
-        # The block's own layers in its order: the split model's variables line up with the
+        heads = _check_heads(block, group.size)
+        object.__setattr__(self, "source_call", type(block).call)  # not tracked: a function
+        # The block's attributes in its order: the split model's variables line up with the
         # unsplit model's (hvd_runtime.tf.tensor_state relies on it for checkpoints).
-        self.norm1 = block.norm1
-        self.qkv = ColumnParallelDense(block.qkv, group, chunks=3)
-        self.proj = RowParallelDense(block.proj, group)
-        self.norm2 = block.norm2
-        self.fc = ColumnParallelDense(block.fc, group)
-        self.out = RowParallelDense(block.out, group)
+        for name, value in vars(block).items():
+            if name.startswith("_") or name in vars(self) or name in ("name", "built", "trainable"):
+                continue
+            if name in BLOCK_PLAN:
+                column, chunks = BLOCK_PLAN[name]
+                value = ColumnParallelDense(value, group, chunks=chunks) if column else RowParallelDense(value, group)
+            elif not isinstance(value, (keras.layers.Layer, int, float, str, bool, type(None))):
+                continue
+            setattr(self, name, value)
+        self.heads = heads // group.size
 
-    def call(self, x):
-        tokens = ops.shape(x)[1]
-        q, k, v = (ops.reshape(t, (-1, tokens, self.heads, self.local // self.heads))
-                   for t in ops.split(self.qkv(self.norm1(x)), 3, axis=-1))
-        attended = ops.reshape(ops.dot_product_attention(q, k, v, is_causal=True), (-1, tokens, self.local))
-        x = x + self.proj(attended)
-        return x + self.out(self.fc(self.norm2(x)))
+    def call(self, x, training=False):
+        return self.source_call(self, x, training=training)
 
 
 class VocabParallelEmbedding(keras.layers.Layer):
@@ -195,9 +218,8 @@ class TensorParallelHead(keras.layers.Layer):
 
 
 def is_transformer_block(layer) -> bool:
-    """Whether apply_tp splits `layer`: the generated GPT's Block (qkv, proj, fc and out Dense, heads)."""
-    return (all(isinstance(getattr(layer, name, None), keras.layers.Dense) for name in ("qkv", "proj", "fc", "out"))
-            and isinstance(getattr(layer, "heads", None), int))
+    """Whether apply_tp splits `layer`: a layer holding every Dense BLOCK_PLAN names."""
+    return all(isinstance(getattr(layer, name, None), keras.layers.Dense) for name in BLOCK_PLAN)
 
 
 def _is_embedding(layer) -> bool:

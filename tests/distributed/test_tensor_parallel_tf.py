@@ -14,7 +14,7 @@ import pytest
 
 from helpers import run_horovod
 from hvd_runtime.tf.tensor_parallel import apply_tp
-from tp_checks import check_apply_tp_refusals, check_tp_reports, load_generated_model
+from tp_checks import check_apply_tp_refusals, check_edited_block_refusals, check_tp_reports, load_generated_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "tf_tp_step.py"
 
@@ -36,3 +36,8 @@ def test_split_gpt_gradient_matches_the_unsplit_model(tmp_path, tf_workload_proj
 def test_apply_tp_refuses_what_it_cannot_split(tf_workload_projects):
     model = load_generated_model(tf_workload_projects["gpt"], "keras_gpt_model_tp")
     check_apply_tp_refusals(apply_tp, model.build_model, keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)]))
+
+
+def test_a_block_edited_so_its_heads_do_not_split_is_refused_in_one_line(tf_workload_projects):
+    model = load_generated_model(tf_workload_projects["gpt"], "keras_gpt_model_tp_heads")
+    check_edited_block_refusals(apply_tp, model.build_model, lambda gpt: gpt.layers[2])

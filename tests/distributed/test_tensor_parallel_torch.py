@@ -13,10 +13,9 @@ import pytest
 from torch import nn
 
 from helpers import run_horovod
-from hvd_runtime.config import ModelConfig
 from hvd_runtime.parallel.tensor_groups import TensorParallelError
 from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorGroup, apply_tp
-from tp_checks import check_apply_tp_refusals, check_tp_reports, load_generated_model
+from tp_checks import check_apply_tp_refusals, check_edited_block_refusals, check_tp_reports, load_generated_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "tp_step.py"
 
@@ -56,20 +55,5 @@ def test_apply_tp_refuses_what_it_cannot_split(workload_projects):
 
 
 def test_a_block_edited_so_its_heads_do_not_split_is_refused_in_one_line(workload_projects):
-    """apply_tp reads the head count from the block itself: a Block whose `heads` was changed or
-    removed since the config was written, or whose qkv no longer holds 3 x heads, is refused."""
     model = load_generated_model(workload_projects["gpt"], "torch_gpt_model_tp_heads")
-    group = TensorGroup(rank=0, size=2, process_set=None)
-
-    def edited(edit):
-        gpt = model.build_model(ModelConfig(width=12, heads=2, layers=2, context=4), (4,), 16)
-        edit(gpt[2])
-        return gpt
-
-    with pytest.raises(TensorParallelError, match=r"^model.heads 3 do not split over tp 2: choose a tp that divides 3$"):
-        apply_tp(edited(lambda block: setattr(block, "heads", 3)), group)
-    with pytest.raises(TensorParallelError, match=r"^model.py's block `2` has no head count: .*keep `self.heads` in Block$"):
-        apply_tp(edited(lambda block: delattr(block, "heads")), group)
-    with pytest.raises(TensorParallelError, match=r"^model.py's block `2`: its qkv layer's 36 features are not 3 x 5 "
-                                                  r"heads of one width: "):
-        apply_tp(edited(lambda block: setattr(block, "heads", 5)), group)
+    check_edited_block_refusals(apply_tp, model.build_model, lambda gpt: gpt[2])

@@ -150,20 +150,29 @@ def test_a_pipeline_of_tensor_parallel_stages_trains_and_resumes_unsplit(tmp_pat
         assert resumed[0][key] == pytest.approx(straight[1][key], rel=1e-5), key
 
 
-# An edit a user might make to the generated Block: a scale on each residual branch.
-RESIDUAL_EDIT = ("        return x + self.mlp(self.norm2(x))", "        return x + 0.5 * self.mlp(self.norm2(x))")
+# An edit a user might make to the generated Block: a scale on the MLP's residual branch.
+RESIDUAL_EDIT = {
+    "torch": ("        return x + self.mlp(self.norm2(x))", "        return x + 0.5 * self.mlp(self.norm2(x))"),
+    "tensorflow": ("        return x + self.dropout(self.out(self.fc(self.norm2(x))), training=training)",
+                   "        return x + 0.5 * self.dropout(self.out(self.fc(self.norm2(x))), training=training)"),
+}
 
 
-def test_an_edited_block_forward_trains_split_as_it_does_unsplit(tmp_path):
-    """torch swaps the block's linear layers and runs its own forward: model.py's Block.forward,
-    edited, trains at tp 2 on the unsplit edited model's losses (1e-5). A split block of its own
-    would train the unedited model here, whose losses differ."""
-    project, args = generate(tmp_path, "torch")
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_an_edited_block_forward_trains_split_as_it_does_unsplit(tmp_path, framework):
+    """The split swaps the block's linear layers and runs the block's own forward (`call`):
+    model.py's Block, edited, resumed at tp 2 from the unsplit edited run's epoch-1 checkpoint,
+    trains epoch 2 on that run's losses (1e-5). A split block of its own would train the unedited
+    block here, whose losses differ. (From a checkpoint, so that both start from the same weights:
+    a TensorFlow model's initial values still depend on the layout.)"""
+    project, args = generate(tmp_path, framework)
     model_py = project / "model.py"
-    assert model_py.read_text().count(RESIDUAL_EDIT[0]) == 1
-    model_py.write_text(model_py.read_text().replace(*RESIDUAL_EDIT))
-    unsplit, _, _ = train(1, project, tmp_path / "tp1", 1, *args, "--parallel.tp", "1", digest=False)
-    split, _, _ = train(2, project, tmp_path / "tp2", 1, *args, "--parallel.tp", "2", digest=False)
-    assert [e["step"] for e in split] == [e["step"] for e in unsplit]
+    assert model_py.read_text().count(RESIDUAL_EDIT[framework][0]) == 1
+    model_py.write_text(model_py.read_text().replace(*RESIDUAL_EDIT[framework]))
+    unsplit, _, _ = train(1, project, tmp_path / "tp1", 2, *args, "--parallel.tp", "1", digest=False)
+    [saved] = (tmp_path / "tp1" / "rank0" / "checkpoints").glob(f"ckpt-{unsplit[0]['step']:09d}*")
+    copy_checkpoint(saved, tmp_path / "tp2" / "rank0" / "checkpoints")
+    split, _, _ = train(2, project, tmp_path / "tp2", 2, *args, "--parallel.tp", "2", digest=False)
+    assert [e["step"] for e in split] == [unsplit[1]["step"]]
     for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
-        assert split[0][key] == pytest.approx(unsplit[0][key], rel=1e-5), key
+        assert split[0][key] == pytest.approx(unsplit[1][key], rel=1e-5), key
