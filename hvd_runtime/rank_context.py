@@ -62,7 +62,7 @@ class RankContext:
         """Rank 0's `value`, on every rank (a broadcast: every rank calls). For what only rank 0 can
         decide, such as whether this epoch's checkpoint becomes an MLflow model, before a collective
         that only that makes worth its cost."""
-        return self._hvd().broadcast_object(value, root_rank=0)
+        return self._hvd().broadcast_object(value, root_rank=0, name="rank_context.from_root")
 
     @property
     def coords(self):
