@@ -20,6 +20,7 @@ horovodrun -np 2 -H localhost:2 --gloo python train.py "$@"
 step "done"
 cat <<MSG
   metrics (one line per epoch):  demo/runs/latest/metrics.jsonl
+  trained model (safetensors):   demo/runs/latest/model.safetensors
   checkpoints (rank 0):          demo/checkpoints/
   MLflow runs:                   cd demo && $VENV/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db
   train again (resumes):         cd demo && horovodrun -np 2 -H localhost:2 --gloo python train.py --train.epochs 30
