@@ -7,7 +7,8 @@ and the two slices differ; the checkpoint names the unsplit model's tensors and 
 each rank of the first replica writes its slices, TensorFlow: rank 0 the gathered model). Then a
 checkpoint written at tp 2 resumes at tp 1 (one unsplit process), and one written at tp 1
 resumes at tp 2: epoch 2 of the resumed run equals the straight run's within 1e-5, so the
-slices are written from, and read into, their own places.
+slices are written from, and read into, their own places. Those runs train a model.py whose
+Block the test has edited: what trains at tp 2 is the block's own forward, edit included.
 
 A pipeline of tensor-parallel stages (`--strategy pipeline --tp 2`, 2 stages x tp 2 = 4 ranks;
 torch and TensorFlow) trains the same way, writes the unsplit model, and its epoch-1 checkpoint resumes as a
@@ -98,12 +99,28 @@ def test_tensor_project_trains_tp_groups_times_replicas(tmp_path, framework):
     assert not {(24, 16), (16, 32), (16, 24), (32, 16)} & saved_shapes(saved)
 
 
+# An edit a user might make to the generated Block: a scale on the MLP's residual branch.
+RESIDUAL_EDIT = {
+    "torch": ("        return x + self.mlp(self.norm2(x))", "        return x + 0.5 * self.mlp(self.norm2(x))"),
+    "tensorflow": ("        return x + self.dropout(self.out(self.fc(self.norm2(x))), training=training)",
+                   "        return x + 0.5 * self.dropout(self.out(self.fc(self.norm2(x))), training=training)"),
+}
+
+
 @pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, framework, saved_at, resumed_at):
     """-np = tp, one replica: both runs read the same batches, so the resumed epoch 2 must be the
-    straight run's epoch 2 (a slice gathered to the wrong place would load another model)."""
+    straight run's epoch 2 (a slice gathered to the wrong place would load another model).
+
+    model.py's Block is edited first (its MLP branch scaled by 0.5): the split swaps the block's
+    linear layers and runs the block's own forward (Keras `call`), so the edited model is what
+    trains at tp 2. A split block of its own would train the unedited block at tp 2, and the epoch
+    trained there would not be the tp 1 run's."""
     project, args = generate(tmp_path, framework)
+    model_py = project / "model.py"
+    assert model_py.read_text().count(RESIDUAL_EDIT[framework][0]) == 1
+    model_py.write_text(model_py.read_text().replace(*RESIDUAL_EDIT[framework]))
     straight, _, _ = train(saved_at, project, tmp_path / "straight", 2, *args, "--parallel.tp", str(saved_at))
     steps = straight[0]["step"]
     [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}*")
@@ -149,30 +166,3 @@ def test_a_pipeline_of_tensor_parallel_stages_trains_and_resumes_unsplit(tmp_pat
     for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
         assert resumed[0][key] == pytest.approx(straight[1][key], rel=1e-5), key
 
-
-# An edit a user might make to the generated Block: a scale on the MLP's residual branch.
-RESIDUAL_EDIT = {
-    "torch": ("        return x + self.mlp(self.norm2(x))", "        return x + 0.5 * self.mlp(self.norm2(x))"),
-    "tensorflow": ("        return x + self.dropout(self.out(self.fc(self.norm2(x))), training=training)",
-                   "        return x + 0.5 * self.dropout(self.out(self.fc(self.norm2(x))), training=training)"),
-}
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_an_edited_block_forward_trains_split_as_it_does_unsplit(tmp_path, framework):
-    """The split swaps the block's linear layers and runs the block's own forward (`call`):
-    model.py's Block, edited, resumed at tp 2 from the unsplit edited run's epoch-1 checkpoint,
-    trains epoch 2 on that run's losses (1e-5). A split block of its own would train the unedited
-    block here, whose losses differ. (From a checkpoint, so that both start from the same weights:
-    a TensorFlow model's initial values still depend on the layout.)"""
-    project, args = generate(tmp_path, framework)
-    model_py = project / "model.py"
-    assert model_py.read_text().count(RESIDUAL_EDIT[framework][0]) == 1
-    model_py.write_text(model_py.read_text().replace(*RESIDUAL_EDIT[framework]))
-    unsplit, _, _ = train(1, project, tmp_path / "tp1", 2, *args, "--parallel.tp", "1", digest=False)
-    [saved] = (tmp_path / "tp1" / "rank0" / "checkpoints").glob(f"ckpt-{unsplit[0]['step']:09d}*")
-    copy_checkpoint(saved, tmp_path / "tp2" / "rank0" / "checkpoints")
-    split, _, _ = train(2, project, tmp_path / "tp2", 2, *args, "--parallel.tp", "2", digest=False)
-    assert [e["step"] for e in split] == [unsplit[1]["step"]]
-    for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
-        assert split[0][key] == pytest.approx(unsplit[1][key], rel=1e-5), key
