@@ -37,10 +37,11 @@ def check_apply_tp_refusals(apply_tp, build_model, plain_model) -> None:
         apply_tp(build_model(ModelConfig(width=8, heads=2, layers=1, context=4, dropout=0.1), (4,), 16), group)
 
 
-def check_edited_block_refusals(apply_tp, build_model, block_of) -> None:
+def check_edited_block_refusals(apply_tp, build_model, block_of, add_dropout) -> None:
     """apply_tp reads the head count from the block itself: a Block whose `heads` was changed or
     removed since the config was written, or whose qkv no longer holds 3 x heads, is refused in
-    one line. `block_of(model)`: the block of the built model to edit."""
+    one line; so is one whose dropout layer drops though its config says 0. `block_of(model)`: the
+    block of the built model to edit; `add_dropout(block, rate)`: give it a dropout layer at `rate`."""
     group = TensorGroup(rank=0, size=2, process_set=None)
 
     def edited(edit):
@@ -55,6 +56,8 @@ def check_edited_block_refusals(apply_tp, build_model, block_of) -> None:
     with pytest.raises(TensorParallelError, match=r"^model.py's block .+: its qkv layer's 36 (features|units) are not "
                                                   r"3 x 5 heads of one width: "):
         apply_tp(edited(lambda block: setattr(block, "heads", 5)), group)
+    with pytest.raises(TensorParallelError, match=r"^model.dropout 0.2 with tensor parallelism: .*set model.dropout 0$"):
+        apply_tp(edited(lambda block: add_dropout(block, 0.2)), group)
 
 
 def load_generated_model(project, name: str):

@@ -130,8 +130,9 @@ def _check_heads(block, tp: int) -> int:
     if block.qkv.units % (3 * heads):
         raise TensorParallelError(f"model.py's block {block.name!r}: its qkv layer's {block.qkv.units} units are not "
                                   f"3 x {heads} heads of one width: make qkv 3 x width and width a multiple of heads")
-    dropout = getattr(block, "rate", 0.0)
-    check_block_splits(heads, dropout if isinstance(dropout, (int, float)) else 0.0, tp)
+    rate = getattr(block, "rate", None)   # the block's largest dropout: its `rate` and its Dropout layers'
+    rates = [layer.rate for layer in vars(block).values() if isinstance(layer, keras.layers.Dropout)]
+    check_block_splits(heads, max([*rates, float(rate)] if isinstance(rate, (int, float)) else rates, default=0.0), tp)
     return heads
 
 

@@ -209,10 +209,10 @@ def transformer_blocks(model: nn.Module) -> list[str]:
 
 
 def _dropout_of(block: nn.Module) -> float:
-    """The block's dropout: its `dropout` attribute if a number, else the largest of its nn.Dropout layers."""
+    """The block's largest dropout: its `dropout` attribute (a number) and its nn.Dropout layers'."""
     rate = getattr(block, "dropout", None)
-    layers = [m.p for m in block.modules() if isinstance(m, nn.Dropout)]
-    return float(rate) if isinstance(rate, (int, float)) else max(layers, default=0.0)
+    rates = [m.p for m in block.modules() if isinstance(m, nn.Dropout)]
+    return max([*rates, float(rate)] if isinstance(rate, (int, float)) else rates, default=0.0)
 
 
 def _check_heads(name: str, block: nn.Module, tp: int) -> int:

@@ -40,4 +40,5 @@ def test_apply_tp_refuses_what_it_cannot_split(tf_workload_projects):
 
 def test_a_block_edited_so_its_heads_do_not_split_is_refused_in_one_line(tf_workload_projects):
     model = load_generated_model(tf_workload_projects["gpt"], "keras_gpt_model_tp_heads")
-    check_edited_block_refusals(apply_tp, model.build_model, lambda gpt: gpt.layers[2])
+    check_edited_block_refusals(apply_tp, model.build_model, lambda gpt: gpt.layers[2],
+                                lambda block, rate: setattr(block.dropout, "rate", rate))
