@@ -92,7 +92,7 @@ def run_ours(cfg, dataset, args) -> tuple[float, int, int]:
 
     ctx = init_horovod(cfg.seed, 1, cfg.horovod.cycle_time_ms)
     batches = ShardedBatches(dataset.train, cfg.train.batch_size, ctx.data_rank, ctx.data_size, seed=cfg.seed)
-    parallel = parallelize(build(cfg, dataset), "data", ctx, cfg, dataset, steps_per_epoch=len(batches))
+    parallel = parallelize(build(cfg, dataset), ctx, cfg, dataset, steps_per_epoch=len(batches))
     state = restore_or_broadcast(None, parallel.module, parallel.optimizer, ctx, resume=False)  # rank 0's weights
     train_epoch(parallel.step, batches, state, is_root=ctx.is_root)  # warm-up (and tracing)
     barrier = lambda: hvd.allreduce(tf.zeros(()), name="bench.barrier")  # noqa: E731

@@ -25,6 +25,7 @@ class Context(RankContext):
     device: str     # "GPU:0" (the first GPU this rank sees: its own, or stage 0's) or "CPU:0"
     tensor: TensorRanks | None = None
     pipeline: PipelineRank | None = None
+    stage_devices: int | None = None   # model-split: the devices this rank splits the model over
 
 
 def seed_everything(seed: int) -> None:
@@ -84,7 +85,7 @@ def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, dev
 
 
 def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                 devices_per_rank: int = 1, process_sets=None, tp: int | None = None,
+                 devices_per_rank: int | None = None, process_sets=None, tp: int | None = None,
                  staggered: bool = False) -> Context:
     """hvd.init(), pin this rank's device(s), seed with seed + rank.
 
@@ -102,6 +103,6 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float 
         hvd.init(process_sets=process_sets)  # process sets are fixed here (a pipeline's grid)
     else:
         tensor = init_tensor_parallel(hvd, tp)
-    device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank, devices_per_rank)
+    device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank, devices_per_rank or 1)
     seed_everything(seed + hvd.rank())
-    return Context(device, tensor)
+    return Context(device, tensor, stage_devices=devices_per_rank)

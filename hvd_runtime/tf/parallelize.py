@@ -23,7 +23,6 @@ import keras
 import tensorflow as tf
 
 from hvd_runtime.config import partition_spec
-from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.tf.context import Context
@@ -40,7 +39,7 @@ from hvd_runtime.tf.tensor_parallel import apply_tp
 from hvd_runtime.tf.tensor_state import SplitVariables
 from hvd_runtime.tf.vocab_parallel import VocabObjective
 
-__all__ = ["STRATEGIES", "Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
+__all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
 
 
@@ -127,23 +126,25 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     return Parallel(stage, optimizer, engine, SplitVariables(stage) if dims.tensor_group else None)
 
 
-def parallelize(model: keras.Model, strategy: str, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
-    """Apply `strategy` (one of STRATEGIES) to `model` as cfg.parallel and cfg.horovod say.
+def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
+    """Apply to `model` the parallelism `ctx` was started with, as cfg.parallel and cfg.horovod say:
+    a pipeline rank (ctx.pipeline) its stage, a tensor-parallel one (ctx.tensor) its slices, one
+    that drives several devices (ctx.stage_devices) the model split over them, any other the whole
+    model, data parallel.
 
     `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's sample batch,
     whose shapes decide where the stages cut. model.py is never edited.
     """
-    check_strategy(strategy)
-    if strategy == "pipeline":
+    if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     group, split, trained = None, None, model
-    if strategy == "tensor":
+    if ctx.tensor is not None:
         group = ctx.tensor.group
         model = trained = apply_tp(model, group)
         split = SplitVariables(model)
-    elif strategy == "model-split":
+    elif ctx.stage_devices is not None:
         trained = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
     objective = VocabObjective.of(group, dataset.num_classes)
     optimizer, step = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)

@@ -25,6 +25,7 @@ class Context(RankContext):
     device: torch.device
     tensor: TensorRanks | None = None
     pipeline: PipelineRank | None = None
+    stage_devices: int | None = None   # model-split: the devices this rank splits the model over
 
 
 def seed_everything(seed: int) -> None:
@@ -69,18 +70,20 @@ def pin_device(seed: int = 0, threads_per_rank: int = 0, devices_per_rank: int =
 
 
 def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                 devices_per_rank: int = 1, tp: int | None = None) -> Context:
+                 devices_per_rank: int | None = None, tp: int | None = None) -> Context:
     """hvd.init(), then pin_device: the start of every data-parallel job.
 
-    devices_per_rank: the model-split's stages (one GPU each); ctx.device is then stage 0's GPU.
+    devices_per_rank: the model-split's stages (one GPU each); ctx.device is then stage 0's GPU,
+    and ctx.stage_devices says parallelize to split the model over them.
     tp: tensor parallelism's group size; Horovod starts with the process sets of tp groups and
     data-parallel groups (ctx.tensor), and ctx.data_rank / data_size count replicas, not ranks.
     """
     import horovod.torch as hvd
 
     set_cycle_time(cycle_time_ms, gpu=torch.cuda.is_available())
+    tensor = None
     if tp is None:
         hvd.init()
-        return Context(pin_device(seed, threads_per_rank, devices_per_rank))
-    tensor = init_tensor_parallel(hvd, tp)
-    return Context(pin_device(seed, threads_per_rank, devices_per_rank), tensor)
+    else:
+        tensor = init_tensor_parallel(hvd, tp)
+    return Context(pin_device(seed, threads_per_rank, devices_per_rank or 1), tensor, stage_devices=devices_per_rank)

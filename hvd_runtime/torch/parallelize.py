@@ -1,7 +1,7 @@
 """parallelize: the one place a strategy is applied to the user's model, from outside, for PyTorch.
 
     model = build_model(cfg.model, dataset.input_shape, dataset.num_classes)   # model.py: no Horovod
-    parallel = parallelize(model, "tensor", ctx, cfg, dataset, steps_per_epoch=len(train_batches))
+    parallel = parallelize(model, ctx, cfg, dataset, steps_per_epoch=len(train_batches))
     train_epoch(parallel.step, ...)                                            # hvd_runtime.loop
     save_checkpoint(checkpoints, parallel, state, ctx)               # hvd_runtime.torch.checkpoint
 
@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from hvd_runtime.config import partition_spec
-from hvd_runtime.parallel.strategies import STRATEGIES, check_strategy
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.torch.checkpoint import newest_cut
@@ -46,7 +45,7 @@ from hvd_runtime.torch.tensor_parallel import apply_tp
 from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 
-__all__ = ["STRATEGIES", "Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
+__all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
 
 
@@ -132,8 +131,11 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     return Parallel(stage, optimizer, engine, SplitParameters(stage) if dims.tensor_group else None)
 
 
-def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
-    """Apply `strategy` (one of STRATEGIES) to `model` as cfg.parallel and cfg.horovod say.
+def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
+    """Apply to `model` the parallelism `ctx` was started with, as cfg.parallel and cfg.horovod say:
+    a pipeline rank (ctx.pipeline) its stage, a tensor-parallel one (ctx.tensor) its slices, one
+    that drives several devices (ctx.stage_devices) the model split over them, any other the whole
+    model, data parallel.
 
     `model`: as hvd_runtime.torch.meta_init.build_on_meta builds it, on the meta device; a
     pipeline or tensor-parallel rank makes real only its stage or slices, each tensor drawn from
@@ -143,21 +145,21 @@ def parallelize(model: nn.Module, strategy: str, ctx: Context, cfg, dataset, ste
     pipeline's sample batch, whose shapes decide where the stages cut. model.py is never edited:
     every piece is applied from outside.
     """
-    check_strategy(strategy)
-    if strategy == "pipeline":
+    if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
-    if strategy == "tensor":  # this rank draws only its slices (and the tensors kept whole)
+    tensor = ctx.tensor is not None
+    if tensor:   # this rank draws only its slices (and the tensors kept whole)
         model = materialize(apply_tp(model, ctx.tensor.group), cfg.seed, ctx.device)
-    else:                     # every rank holds the whole model: built for real, under the seed
+    else:        # every rank holds the whole model: built for real, under the seed
         model = whole(model, cfg.seed)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
-    if strategy == "model-split":
+    if ctx.stage_devices is not None:
         # it places each block on its own device
         model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
     else:
         model = model.to(ctx.device)
-    split = SplitParameters(model) if strategy == "tensor" else None
+    split = SplitParameters(model) if tensor else None
     objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
     optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
     return Parallel(model, optimizer, step, split)
