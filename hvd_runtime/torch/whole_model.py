@@ -4,11 +4,12 @@
     model = load_whole_model(build_model(...), weights)                      # wherever it is served
     tracker.log_model(model_file(checkpoints, unsplit, out), ...)            # rank 0: the newest, logged
 
-A model split over ranks (pipeline stages, tensor-parallel slices) is never gathered whole into a
-training process: rank 0 reads the checkpoint every rank just wrote (hvd_runtime.torch.checkpoint)
-and writes each of the model's tensors into one file, assembled from its pieces, then drops it
-and the shards' memory maps before the next one. The writer's memory stays at its own share plus
-the largest single tensor.
+Every torch run ends with its model written this way, and its MLflow models are logged from such
+files (hvd_runtime.tracking.models.ModelFile). A model split over ranks (pipeline stages,
+tensor-parallel slices) is thus never gathered whole into a training process: rank 0 reads the
+checkpoint every rank just wrote (hvd_runtime.torch.checkpoint) and writes each of the model's
+tensors into one file, assembled from its pieces, then drops it and the shards' memory maps
+before the next one. The writer's memory stays at its own share plus the largest single tensor.
 The file is an ordinary safetensors file of the unsplit model's state_dict (a tied weight under
 each of its names), which `safetensors.torch.load_file` and `load_whole_model` read.
 

@@ -6,8 +6,8 @@ tracking process, see remote.py), so the training process need not import MLflow
 frameworks are found in sys.modules, never imported: a torch job has no TF, and the other way
 round.
 
-A model kept as a file (ModelFile: a split model's weights, written from its checkpoint's shards)
-is the exception: it is built whole, and its example run, only where it is logged.
+A torch model kept as a file (ModelFile: its weights, written by rank 0 from a checkpoint's
+shards) is the exception: it is built whole, and its example run, only where it is logged.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class ModelFile:
     discard: bool = False
 
     def load(self):
+        # imported here: this module never imports a framework, and only the process logging a
+        # ModelFile (where torch is loaded) builds one
         from hvd_runtime.torch.whole_model import load_whole_model
 
         return load_whole_model(self.build(), self.weights)

@@ -154,7 +154,7 @@ class Tracker(NullTracker):
         models.model_record) is skipped, with one warning. Which checkpoints are logged at all:
         config tracking.checkpoint_models (checkpoint_model_due).
 
-        A ModelFile (a split model's weights in one file, hvd_runtime.torch.whole_model) is logged
+        A ModelFile (a torch model's weights in one file, hvd_runtime.torch.whole_model) is logged
         as the torch model it builds; one not logged has its discardable file removed."""
         from .models import ModelFile, NoSnapshot, model_record
 
