@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -107,9 +108,13 @@ def load_whole_model(model: nn.Module, weights: Path) -> nn.Module:
     return model
 
 
+def _built_with(build, weights: str) -> nn.Module:
+    return load_whole_model(build(), weights)
+
+
 def model_file(store: CheckpointStore, build, out: Path, discard: bool = False) -> ModelFile:
     """Rank 0: the model of the store's newest checkpoint written to `out` (write_whole_model), as
-    the record a tracker logs: the unsplit model `build()` makes, with these weights (`discard`:
-    `out` is removed once logged)."""
-    newest = store.paths()[0]
-    return ModelFile(str(write_whole_model(newest, Path(out))), build, discard)
+    the record a tracker logs: the unsplit model `build()` makes, loaded with these weights where
+    it is logged (`discard`: `out` is removed once logged)."""
+    weights = str(write_whole_model(store.paths()[0], Path(out)))
+    return ModelFile(weights, partial(_built_with, build, weights), discard)

@@ -27,21 +27,15 @@ log = logging.getLogger("hvd_runtime.tracking")
 @dataclass(frozen=True)
 class ModelFile:
     """A torch model kept as a safetensors file of its whole state_dict
-    (hvd_runtime.torch.whole_model) and the function that builds it unsplit: what a run logs in place
-    of a live model, so that no training process holds the whole model to log it. Whoever logs it
-    builds it (`live`: the tracking process, or the spool when the server is down). `discard`: the
-    file is a copy made for this record alone, removed once it is logged (`finished`)."""
+    (hvd_runtime.torch.whole_model), and `load`, which builds the unsplit model with those weights:
+    what a run logs in place of a live model, so that no training process holds the whole model
+    to log it. Whoever logs it loads it (`live`: the tracking process, or the spool when the server
+    is down). `discard`: the file is a copy made for this record alone, removed once it is logged
+    (`finished`)."""
 
     weights: str
-    build: Callable
+    load: Callable
     discard: bool = False
-
-    def load(self):
-        # imported here: this module never imports a framework, and only the process logging a
-        # ModelFile (where torch is loaded) builds one
-        from hvd_runtime.torch.whole_model import load_whole_model
-
-        return load_whole_model(self.build(), self.weights)
 
     def finished(self) -> None:
         if self.discard:
