@@ -26,12 +26,9 @@ file system). Checkpoints written before shards (one `ckpt-<step>.pt`) still res
 
 from __future__ import annotations
 
-import base64
 import os
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from torch import nn
@@ -43,38 +40,10 @@ from hvd_runtime.shards import (INDEX, Copy, DamagedCheckpoint, Placement, index
                                 read_index, shard_name, write_json)
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
+from hvd_runtime.torch.legacy_checkpoint import legacy_payload, restore_legacy
+from hvd_runtime.torch.rng import rng_state, set_rng_state
 
 MODEL, OPTIMIZER = "model/", "optimizer/"
-
-
-# -- RNG states, as JSON (no pickle in a checkpoint) ----------------------------------------------
-
-def _bytes(t: torch.Tensor) -> str:
-    return base64.b64encode(t.numpy().tobytes()).decode()
-
-
-def _tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def rng_state() -> dict:
-    """This rank's Python, NumPy, torch and CUDA generator states, as JSON-ready values."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss],
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": _bytes(torch.get_rng_state()),
-            "cuda": [_bytes(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_tensor(state["torch"]))
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_tensor(s) for s in state["cuda"]])
 
 
 # -- what this rank holds, by whole-model name ----------------------------------------------------
@@ -320,8 +289,6 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     rank with the same ConfigError, before anything is written."""
     import horovod.torch as hvd
 
-    from hvd_runtime.torch.legacy_checkpoint import restore_legacy
-
     found = _newest_on_root(store, ctx, resume)
     if ctx.coords is None:
         return _restore_whole(found, parallel, ctx)
@@ -361,8 +328,6 @@ def _restore_whole(found, parallel, ctx: Context) -> TrainState:
     """Every rank holds the whole model: rank 0 reads, every rank starts from what it broadcasts."""
     import horovod.torch as hvd
 
-    from hvd_runtime.torch.legacy_checkpoint import legacy_payload
-
     module, optimizer = parallel.module, parallel.optimizer
     payload = None
     if ctx.is_root:
@@ -392,8 +357,6 @@ def restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Co
     """Rank 0 alone loads its latest checkpoint (if any), with no collective: an elastic job's
     state reaches the other ranks in its first sync (see ElasticStart). RNG states are not handed
     back (the world may differ)."""
-    from hvd_runtime.torch.legacy_checkpoint import legacy_payload
-
     found = _newest_on_root(store, ctx, resume)
     if isinstance(found, ConfigError):
         return ElasticStart(refusal=str(found))

@@ -15,6 +15,7 @@ from torch import nn
 from hvd_runtime.checkpoint import TrainState, misfit_message
 from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline.checkpoint import restore_own_stage
+from hvd_runtime.torch.rng import set_rng_state, tensor_text
 
 
 def model_misfit(saved: dict, current: dict) -> str | None:
@@ -31,15 +32,13 @@ def model_misfit(saved: dict, current: dict) -> str | None:
 
 def _json_rngs(rngs: list | None) -> list | None:
     """The per-rank RNG states of an old file (Python, NumPy and torch objects) in the form
-    hvd_runtime.torch.checkpoint.set_rng_state takes."""
-    from hvd_runtime.torch.checkpoint import _bytes
-
+    hvd_runtime.torch.rng.set_rng_state takes."""
     if not rngs:
         return None
     return [{"python": [s["python"][0], list(s["python"][1]), s["python"][2]],
              "numpy": [s["numpy"][0], s["numpy"][1].tolist(), *(x.item() if hasattr(x, "item") else x
                                                                 for x in s["numpy"][2:])],
-             "torch": _bytes(s["torch"]), "cuda": [_bytes(c) for c in s["cuda"]]} for s in rngs]
+             "torch": tensor_text(s["torch"]), "cuda": [tensor_text(c) for c in s["cuda"]]} for s in rngs]
 
 
 def _unsplit_shapes(module: nn.Module, split=None) -> dict[str, tuple[int, ...]]:
@@ -62,8 +61,6 @@ def restore_legacy(payload: dict | None, parallel, ctx) -> TrainState:
     import horovod.torch as hvd
 
     module, optimizer, split = parallel.module, parallel.optimizer, parallel.split
-    from hvd_runtime.torch.checkpoint import set_rng_state
-
     if payload is not None:
         payload = {**payload, "rng": _json_rngs(payload.get("rng"))}
     payload = hvd.broadcast_object(payload, root_rank=0, name="checkpoint.legacy")
