@@ -25,9 +25,9 @@ from keras import ops
 from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
                                                 split_range, vocab_range)
 
-__all__ = ["BLOCK_PLAN", "ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock", "TensorParallelEmbedding",
-           "TensorParallelError", "TensorParallelHead", "VocabParallelEmbedding", "apply_tp", "is_transformer_block",
-           "split_layers", "sum_over_group"]
+__all__ = ["BLOCK_PLAN", "ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock",
+           "TensorParallelEmbedding", "TensorParallelError", "TensorParallelHead", "VocabParallelEmbedding", "apply_tp",
+           "is_transformer_block", "split_layers", "sum_over_group"]
 
 
 def _sum_over(tensor, group: TensorGroup):

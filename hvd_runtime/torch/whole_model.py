@@ -50,7 +50,8 @@ def _header(reader: ShardReader, names: list[str]) -> tuple[bytes, list[tuple[st
         dtype = reader.file(piece["file"]).get_slice(piece["key"]).get_dtype()
         shape = tuple(saved["shape"])
         size = DTYPES[dtype] * int(torch.Size(shape).numel())
-        header[entry.removeprefix(MODEL)] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[entry.removeprefix(MODEL)] = {"dtype": dtype, "shape": list(shape),
+                                             "data_offsets": [offset, offset + size]}
         order.append((entry, shape))
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()

@@ -164,7 +164,8 @@ class RemoteSink:
 
 def _on_cpu(module) -> bool:
     """A live module with every tensor on the CPU, or a ModelFile (built on the CPU where it is logged)."""
-    return isinstance(module, ModelFile) or all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
+    return isinstance(module, ModelFile) or all(t.device.type == "cpu"
+                                                for t in (*module.parameters(), *module.buffers()))
 
 
 def _reply_to_failure(exc: BaseException) -> tuple:

@@ -127,7 +127,8 @@ def test_a_checkpoint_file_from_before_shards_is_written_whole_too(tmp_path):
     whole = {name: t.detach().clone() for name, t in build().state_dict().items()}
     store = CheckpointStore(tmp_path / "checkpoints", keep=3)
     (tmp_path / "checkpoints").mkdir()
-    torch.save({"model": build().state_dict(), "optimizer": {}, "state": {}}, tmp_path / "checkpoints" / "ckpt-000000009.pt")
+    torch.save({"model": build().state_dict(), "optimizer": {}, "state": {}},
+               tmp_path / "checkpoints" / "ckpt-000000009.pt")
     record = model_file(store, Tiny, tmp_path / "run" / "model.safetensors")
     loaded = load_file(record.weights)
     assert set(loaded) == set(whole) and all(torch.equal(loaded[k], v) for k, v in whole.items())
