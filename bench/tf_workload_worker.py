@@ -87,13 +87,13 @@ def run_ours(cfg, dataset, args) -> tuple[float, int, int]:
     import tensorflow as tf
 
     from hvd_runtime.loop import train_epoch
-    from hvd_runtime.tf import ShardedBatches, init_horovod, restore_or_broadcast
+    from hvd_runtime.tf import ShardedBatches, init_horovod, restore_checkpoint
     from hvd_runtime.tf.parallelize import parallelize
 
     ctx = init_horovod(cfg.seed, 1, cfg.horovod.cycle_time_ms)
     batches = ShardedBatches(dataset.train, cfg.train.batch_size, ctx.data_rank, ctx.data_size, seed=cfg.seed)
     parallel = parallelize(build(cfg, dataset), ctx, cfg, dataset, steps_per_epoch=len(batches))
-    state = restore_or_broadcast(None, parallel.module, parallel.optimizer, ctx, resume=False)  # rank 0's weights
+    state = restore_checkpoint(None, parallel, ctx, resume=False)  # rank 0's weights
     train_epoch(parallel.step, batches, state, is_root=ctx.is_root)  # warm-up (and tracing)
     barrier = lambda: hvd.allreduce(tf.zeros(()), name="bench.barrier")  # noqa: E731
     barrier()

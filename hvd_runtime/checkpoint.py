@@ -12,6 +12,7 @@ a full disk), the previous one is used, with a warning.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import tempfile
@@ -19,6 +20,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import numpy as np
 
 @dataclass
 class TrainState:
@@ -170,3 +173,18 @@ def root_payload(hvd, store: "CheckpointStore", snapshot: Callable, rng_state: C
     if not store.is_writer:
         return None
     return whole or snapshot(model, optimizer, state, rngs)
+
+
+def host_rng_state() -> dict:
+    """This rank's Python and NumPy generator states as JSON values (a checkpoint's index is JSON)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def set_host_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))

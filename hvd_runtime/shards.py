@@ -26,8 +26,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 FORMAT = 1
 INDEX = "index.json"
+MODEL, OPTIMIZER = "model/", "optimizer/"   # the prefixes of the model's and the optimizer's names
 
 
 class DamagedCheckpoint(ValueError):
@@ -138,6 +141,44 @@ def plan_reads(name: str, want: Placement, entry: dict) -> list[Copy]:
         raise DamagedCheckpoint(f"the checkpoint holds {covered} of the {start} rows {name} needs along "
                                 f"dimension {dim}")
     return copies
+
+
+class ShardReader:
+    """The files of one checkpoint folder, each opened once (memory-mapped); fills tensors placed as
+    this rank holds them. `framework`: safetensors' "pt" (torch tensors) or "np" (NumPy arrays)."""
+
+    def __init__(self, folder: Path, index: dict, framework: str = "pt"):
+        self.folder, self.index, self.framework, self._open = folder, index, framework, {}
+
+    def close(self) -> None:
+        """Let go of every opened file: its memory map, and with it the pages read so far."""
+        self._open.clear()
+
+    def file(self, name: str):
+        """The safetensors file `name` of the folder, opened on first use."""
+        from safetensors import safe_open
+
+        if name not in self._open:
+            self._open[name] = safe_open(self.folder / name, framework=self.framework, device="cpu")
+        return self._open[name]
+
+    def read(self, entry: str, want: Placement):
+        """The tensor `entry` as `want` places it, assembled from the rows of the pieces holding them."""
+        copies = plan_reads(entry, want, self.index["tensors"][entry])
+        if len(copies) == 1 and copies[0].dim is None:
+            return self.file(copies[0].file).get_tensor(copies[0].key)
+        out = None
+        for copy in copies:
+            piece = self._piece(copy)
+            if out is None:
+                out = piece.new_empty(want.local_shape) if self.framework == "pt" else \
+                    np.empty(want.local_shape, dtype=piece.dtype)
+            out[(slice(None),) * copy.dim + (slice(*copy.dst),)] = piece
+        return out
+
+    def _piece(self, copy: Copy):
+        sliced = self.file(copy.file).get_slice(copy.key)
+        return sliced[(slice(None),) * copy.dim + (slice(*copy.src),)]
 
 
 def merge_index(shards: list[dict], **fields) -> dict:

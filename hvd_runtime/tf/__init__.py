@@ -18,11 +18,12 @@ from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync  # noqa: 
 from hvd_runtime.tf.objective import accuracy, accuracy_sum, cross_entropy  # noqa: E402
 from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer  # noqa: E402
 from hvd_runtime.tf.precision import loss_scaled, use_precision  # noqa: E402
-from hvd_runtime.tf.state import TrainState, checkpoint_store, restore_or_broadcast, save_checkpoint  # noqa: E402
+from hvd_runtime.checkpoint import TrainState  # noqa: E402
+from hvd_runtime.tf.checkpoint import checkpoint_store, restore_checkpoint, save_checkpoint  # noqa: E402
 from hvd_runtime.tf.step import TrainStep  # noqa: E402
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm  # noqa: E402
 
 __all__ = ["AverageMetrics", "BroadcastVariables", "Context", "GradientAccumulator", "GradientSync",
            "ShardedBatches", "SyncBatchNormalization", "TrainState", "TrainStep", "WarmupSchedule", "accuracy",
            "accuracy_sum", "checkpoint_store", "cross_entropy", "distribute_fit", "init_horovod", "loss_scaled",
-           "make_optimizer", "restore_or_broadcast", "save_checkpoint", "use_precision", "use_sync_batchnorm"]
+           "make_optimizer", "restore_checkpoint", "save_checkpoint", "use_precision", "use_sync_batchnorm"]

@@ -23,7 +23,7 @@ from hvd_runtime.checkpoint import CheckpointStore, state_fields
 from hvd_runtime.elastic_reset import follow_resets, sync_now
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
-from hvd_runtime.tf.state import restore_on_root, shared_variables
+from hvd_runtime.tf.checkpoint import restore_on_root, shared_variables
 from hvd_runtime.tf.step import TrainStep
 
 

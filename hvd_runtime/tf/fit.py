@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import keras
 
+from hvd_runtime.tf.checkpoint import shared_variables
 from hvd_runtime.tf.gradients import GradientSync
-from hvd_runtime.tf.state import shared_variables
 
 
 def distribute_fit(model: keras.Model, sync: GradientSync) -> keras.Model:

@@ -30,7 +30,7 @@ from hvd_runtime.tf.gradients import GradientSync
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.optim import make_optimizer
 from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
-from hvd_runtime.tf.pipeline_state import newest_cut
+from hvd_runtime.tf.checkpoint import newest_cut
 from hvd_runtime.tf.precision import loss_scaled
 from hvd_runtime.tf.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.tf.step import TrainStep

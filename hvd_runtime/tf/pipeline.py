@@ -150,7 +150,7 @@ def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
     # Horovod: one model for the whole group, from its first rank
     hvd.broadcast_variables([v.value for v in stage.variables if "float" in str(v.dtype)], root_rank=root,
                             process_set=group.process_set)
-    return Stage(split_layers(stage.layers, group), stage.index, stage.plan)
+    return stage.with_layers(split_layers(stage.layers, group))
 
 
 def stage_state_variables(stage: Stage, optimizer) -> list:

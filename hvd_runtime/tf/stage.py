@@ -98,12 +98,19 @@ class Stage:
     """Layers [start, stop) of a model, called in order; the variables are the model's.
 
     With chunks, the layers of each of the rank's pieces in turn; `chunks` (kept as chunk_sizes)
-    says how many layers each piece has.
+    says how many layers each piece has. `positions`: each layer's index in the whole model's
+    layers, by which checkpoints name its variables (hvd_runtime.tf.checkpoint).
     """
 
-    def __init__(self, layers: Sequence, index: int, plan: Partition, chunks: Sequence[int] | None = None):
+    def __init__(self, layers: Sequence, index: int, plan: Partition, chunks: Sequence[int] | None = None,
+                 positions: Sequence[int] | None = None):
         self.layers, self.index, self.plan = list(layers), index, plan
         self.chunk_sizes = list(chunks) if chunks else [len(self.layers)]
+        self.positions = list(positions) if positions is not None else list(range(len(self.layers)))
+
+    def with_layers(self, layers: Sequence) -> "Stage":
+        """The same stage (index, cut, chunks, positions) of other layers in their places: its split."""
+        return Stage(layers, self.index, self.plan, self.chunk_sizes, self.positions)
 
     def __call__(self, x, training: bool = False):
         for layer in self.layers:
@@ -140,7 +147,8 @@ def rank_stage(model, index: int, plan: Partition, stages: int) -> Stage:
     if plan.stages % stages:
         raise PartitionError(f"partition has {plan.stages} stages, not a multiple of the pipeline's {stages}")
     pieces = [build_stage(model, piece, plan) for piece in range(index, plan.stages, stages)]
-    return Stage([layer for piece in pieces for layer in piece.layers], index, plan, [len(p.layers) for p in pieces])
+    return Stage([layer for piece in pieces for layer in piece.layers], index, plan, [len(p.layers) for p in pieces],
+                 [k for piece in pieces for k in piece.positions])
 
 
 def build_stage(model, index: int, plan: Partition) -> Stage:
@@ -150,4 +158,4 @@ def build_stage(model, index: int, plan: Partition) -> Stage:
     if list(plan.names) != [n for n, _ in named_blocks(model)]:
         raise PartitionError("the partition was planned for another model: plan it with plan_stages(model, ...)")
     start, stop = plan.bounds[index]
-    return Stage([layer for _, layer in named_blocks(model)[start:stop]], index, plan)
+    return Stage([layer for _, layer in named_blocks(model)[start:stop]], index, plan, positions=range(start, stop))

@@ -60,6 +60,7 @@ class _SplitDense(keras.layers.Layer):
         # One name on every rank: in a tf.function, op names (and so Horovod's tensor names) must match.
         super().__init__(dtype=dense.dtype_policy, name=f"{dense.name}_tp")
         self.group, self.source_index = group, source_index
+        self.whole_kernel_shape = tuple(dense.kernel.shape)   # where the slices sit (checkpoints)
         # The unsplit Dense it came from, not tracked: its weights are not this layer's to train.
         object.__setattr__(self, "source", dense)
         self.activation = dense.activation
@@ -172,6 +173,7 @@ class VocabParallelEmbedding(keras.layers.Layer):
         part = vocab_range(embedding.input_dim, group.size, group.rank)
         self.group, self.start, self.stop = group, part.start, part.stop
         self.source_index = np.arange(part.start, part.stop)  # the original rows (token ids) held
+        self.whole_shape = tuple(embedding.embeddings.shape)
         rows = embedding.embeddings.numpy()[part]
         self.embeddings = self.add_weight(shape=rows.shape, initializer="zeros", name="embeddings")
         self.embeddings.assign(rows)

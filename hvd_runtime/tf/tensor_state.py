@@ -1,10 +1,12 @@
-"""A tensor-parallel Keras model's state in the unsplit model's format: gathered to save, sliced to load.
+"""Which variables of a tensor-parallel Keras model are slices, of what, and the clipping norm over them.
 
-The TensorFlow side of `hvd_runtime.torch.tensor_state` (see there for why). A TF checkpoint is
-the list of the model's variables and the list of the optimizer's, in order; apply_tp keeps the
-unsplit model's variable order, so the gathered lists are the unsplit model's own. An optimizer
+The TensorFlow side of `hvd_runtime.torch.tensor_state`. Each split variable's Split says the
+unsplit variable's shape, the axis it was cut along and the positions this rank holds: where a
+sharded checkpoint places the slice (hvd_runtime.tf.checkpoint). A checkpoint written before
+shards is the lists of the unsplit model's variables and the optimizer's, in order (apply_tp
+keeps the unsplit model's variable order): each rank takes its slices of them. An optimizer
 variable made for a model variable (momentum, Adam's moments) is named after that variable's
-path by Keras, and is gathered and sliced with it.
+path by Keras, and is sliced with it.
 
 The clipping norm is the whole model's: the split variables' squares summed over the group, the
 whole ones counted once.
@@ -23,11 +25,13 @@ from hvd_runtime.tf.tensor_parallel import ColumnParallelDense, RowParallelDense
 
 @dataclass(frozen=True)
 class Split:
-    """How one variable is split: along `axis`, this rank holding the original positions `index`."""
+    """How one variable is split: along `axis`, this rank holding the original positions `index`
+    of the unsplit variable's `shape`."""
 
     axis: int
     index: np.ndarray
     group: TensorGroup
+    shape: tuple[int, ...]
 
 
 def _splits(model) -> dict[int, Split]:
@@ -37,24 +41,14 @@ def _splits(model) -> dict[int, Split]:
              if isinstance(d, (ColumnParallelDense, RowParallelDense, VocabParallelEmbedding))]
     for layer in split:
         if isinstance(layer, VocabParallelEmbedding):
-            splits[id(layer.embeddings)] = Split(0, layer.source_index, layer.group)
+            splits[id(layer.embeddings)] = Split(0, layer.source_index, layer.group, layer.whole_shape)
         elif isinstance(layer, ColumnParallelDense):
-            splits[id(layer.kernel)] = Split(1, layer.source_index, layer.group)
+            splits[id(layer.kernel)] = Split(1, layer.source_index, layer.group, layer.whole_kernel_shape)
             if layer.bias is not None:
-                splits[id(layer.bias)] = Split(0, layer.source_index, layer.group)
+                splits[id(layer.bias)] = Split(0, layer.source_index, layer.group, layer.whole_kernel_shape[1:])
         elif isinstance(layer, RowParallelDense):
-            splits[id(layer.kernel)] = Split(0, layer.source_index, layer.group)
+            splits[id(layer.kernel)] = Split(0, layer.source_index, layer.group, layer.whole_kernel_shape)
     return splits
-
-
-def _gather(array: np.ndarray, split: Split) -> np.ndarray:
-    import horovod.tensorflow as hvd
-
-    pieces = hvd.allgather(np.moveaxis(array, split.axis, 0), process_set=split.group.process_set).numpy()
-    positions = hvd.allgather(split.index.astype(np.int64), process_set=split.group.process_set).numpy()
-    whole = np.empty_like(pieces)
-    whole[positions] = pieces
-    return np.moveaxis(whole, 0, split.axis)
 
 
 def _take(array: np.ndarray, split: Split) -> np.ndarray:
@@ -78,26 +72,6 @@ class SplitVariables:
     def model_splits(self) -> list[Split | None]:
         return [self.by_id.get(id(v)) for v in self.model.variables]
 
-    def full_arrays(self, variables, splits) -> list[np.ndarray]:
-        """The variables' values, split ones gathered whole; every rank of the job must call it."""
-        import horovod.tensorflow as hvd
-
-        whole = [np.asarray(v) if s is None else _gather(np.asarray(v), s) for v, s in zip(variables, splits)]
-        # A barrier (horovod.tensorflow has no hvd.barrier): no group leaves the job while another still gathers.
-        hvd.allreduce(tf.zeros(()), op=hvd.Sum, name="tp.gathered")
-        return whole
-
-    def full_model_arrays(self) -> list[np.ndarray]:
-        return self.full_arrays(self.model.variables, self.model_splits())
-
-    def whole_model(self, unsplit):
-        """`unsplit` (a fresh build of the same model) holding the trained weights; every rank calls."""
-        unsplit.set_weights(self.full_model_arrays())
-        return unsplit
-
-    def full_optimizer_arrays(self, optimizer) -> list[np.ndarray]:
-        return self.full_arrays(optimizer.variables, self.optimizer_splits(optimizer))
-
     def local_model_arrays(self, arrays) -> list[np.ndarray]:
         return [a if s is None else _take(a, s) for a, s in zip(arrays, self.model_splits())]
 
@@ -113,13 +87,7 @@ class SplitVariables:
 
     @staticmethod
     def _saved_shapes(variables, splits) -> list[tuple[int, ...]]:
-        shapes = []
-        for v, s in zip(variables, splits):
-            shape = list(v.shape)
-            if s is not None:
-                shape[s.axis] *= s.group.size
-            shapes.append(tuple(shape))
-        return shapes
+        return [tuple(v.shape) if s is None else tuple(s.shape) for v, s in zip(variables, splits)]
 
     def grad_norm(self, grads, variables) -> tf.Tensor:
         """The whole model's gradient L2 norm, the same on every rank of a tensor-parallel group."""

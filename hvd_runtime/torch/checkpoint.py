@@ -33,18 +33,15 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from hvd_runtime.checkpoint import (CheckpointStore, ElasticStart, TrainState, announce_resume, misfit_message,
-                                    state_fields)
+from hvd_runtime import sharded
+from hvd_runtime.checkpoint import CheckpointStore, ElasticStart, TrainState, misfit_message, state_fields
 from hvd_runtime.config import ConfigError
-from hvd_runtime.shards import (INDEX, Copy, DamagedCheckpoint, Placement, index_misfit, merge_index, plan_reads,
-                                read_index, shard_name, write_json)
+from hvd_runtime.shards import MODEL, OPTIMIZER, Placement, ShardReader, index_misfit, shard_name
+from hvd_runtime.sharded import newest_on_root, read_held, write_checkpoint
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.legacy_checkpoint import legacy_payload, restore_legacy
 from hvd_runtime.torch.rng import rng_state, set_rng_state
-
-MODEL, OPTIMIZER = "model/", "optimizer/"
-
 
 # -- what this rank holds, by whole-model name ----------------------------------------------------
 
@@ -123,93 +120,24 @@ def _cut(module: nn.Module) -> dict | None:
 
 
 def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Path | None:
-    """Every rank calls: the first replica's ranks each write their shard, rank 0 the index, last.
-
-    Returns the checkpoint folder on rank 0, None elsewhere. A rank that fails to write (a full
-    disk) makes every rank raise the same error, and the folder is never published: the previous
-    checkpoint stays the newest.
+    """Every rank calls: the first replica's ranks each write their shard, rank 0 the index, last
+    (hvd_runtime.sharded.write_checkpoint). Returns the checkpoint folder on rank 0, None elsewhere.
+    A rank that fails to write (a full disk) makes every rank raise the same error, and the folder
+    is never published: the previous checkpoint stays the newest.
     """
     import horovod.torch as hvd
 
     module, optimizer = parallel.module, parallel.optimizer
     if ctx.dp_set is not None:
         average_buffers(module, process_set=ctx.dp_set, name="checkpoint.buffers")
-    rngs = hvd.allgather_object(rng_state(), name="checkpoint.rng")
-    staging = None
-    if store.is_writer:
-        try:
-            staging = str(store.staging(state.step).resolve())  # rank 0's folder, wherever a rank runs
-        except OSError as exc:
-            staging = OSError(f"cannot make {store.directory}: {exc}")
-    staging = hvd.broadcast_object(staging, root_rank=0, name="checkpoint.staging")
-    if isinstance(staging, Exception):
-        raise staging
-    description = None
-    if ctx.data_rank == 0:
-        coords = ctx.coords
-        try:
-            description = _write_shard(Path(staging), ctx.rank, held_tensors(module, optimizer, parallel.split),
-                                       write_whole=coords is None or coords.tp == 0)
-        except OSError as exc:
-            description = {"error": f"rank {ctx.rank} could not write its shard in {staging} ({exc}): every rank "
-                                    "must see --checkpoint.dir (a shared volume)"}
-    shards = [d for d in hvd.allgather_object(description, name="checkpoint.shards") if d is not None]
-    failed = next((d["error"] for d in shards if "error" in d), None)
-    outcome = final = None
-    if store.is_writer:
-        try:
-            if failed:
-                raise OSError(failed)
-            index = merge_index(shards, step=state.step, state=state_fields(state), rng=rngs, cut=_cut(module))
-            write_json(Path(staging) / INDEX, index)
-            final = store.publish(state.step, Path(staging))
-        except OSError as exc:
-            import shutil
 
-            shutil.rmtree(staging, ignore_errors=True)
-            outcome = f"checkpoint {state.step} was not written, the previous one stays the newest: {exc}"
-    outcome = hvd.broadcast_object(outcome, root_rank=0, name="checkpoint.outcome")
-    if outcome:
-        raise OSError(outcome)
-    return final
+    def write_shard(folder: Path, write_whole: bool) -> dict:
+        return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole)
+
+    return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(), _cut(module))
 
 
 # -- reading ----------------------------------------------------------------------------------------
-
-class ShardReader:
-    """The files of one checkpoint folder, each opened once; fills tensors placed as this rank holds them."""
-
-    def __init__(self, folder: Path, index: dict):
-        self.folder, self.index, self._open = folder, index, {}
-
-    def close(self) -> None:
-        """Let go of every opened file: its memory map, and with it the pages read so far."""
-        self._open.clear()
-
-    def file(self, name: str):
-        """The safetensors file `name` of the folder, opened (memory-mapped) on first use."""
-        from safetensors import safe_open
-
-        if name not in self._open:
-            self._open[name] = safe_open(self.folder / name, framework="pt", device="cpu")
-        return self._open[name]
-
-    def read(self, entry: str, want: Placement) -> torch.Tensor:
-        copies = plan_reads(entry, want, self.index["tensors"][entry])
-        if len(copies) == 1 and copies[0].dim is None:
-            return self.file(copies[0].file).get_tensor(copies[0].key)
-        out = None
-        for copy in copies:
-            piece = self._piece(copy)
-            if out is None:
-                out = torch.empty(want.local_shape, dtype=piece.dtype)
-            out.narrow(copy.dim, copy.dst[0], copy.dst[1] - copy.dst[0]).copy_(piece)
-        return out
-
-    def _piece(self, copy: Copy) -> torch.Tensor:
-        sliced = self.file(copy.file).get_slice(copy.key)
-        return sliced[(slice(None),) * copy.dim + (slice(*copy.src),)]
-
 
 def wanted_shapes(module: nn.Module, split=None) -> dict[str, tuple[int, ...]]:
     """`model/<name>` of every tensor this rank holds, with its whole shape."""
@@ -237,40 +165,12 @@ def _load_held(reader: ShardReader, module: nn.Module, optimizer, split=None) ->
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
-def _read_newest(store: CheckpointStore):
-    """Rank 0: (path, index) of the newest sharded checkpoint whose files are all there, or (path,
-    payload) of a checkpoint written before shards; None if there is none. Each damaged one is
-    warned about and the previous one tried; when none can be read, a ConfigError names the newest's
-    problem (training afresh would prune them)."""
-    problems = []
-
-    def read(path: Path):
-        try:
-            if path.is_dir():
-                return read_index(path)
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # a corrupt file can raise almost anything from the unpickler
-            problems.append(f"{path.name}: {exc}")
-            raise
-
-    found = store.load_latest(read)
-    if found is None and problems:
-        raise ConfigError(f"no checkpoint in {store.directory} can be read (the newest, {problems[0]}): move them "
-                          "aside or pass --checkpoint.resume false to start over")
-    return found
+def _read_legacy(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _newest_on_root(store: CheckpointStore, ctx: Context, resume: bool):
-    """Rank 0's _read_newest (announced), or the ConfigError it raised, for rank 0 to hand on; None elsewhere."""
-    if not (ctx.is_root and resume):
-        return None
-    try:
-        found = _read_newest(store)
-    except ConfigError as exc:
-        return exc
-    if found is not None:
-        announce_resume(*found)
-    return found
+    return newest_on_root(store, ctx, resume, _read_legacy)
 
 
 def _whole_payload(folder: Path, index: dict, module: nn.Module, optimizer) -> dict:
@@ -292,36 +192,9 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     found = _newest_on_root(store, ctx, resume)
     if ctx.coords is None:
         return _restore_whole(found, parallel, ctx)
-    where = found if found is None or isinstance(found, ConfigError) else (
-        str(found[0].resolve()), found[1] if found[0].is_dir() else None)
-    where = hvd.broadcast_object(where, root_rank=0, name="checkpoint.newest")
-    if isinstance(where, ConfigError):
-        raise where
-    if where is None:
-        return TrainState()
-    path, index = Path(where[0]), where[1]
-    if index is None:
-        return restore_legacy(found[1] if ctx.is_root else None, parallel, ctx)
-    verdict = None
-    try:
-        reader = ShardReader(path, index)
-        names = hvd.allgather_object(wanted_shapes(parallel.module, parallel.split), name="checkpoint.names")
-        misfit = index_misfit(index, {k: v for mine in names for k, v in mine.items()})
-        if misfit:
-            verdict = misfit_message(misfit)
-        else:
-            _load_held(reader, parallel.module, parallel.optimizer, parallel.split)
-    except (DamagedCheckpoint, OSError, SafetensorError) as exc:
-        verdict = (f"the checkpoint {path} cannot be read on rank {ctx.rank} ({exc}): every rank must see "
-                   "--checkpoint.dir (a shared volume); move the damaged folder aside to resume from the "
-                   "previous one, or pass --checkpoint.resume false")
-    verdicts = [v for v in hvd.allgather_object(verdict, name="checkpoint.fits") if v]
-    if verdicts:
-        raise ConfigError(verdicts[0])
-    rngs = index.get("rng")
-    if rngs and len(rngs) == ctx.size:
-        set_rng_state(rngs[ctx.rank])
-    return TrainState(**index["state"])
+    return read_held(hvd, found, ctx, "pt", lambda: wanted_shapes(parallel.module, parallel.split),
+                     lambda reader: _load_held(reader, parallel.module, parallel.optimizer, parallel.split),
+                     (SafetensorError,), lambda payload: restore_legacy(payload, parallel, ctx), set_rng_state)
 
 
 def _restore_whole(found, parallel, ctx: Context) -> TrainState:
@@ -373,18 +246,10 @@ def restore_on_root(store: CheckpointStore, model: nn.Module, optimizer, ctx: Co
 
 def newest_cut(checkpoint_cfg, ctx) -> dict | None:
     """Where the newest checkpoint's pipeline stages were cut (rank 0 reads its index, every rank
-    gets it); None when there is none to resume. Read before the stages are built, so that
-    `partition: time` cuts a resumed run where it was cut before."""
+    gets it); None when there is none to resume. Read before the stages are built."""
     import horovod.torch as hvd
 
-    cut = None
-    if ctx.is_root and checkpoint_cfg.resume:
-        try:
-            found = _read_newest(checkpoint_store(checkpoint_cfg, ctx))
-        except ConfigError:
-            found = None       # restore_checkpoint refuses it, on every rank
-        cut = found[1].get("cut") if found else None
-    return hvd.broadcast_object(cut, root_rank=0, name="pp.newest_cut")
+    return sharded.newest_cut(hvd, checkpoint_store(checkpoint_cfg, ctx), ctx, checkpoint_cfg.resume, _read_legacy)
 
 
 def checkpoint_store(cfg, ctx: Context) -> CheckpointStore:

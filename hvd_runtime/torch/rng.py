@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 import base64
-import random
 
-import numpy as np
 import torch
+
+from hvd_runtime.checkpoint import host_rng_state, set_host_rng_state
 
 __all__ = ["rng_state", "set_rng_state", "tensor_text"]
 
@@ -26,19 +26,12 @@ def _tensor(text: str) -> torch.Tensor:
 
 def rng_state() -> dict:
     """This rank's Python, NumPy, torch and CUDA generator states, as JSON-ready values."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss],
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": tensor_text(torch.get_rng_state()),
+    return {**host_rng_state(), "torch": tensor_text(torch.get_rng_state()),
             "cuda": [tensor_text(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    set_host_rng_state(state)
     torch.set_rng_state(_tensor(state["torch"]))
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_tensor(s) for s in state["cuda"]])

@@ -6,8 +6,8 @@ tracking process, see remote.py), so the training process need not import MLflow
 frameworks are found in sys.modules, never imported: a torch job has no TF, and the other way
 round.
 
-A torch model kept as a file (ModelFile: its weights, written by rank 0 from a checkpoint's
-shards) is the exception: it is built whole, and its example run, only where it is logged.
+A model kept as a file (ModelFile: its weights, written by rank 0 from a checkpoint's shards) is
+the exception: it is built whole, and its example run, only where it is logged.
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ log = logging.getLogger("hvd_runtime.tracking")
 
 @dataclass(frozen=True)
 class ModelFile:
-    """A torch model kept as a safetensors file of its whole state_dict
-    (hvd_runtime.torch.whole_model), and `load`, which builds the unsplit model with those weights:
+    """A model kept as a safetensors file of its whole weights (hvd_runtime.torch.whole_model,
+    hvd_runtime.tf.whole_model), and `load`, which builds the unsplit model with those weights:
     what a run logs in place of a live model, so that no training process holds the whole model
-    to log it. Whoever logs it loads it (`live`: the tracking process, or the spool when the server
-    is down). `discard`: the file is a copy made for this record alone, removed once it is logged
-    (`finished`)."""
+    while it trains to log it. Whoever logs it loads it (`live`: a torch model in the tracking
+    process, a Keras one where it is logged, or the spool when the server is down). `discard`: the
+    file is a copy made for this record alone, removed once it is logged (`finished`). `flavor`:
+    MLflow's, "pytorch" or "tensorflow"."""
 
     weights: str
     load: Callable
     discard: bool = False
+    flavor: str = "pytorch"
 
     def finished(self) -> None:
         if self.discard:
@@ -52,7 +54,8 @@ def live(record: dict) -> dict:
     if not isinstance(model, ModelFile):
         return record
     whole = model.load()
-    inputs, outputs = _torch_forward(whole, record["input_example"])
+    forward = _torch_forward if model.flavor == "pytorch" else _keras_forward
+    inputs, outputs = forward(whole, record["input_example"])
     return {**record, "model": whole, "input_example": inputs, "output_example": outputs}
 
 
@@ -122,7 +125,7 @@ def model_record(model, input_example, name: str = "model", step: int = 0, check
     NoSnapshot rather than log later weights under its name. A ModelFile is its own snapshot.
     """
     if isinstance(model, ModelFile):  # built and run where it is logged (live)
-        return {"kind": "model", "flavor": "pytorch", "name": name, "model": model,
+        return {"kind": "model", "flavor": model.flavor, "name": name, "model": model,
                 "input_example": np.asarray(input_example), "output_example": None, "step": int(step)}
     flavor = flavor_of(model)
     inputs, outputs = (_torch_forward if flavor == "pytorch" else _keras_forward)(model, input_example)

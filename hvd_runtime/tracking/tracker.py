@@ -154,8 +154,9 @@ class Tracker(NullTracker):
         models.model_record) is skipped, with one warning. Which checkpoints are logged at all:
         config tracking.checkpoint_models (checkpoint_model_due).
 
-        A ModelFile (a torch model's weights in one file, hvd_runtime.torch.whole_model) is logged
-        as the torch model it builds; one not logged has its discardable file removed."""
+        A ModelFile (a model's weights in one file, hvd_runtime.torch.whole_model or
+        hvd_runtime.tf.whole_model) is logged as the model it builds; one not logged has its
+        discardable file removed."""
         from .models import ModelFile, NoSnapshot, model_record
 
         if self._closed or (checkpoint and not self.wants_checkpoint_model()):

@@ -166,5 +166,4 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path, framewo
     assert run.info.status == "FINISHED" and run.data.params["world_size"] == str(full)
     assert run.data.metrics["val_accuracy"] > 0.85
     # The checkpoints on the volume go on past the kill: written by the new rank 0.
-    suffix = "" if framework == "torch" else ".pkl"   # torch: a folder of shards
-    assert max(int(p.name.split("-")[1].split(".")[0]) for p in volume.glob(f"ckpt-*{suffix}")) == final_step
+    assert max(int(p.name.split("-")[1]) for p in volume.glob("ckpt-*")) == final_step   # folders of shards

@@ -68,10 +68,10 @@ if RANK is not None:
                                                                      torch_weights)
     else:
         import hvd_runtime.tf as package
-        import hvd_runtime.tf.state as state
+        import hvd_runtime.tf.checkpoint as checkpoint
 
-        state.save_checkpoint = package.save_checkpoint = after(
-            state.save_checkpoint, lambda *args: "model", lambda store, model, *rest: model.get_weights())
+        checkpoint.save_checkpoint = package.save_checkpoint = after(
+            checkpoint.save_checkpoint, lambda *args: "model", lambda store, parallel, *rest: parallel.module.get_weights())
 '''
 
 
@@ -127,13 +127,10 @@ def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, c
         written = [n for n in (*WORKSPACE_OUTPUTS, "checkpoints") if (pod.files / "workspace" / n).exists()
                    and (n != "checkpoints" or any((pod.files / "workspace" / n).iterdir()))]
         assert not written, f"{pod.name} wrote {written}"
-    if framework == "torch":  # a folder: one shard from each rank of the first replica (rank 0 alone in data)
-        [saved] = volume.iterdir()
-        shards = {"rank-00000.safetensors", "rank-00001.safetensors"} if strategy == "pipeline" \
-            else {"rank-00000.safetensors"}
-        assert {p.name for p in saved.iterdir()} == {"index.json", *shards}, "not the checkpoint's shards alone"
-    else:
-        assert [p.suffix for p in volume.iterdir()] == [".pkl"], "rank 0's checkpoint is not (alone) on the volume"
+    # a folder: one shard from each rank of the first replica (rank 0 alone in data)
+    [saved] = volume.iterdir()
+    shards = {"rank-00000.safetensors", "rank-00001.safetensors"} if strategy == "pipeline" else {"rank-00000.safetensors"}
+    assert {p.name for p in saved.iterdir()} == {"index.json", *shards}, "not the checkpoint's shards alone"
     written = [volume, *volume.rglob("*")]
     assert {p.stat().st_uid for p in written[1:]} == {0 if user else 1000}, "not written as the job's user"
 

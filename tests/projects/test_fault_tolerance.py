@@ -34,7 +34,6 @@ from hvd_runtime.data import load_dataset
 pytestmark = pytest.mark.slow
 N_TRAIN = len(load_dataset(DataConfig(), seed=42).train)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-SUFFIX = {"torch": "", "tensorflow": ".pkl"}  # torch: a folder of shards
 NO_TF = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                            reason="TensorFlow is not installed: the TF project is not tested here")
 FRAMEWORKS = ["torch", pytest.param("tensorflow", marks=NO_TF)]
@@ -86,8 +85,9 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def checkpoint_steps(directory: Path, suffix: str) -> list[int]:
-    return sorted(int(p.name.split("-")[1].split(".")[0]) for p in directory.glob(f"ckpt-*{suffix}"))
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The steps of the checkpoints in `directory` (folders of shards, both frameworks)."""
+    return sorted(int(p.name.split("-")[1]) for p in directory.glob("ckpt-*"))
 
 
 class Job:
@@ -206,15 +206,15 @@ def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strat
     if killed == 1:
         assert not [p for p in (ranks / "rank1").rglob("*") if p.is_file()], "rank 1 must not write anything"
     else:  # the old rank 1 wrote only once it was rank 0: checkpoints after the commit, epochs after the reset
-        assert min(checkpoint_steps(survivor / "checkpoints", SUFFIX[framework])) > step
+        assert min(checkpoint_steps(survivor / "checkpoints")) > step
         assert metrics(survivor / "runs" / "latest")[0]["epoch"] == epoch + 1
     if framework == "tensorflow":  # the LR follows the world size: at 1 rank it is the one-rank LR
         assert float(re.search(r"lr ([\d.e-]+)", reset).group(1)) == pytest.approx(0.05)
 
     writer = first if killed == 1 else survivor
-    after = min(s for s in checkpoint_steps(writer / "checkpoints", SUFFIX[framework]) if s > step)
+    after = min(s for s in checkpoint_steps(writer / "checkpoints") if s > step)
     assert after == step + commit_every, "training did not go on from the commit"
-    trained_at = (writer / "checkpoints" / f"ckpt-{after:09d}{SUFFIX[framework]}").stat().st_mtime
+    trained_at = (writer / "checkpoints" / f"ckpt-{after:09d}").stat().st_mtime
     print(f"{framework} {strategy}, rank {killed} killed: reset {reset_at - killed_at:.1f}s after the kill; "
           f"step {after} ({commit_every} steps past the commit) done {trained_at - killed_wall:.1f}s after it")
 
@@ -222,7 +222,6 @@ def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strat
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_full_restart_reaches_the_same_result(tmp_path, framework):
     project = generate(tmp_path, "--framework", framework)
-    suffix = SUFFIX[framework]
     common = ["--train.epochs", "5", "--checkpoint.every_steps", "10"]
     run_horovod(2, [sys.executable, "train.py", *common, *UNTRACKED, "--run_dir", str(tmp_path / "a"),
                     "--checkpoint.dir", str(tmp_path / "a-ckpt")], cwd=project)
@@ -235,16 +234,16 @@ def test_full_restart_reaches_the_same_result(tmp_path, framework):
     steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / 32)
     job = Job(args, cwd=project)
     deadline = time.monotonic() + 240
-    while not any(s % steps_per_epoch for s in checkpoint_steps(ckpt, suffix) if s > steps_per_epoch):
+    while not any(s % steps_per_epoch for s in checkpoint_steps(ckpt) if s > steps_per_epoch):
         assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-3000:]
         time.sleep(0.05)
     job.kill()  # the whole job, mid-epoch, right after a mid-epoch checkpoint
-    newest = checkpoint_steps(ckpt, suffix)[-1]
+    newest = checkpoint_steps(ckpt)[-1]
     resumed_epoch = newest // steps_per_epoch
     assert resumed_epoch < 4, "killed too late: the last epoch would not be resumed"
 
     resumed = run_horovod(2, args[5:], cwd=project)
-    assert f"resuming from {ckpt / f'ckpt-{newest:09d}{suffix}'}: epoch {resumed_epoch}, step {newest}" in resumed.stdout
+    assert f"resuming from {ckpt / f'ckpt-{newest:09d}'}: epoch {resumed_epoch}, step {newest}" in resumed.stdout
     by_epoch = {m["epoch"]: m for m in metrics(tmp_path / "b")}   # the resumed run's line wins
     for expected in metrics(tmp_path / "a")[resumed_epoch:]:
         got = by_epoch[expected["epoch"]]
@@ -270,8 +269,8 @@ def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, framework):
     args = [sys.executable, "train.py", "--train.epochs", "2", "--run_dir", str(tmp_path / "run"),
             "--checkpoint.dir", str(tmp_path / "ckpt"), *UNTRACKED]
     run_horovod(2, args, cwd=project)
-    newest, previous = sorted((tmp_path / "ckpt").glob(f"ckpt-*{SUFFIX[framework]}"), reverse=True)[:2]
-    damaged = newest / "rank-00000.safetensors" if newest.is_dir() else newest
+    newest, previous = sorted((tmp_path / "ckpt").glob("ckpt-*"), reverse=True)[:2]
+    damaged = newest / "rank-00000.safetensors"
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
 
     again = run_horovod(2, [*args[:3], "3", *args[4:]], cwd=project)

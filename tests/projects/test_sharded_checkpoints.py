@@ -1,11 +1,11 @@
-"""torch's checkpoints as folders of shards, tried as a user would: generated projects under horovodrun.
+"""Checkpoints as folders of shards, tried as a user would: generated projects under horovodrun.
 
-- Resume at any layout: a GPT pipeline of 2 stages x tp 2 (4 ranks) trains three epochs; its
+- Resume at any layout (torch and TensorFlow): a GPT pipeline of 2 stages x tp 2 (4 ranks) trains three epochs; its
   epoch-1 checkpoint resumes unsplit (1 rank), at tp 2 and at pp 2, and the checkpoint each of
   those writes after epoch 2 resumes back at pp 2 x tp 2. Every resumed epoch equals the straight
   run's within 1e-5: each rank read exactly its rows of every tensor, whoever wrote them.
 - The whole model rank 0 writes from the shards at the end of a run (runs/latest/model.safetensors)
-  is the unsplit model's state_dict, and the same (1e-5) whether 1, 2 or 4 ranks' shards made it:
+  is the unsplit model's (torch: its state_dict; Keras: its variables by name), and the same (1e-5) whether 1, 2 or 4 ranks' shards made it:
   the straight run's and each run resumed back; the runs at unsplit, tp 2 and pp 2 alike.
 - A job SIGKILLed in the middle of writing its shards (rank 1's written, rank 0's index not yet)
   resumes from the previous checkpoint, on the straight run's losses; the half-written folder is
@@ -52,14 +52,22 @@ def assert_same(got: dict, expected: dict, what: str) -> None:
         assert got[key] == pytest.approx(expected[key], rel=1e-5), (what, key)
 
 
-def test_a_checkpoint_resumes_at_every_layout_and_back(tmp_path):
-    project, args = generate(tmp_path, "torch", "--strategy", "pipeline", "--stages", "2", "--tp", "2")
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_checkpoint_resumes_at_every_layout_and_back(tmp_path, framework):
+    project, args = generate(tmp_path, framework, "--strategy", "pipeline", "--stages", "2", "--tp", "2")
     np_, layout = at("pp2xtp2")
-    straight, _, _ = train(np_, project, tmp_path / "straight", 3, *args, *layout, digest=False)
+    straight, out, _ = train(np_, project, tmp_path / "straight", 3, *args, *layout, digest=False)
+    assert "pipeline of 2 stages (tp 2) x 1 replica(s)" in out
+    assert straight[2]["train_loss"] < straight[0]["train_loss"]
     first = straight[0]["step"]
+    assert not list((tmp_path / "straight").glob("rank[123]/checkpoints/*")), "a checkpoint outside rank 0's folder"
     [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{first:09d}")
     assert {p.name for p in saved.iterdir()} == {"index.json", *(f"rank-0000{r}.safetensors" for r in range(4))}
-    assert_whole_models_equal([whole_model(tmp_path / "straight")])
+    # the index names the whole model's tensors, with their whole shapes, never a slice's
+    shapes = {name.removeprefix("model/"): tuple(t["shape"])
+              for name, t in json.loads((saved / "index.json").read_text())["tensors"].items()}
+    assert {name: shapes.get(name) for name in WHOLE[framework]} == WHOLE[framework]
+    assert_whole_models_equal([whole_model(tmp_path / "straight")], framework)
     epoch_2 = {}
     for name in ("unsplit", "tp2", "pp2"):
         ranks = tmp_path / name
@@ -75,43 +83,50 @@ def test_a_checkpoint_resumes_at_every_layout_and_back(tmp_path):
         back, out, _ = train(np_, project, ranks, 3, *args, *layout, digest=False)
         assert f"resuming from checkpoints/ckpt-{straight[1]['step']:09d}: epoch 2" in out
         assert_same(back[-1], straight[2], f"{name} resumed at pp2xtp2")
-        assert_whole_models_equal([whole_model(tmp_path / "straight"), whole_model(ranks)])
+        assert_whole_models_equal([whole_model(tmp_path / "straight"), whole_model(ranks)], framework)
     # the model file rank 0 writes from 1, 2 (tp) and 2 (stages) shards: one unsplit model
-    assert_whole_models_equal(list(epoch_2.values()))
+    assert_whole_models_equal(list(epoch_2.values()), framework)
 
 
 def whole_model(ranks: Path) -> dict:
-    """The model.safetensors rank 0 wrote at the end of the run (no other rank writes one)."""
-    from safetensors.torch import load_file
+    """The model.safetensors rank 0 wrote at the end of the run (no other rank writes one), as arrays."""
+    from safetensors.numpy import load_file
 
     assert not list(ranks.glob("rank[123]/runs/latest/model.safetensors")), "a rank other than 0 wrote the model"
     return load_file(str(ranks / "rank0" / "runs" / "latest" / "model.safetensors"))
 
 
-def assert_whole_models_equal(models: list[dict]) -> None:
-    """The unsplit GPT's state_dict, whole tensors under every name (the tied head's too), equal at 1e-5."""
-    import torch
+# Names and shapes of the unsplit GPT (width 16, 2 layers, vocabulary 256) in each framework's file.
+WHOLE = {"torch": {"0.tokens.weight": (256, 16), "1.qkv.weight": (48, 16), "1.mlp.2.weight": (16, 64),
+                   "3.out.weight": (256, 16)},
+         "tensorflow": {"0.tokens.embeddings": (256, 16), "1.qkv.kernel": (16, 48), "1.out.kernel": (64, 16),
+                        "3.out.kernel": (16, 256)}}
+
+
+def assert_whole_models_equal(models: list[dict], framework: str) -> None:
+    """The unsplit GPT's weights, whole tensors under their names in the whole model, equal at 1e-5."""
+    import numpy as np
 
     first = models[0]
-    assert {"0.tokens.weight", "1.qkv.weight", "3.out.weight"} <= set(first)
-    assert tuple(first["1.qkv.weight"].shape) == (48, 16) and tuple(first["1.mlp.2.weight"].shape) == (16, 64)
+    assert {name: tuple(first[name].shape) for name in WHOLE[framework] if name in first} == WHOLE[framework]
     for other in models[1:]:
         assert set(other) == set(first)
         for key, t in first.items():
-            torch.testing.assert_close(other[key], t, rtol=1e-5, atol=1e-6, msg=key)
+            np.testing.assert_allclose(other[key], t, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 STOP_MID_WRITE = """\
 \"\"\"train.py, except that rank 1 stops itself (SIGSTOP) once it has written its shard of checkpoint
-STEP, before rank 0 writes the index; it touches MARKER first. usage: python stop.py STEP MARKER ARGS...\"\"\"
-import os, runpy, signal, sys
+STEP, before rank 0 writes the index; it touches MARKER first. FRAMEWORK: torch or tf.
+usage: python stop.py FRAMEWORK STEP MARKER ARGS...\"\"\"
+import importlib, os, runpy, signal, sys
 from pathlib import Path
 
-step, marker = int(sys.argv[1]), Path(sys.argv[2])
-sys.argv = ["train.py", *sys.argv[3:]]
+framework, step, marker = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+sys.argv = ["train.py", *sys.argv[4:]]
 sys.path.insert(0, os.getcwd())   # the project's own modules, as `python train.py` finds them
 if os.environ["HOROVOD_RANK"] == "1":
-    import hvd_runtime.torch.checkpoint as checkpoint
+    checkpoint = importlib.import_module(f"hvd_runtime.{framework}.checkpoint")
 
     write_shard = checkpoint._write_shard
 
@@ -127,8 +142,9 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpoint(tmp_path):
-    project = generate_mlp(tmp_path, "torch", "pipeline")
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpoint(tmp_path, framework):
+    project = generate_mlp(tmp_path, framework, "pipeline")
     common = ["--train.epochs", "3", "--tracking.enabled", "false", *SMALL_DATA]
 
     def metrics(run: str) -> list[dict]:
@@ -145,7 +161,8 @@ def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpo
     log = tmp_path / "killed.log"
     with open(log, "w") as out:
         job = subprocess.Popen([horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo",
-                                *python_command([sys.executable, str(tmp_path / "stop.py"), str(2 * per_epoch),
+                                *python_command([sys.executable, str(tmp_path / "stop.py"),
+                                                 "torch" if framework == "torch" else "tf", str(2 * per_epoch),
                                                  str(marker), *args])],
                                cwd=project, env=venv_env(**QUIET), stdout=out, stderr=subprocess.STDOUT,
                                start_new_session=True)
@@ -194,8 +211,9 @@ def _name_a_tensor_the_model_lacks(folder: Path) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_a_damaged_only_checkpoint_stops_every_rank_with_one_line(tmp_path):
-    project = generate_mlp(tmp_path, "torch", "pipeline")
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_damaged_only_checkpoint_stops_every_rank_with_one_line(tmp_path, framework):
+    project = generate_mlp(tmp_path, framework, "pipeline")
     run_horovod(2, [sys.executable, "train.py", "--train.epochs", "1", "--tracking.enabled", "false", *SMALL_DATA],
                 cwd=project, env=QUIET, timeout=400)
     [saved] = (project / "checkpoints").iterdir()

@@ -3,16 +3,14 @@ resumes at another tp.
 
 One job of 4 ranks (tp 2 x 2 replicas) trains two short epochs on token files the test writes:
 the loss falls; the ranks holding the same slices (0 and 2, 1 and 3) end with the same weights,
-and the two slices differ; the checkpoint names the unsplit model's tensors and shapes (torch:
-each rank of the first replica writes its slices, TensorFlow: rank 0 the gathered model). Then a
+and the two slices differ; the checkpoint names the unsplit model's tensors and shapes (each
+rank of the first replica writes its slices). Then a
 checkpoint written at tp 2 resumes at tp 1 (one unsplit process), and one written at tp 1
 resumes at tp 2: epoch 2 of the resumed run equals the straight run's within 1e-5, so the
 slices are written from, and read into, their own places. Those runs train a model.py whose
 Block the test has edited: what trains at tp 2 is the block's own forward, edit included.
 
-A pipeline of tensor-parallel stages (`--strategy pipeline --tp 2`, 2 stages x tp 2 = 4 ranks;
-torch and TensorFlow) trains the same way, writes the unsplit model, and its epoch-1 checkpoint resumes as a
-plain 2-stage pipeline (tp 1) on the straight run's epoch-2 losses.
+A pipeline of tensor-parallel stages resumed at every layout: test_sharded_checkpoints.
 
 Cost: over 6% of the suite's CPU (docs/testing.md): 4-rank GPT jobs, and for each resume case a
 straight run and a resumed one to compare at 1e-5; the tp x replicas case starts its ranks cold
@@ -20,13 +18,11 @@ straight run and a resumed one to compare at 1e-5; the tp x replicas case starts
 """
 
 import json
-import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import copy_checkpoint, run_horovod
 
@@ -64,19 +60,9 @@ def train(np_: int, project: Path, ranks: Path, epochs: int, *overrides: str,
 
 
 def sharded_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
-    """The whole shapes of the model's tensors in torch's folder of shards, as its index names them."""
+    """The whole shapes of the model's tensors in a folder of shards, as its index names them."""
     index = json.loads((checkpoint / "index.json").read_text())
     return {tuple(t["shape"]) for name, t in index["tensors"].items() if name.startswith("model/")}
-
-
-def saved_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
-    """The shapes of the model's weights in a checkpoint (torch's index, or Keras' variable list)."""
-    if checkpoint.is_dir():
-        return sharded_shapes(checkpoint)
-    if checkpoint.suffix == ".pkl":
-        with open(checkpoint, "rb") as f:
-            return {tuple(a.shape) for a in pickle.load(f)["model"]}
-    return {tuple(t.shape) for t in torch.load(checkpoint, map_location="cpu", weights_only=False)["model"].values()}
 
 
 @pytest.mark.plain_start   # tensor parallelism's ranks start as users start them, a cold interpreter each
@@ -88,15 +74,15 @@ def test_tensor_project_trains_tp_groups_times_replicas(tmp_path, framework):
     assert epochs[1]["train_loss"] < epochs[0]["train_loss"]
     assert digests[0] == digests[2] and digests[1] == digests[3], "replicas of one slice differ"
     assert digests[0] != digests[1], "the two ranks of a tensor-parallel group hold the same weights"
-    # rank 0's checkpoint folder (torch: each rank of the first replica writes its slices into it)
+    # rank 0's checkpoint folder: each rank of the first replica writes its slices into it
     assert not list((tmp_path / "tp2dp2").glob("rank[123]/checkpoints/*")), "a checkpoint outside rank 0's folder"
-    [saved] = (tmp_path / "tp2dp2" / "rank0" / "checkpoints").glob(f"ckpt-{epochs[1]['step']:09d}*")
-    if framework == "torch":   # the two slices of the first replica; the second replica writes nothing
-        assert {p.name for p in saved.iterdir()} == {"index.json", "rank-00000.safetensors", "rank-00001.safetensors"}
+    [saved] = (tmp_path / "tp2dp2" / "rank0" / "checkpoints").glob(f"ckpt-{epochs[1]['step']:09d}")
+    # the two slices of the first replica; the second replica writes nothing
+    assert {p.name for p in saved.iterdir()} == {"index.json", "rank-00000.safetensors", "rank-00001.safetensors"}
     # the unsplit q, k, v projection and MLP output (torch: (out, in); Keras: (in, out)), no slices
     whole = {(48, 16), (16, 64)} if framework == "torch" else {(16, 48), (64, 16)}
-    assert whole <= saved_shapes(saved)
-    assert not {(24, 16), (16, 32), (16, 24), (32, 16)} & saved_shapes(saved)
+    assert whole <= sharded_shapes(saved)
+    assert not {(24, 16), (16, 32), (16, 24), (32, 16)} & sharded_shapes(saved)
 
 
 # An edit a user might make to the generated Block: a scale on the MLP's residual branch.
@@ -130,39 +116,3 @@ def test_a_checkpoint_resumes_at_another_tp_on_the_same_losses(tmp_path, framewo
     assert [(e["epoch"], e["step"]) for e in resumed] == [(2, straight[1]["step"])]
     for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
         assert resumed[0][key] == pytest.approx(straight[1][key], rel=1e-5), key
-
-
-def stage_shapes(checkpoint: Path) -> set[tuple[int, ...]]:
-    """The shapes of every stage's weights in a pipeline checkpoint (torch's index, or Keras variable lists)."""
-    if checkpoint.is_dir():
-        return sharded_shapes(checkpoint)
-    if checkpoint.suffix == ".pkl":
-        with open(checkpoint, "rb") as f:
-            return {tuple(a.shape) for part in pickle.load(f)["stages"].values() for a in part["model"]}
-    stages = torch.load(checkpoint, map_location="cpu", weights_only=False)["stages"]
-    return {tuple(t.shape) for part in stages.values() for t in part["model"].values()}
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_pipeline_of_tensor_parallel_stages_trains_and_resumes_unsplit(tmp_path, framework):
-    """2 stages x tp 2 on 4 ranks: the loss falls, rank 0 alone writes the whole model; its epoch-1
-    checkpoint resumed by 2 ranks at tp 1 gives the straight run's epoch 2 (1e-5)."""
-    project, args = generate(tmp_path, framework, "--strategy", "pipeline", "--stages", "2", "--tp", "2")
-    straight, out, _ = train(4, project, tmp_path / "straight", 2, *args, digest=False)
-    assert "pipeline of 2 stages (tp 2) x 1 replica(s)" in out
-    assert straight[1]["train_loss"] < straight[0]["train_loss"]
-    assert not list((tmp_path / "straight").glob("rank[123]/checkpoints/*")), "a checkpoint outside rank 0's folder"
-    steps = straight[0]["step"]
-    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{steps:09d}*")
-    whole, slices = ({(48, 16), (16, 64)}, {(24, 16), (16, 32)}) if framework == "torch" else \
-        ({(16, 48), (64, 16)}, {(16, 24), (32, 16)})
-    assert whole <= stage_shapes(saved) and not slices & stage_shapes(saved), "the checkpoint does not hold the whole model's shapes"
-
-    copy_checkpoint(saved, tmp_path / "resumed" / "rank0" / "checkpoints")
-    resumed, out, _ = train(2, project, tmp_path / "resumed", 2, *args, "--parallel.tp", "1", digest=False)
-    assert "pipeline of 2 stages (tp 1) x 1 replica(s)" in out
-    assert f"resuming from checkpoints/{saved.name}: epoch 1, step {steps}" in out
-    assert [(e["epoch"], e["step"]) for e in resumed] == [(2, straight[1]["step"])]
-    for key in ("train_loss", "train_accuracy", "val_loss", "val_perplexity"):
-        assert resumed[0][key] == pytest.approx(straight[1][key], rel=1e-5), key
-

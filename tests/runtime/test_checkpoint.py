@@ -68,7 +68,7 @@ def test_a_keras_checkpoint_of_another_model_is_named_not_loaded():
     import keras
     import numpy as np
 
-    from hvd_runtime.tf.state import misfit
+    from hvd_runtime.tf.legacy_checkpoint import misfit
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     fits = [np.zeros(v.shape) for v in model.variables]

@@ -18,7 +18,6 @@ from hvd_runtime.scaling import cpu_threads  # noqa: E402
 from hvd_runtime.tf.gradients import GradientAccumulator  # noqa: E402
 from hvd_runtime.scaling import lr_scaler  # noqa: E402
 from hvd_runtime.tf.optim import WarmupSchedule  # noqa: E402
-from hvd_runtime.tf.state import _assign  # noqa: E402
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm  # noqa: E402
 from hvd_runtime.tf.native_logs import NO_GPU_NOTICE, host_has_nvidia_device, notices  # noqa: E402
 from hvd_runtime.tf.native_logs import quiet_native_notices  # noqa: E402
@@ -248,14 +247,6 @@ def test_sync_batchnorm_swap_keeps_weights_and_the_model_code():
     assert not any(isinstance(layer, SyncBatchNormalization) for layer in model._flatten_layers())
     x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
     assert np.allclose(synced(x, training=False), model(x, training=False))
-
-
-def test_checkpoint_that_does_not_fit_the_model_names_the_fix(tmp_path):
-    variables = [keras.Variable(np.zeros((2, 2), np.float32))]
-    with pytest.raises(ValueError, match="resume false"):
-        _assign(variables, [np.zeros((3, 2), np.float32)], "model", tmp_path / "ckpt-000000001.pkl")
-    _assign(variables, [np.ones((2, 2), np.float32)], "model", tmp_path / "ckpt-000000001.pkl")
-    assert np.asarray(variables[0]).sum() == 4.0
 
 
 def test_cpu_threads_share_the_cores_between_local_ranks():

@@ -29,9 +29,10 @@ from hvd_runtime.data import Split  # noqa: E402
 from hvd_runtime.loop import Every, means_over_ranks, train_epoch  # noqa: E402
 from hvd_runtime.tf.step import sum_over_ranks  # noqa: E402
 from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, GradientSync, distribute_fit, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
-                            checkpoint_store, make_optimizer, restore_or_broadcast,
+                            checkpoint_store, make_optimizer, restore_checkpoint,
                             save_checkpoint, use_sync_batchnorm)
 from hvd_runtime.config import CheckpointConfig  # noqa: E402
+from hvd_runtime.tf.parallelize import Parallel  # noqa: E402
 
 assert ctx.size == 2, "run with -np 2"
 R = ctx.rank
@@ -221,13 +222,13 @@ values = np.arange(5.0) if R == 0 else np.arange(5.0, 7.0)
 means = means_over_ranks({"v": values.sum()}, len(values), sum_over_ranks, "check.means")
 report("metric_average_weights_by_count", abs(means["v"] - 3.0) < 1e-12, f"got {means['v']}")
 
-# 8. Ranks initialised differently start identical after restore_or_broadcast (optimizer too);
+# 8. Ranks initialised differently start identical after restore_checkpoint (optimizer too);
 #    the LR warms up from lr to size x lr.
 model = model_fn(seed=1000 + R)
 scaled = OptimConfig(name="sgd", lr=0.1, momentum=0.9, scale_lr=True, warmup_epochs=1)
 opt = make_optimizer(scaled, HorovodConfig(), ctx, steps_per_epoch=4)
 with tempfile.TemporaryDirectory() as tmp:
-    state = restore_or_broadcast(CheckpointStore(tmp, is_writer=R == 0), model, opt, ctx)
+    state = restore_checkpoint(CheckpointStore(tmp, is_writer=R == 0), Parallel(model, opt, None), ctx)
 report("broadcast_makes_ranks_identical",
        same_on_all_ranks(model.variables + opt.variables, "init") and state.epoch == 0)
 lrs = []
@@ -265,16 +266,16 @@ batches = ShardedBatches(data, 4, R, 2, seed=1)
 model, opt, step = job(seed=123)
 with tempfile.TemporaryDirectory() as tmp:
     store = checkpoint_store(CheckpointConfig(dir=tmp), ctx)
-    straight = restore_or_broadcast(store, model, opt, ctx)
+    straight = restore_checkpoint(store, Parallel(model, opt, None), ctx)
     for _ in range(2):
         train_epoch(step, batches, straight, is_root=ctx.is_root)
     expected = [np.asarray(v) for v in model.variables + opt.variables]
 
     model, opt, step = job(seed=123)
-    stopped = restore_or_broadcast(store, model, opt, ctx)
+    stopped = restore_checkpoint(store, Parallel(model, opt, None), ctx)
 
     def save_and_stop():
-        save_checkpoint(store, model, opt, stopped)
+        save_checkpoint(store, Parallel(model, opt, None), stopped, ctx)
         raise Stop
 
     try:
@@ -283,7 +284,7 @@ with tempfile.TemporaryDirectory() as tmp:
     except Stop:
         pass
     model, opt, step = job(seed=999 + R)
-    resumed = restore_or_broadcast(store, model, opt, ctx)
+    resumed = restore_checkpoint(store, Parallel(model, opt, None), ctx)
     at = (resumed.epoch, resumed.step, resumed.samples_in_epoch)
     while resumed.epoch < 2:
         train_epoch(step, batches, resumed, is_root=ctx.is_root)
