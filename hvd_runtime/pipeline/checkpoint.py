@@ -1,34 +1,19 @@
-"""The pipeline checkpoint protocol, whatever the framework: one file from rank 0 with every stage.
+"""Pipelines and their checkpoints, whatever the framework: where a resumed run cuts its stages,
+and how a file written before shards resumes.
 
-Every rank hands its stage's state (model and optimizer, already in a picklable form) and its RNG
-state to all through one allgather; replica 0 of each stage stands for its replicas, which are
-identical. The payload is {"stages": {index: part}, "state": TrainState fields, "rng": per rank}.
-On restart every rank takes its own stage's part and its own RNG state back. The frameworks'
-pipeline_state modules only convert states and read and write files.
+A pipeline checkpoint is a folder of shards, as every strategy's (hvd_runtime.sharded); its index
+keeps the cut (`cut`), so that `partition: time` resumes where it cut before (partition_to_resume).
+A file written before shards holds {"stages": {index: part}, "state": TrainState fields, "rng":
+per rank}: on restart every rank takes its own stage's part and its own RNG state back, at the
+cut and pipeline shape that wrote it (restore_own_stage; the frameworks' legacy_checkpoint).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from hvd_runtime.checkpoint import TrainState, state_fields
+from hvd_runtime.checkpoint import TrainState
 from hvd_runtime.config import ConfigError
-
-
-def gather_stages(hvd, dims, model_state, optimizer_state, rng) -> tuple[dict[int, dict], list]:
-    """Every rank calls; returns ({stage index: {model, optimizer}} of replica 0, every rank's RNG state)."""
-    mine = {"stage": dims.stage, "replica": dims.replica, "chunks": dims.chunks, "model": model_state,
-            "optimizer": optimizer_state, "rng": rng}
-    parts = hvd.allgather_object(mine, name="pp.gather_stages")
-    return {p["stage"]: p for p in parts if p["replica"] == 0}, [p["rng"] for p in parts]
-
-
-def checkpoint_payload(stages: dict[int, dict], rngs: list, state: TrainState, plan=None) -> dict:
-    """`plan`: the Partition every stage was cut by, kept so that a run cut elsewhere is told so."""
-    payload = {"stages": stages, "state": state_fields(state), "rng": rngs}
-    if plan is not None:
-        payload["cut"] = {"names": list(plan.names), "bounds": [list(b) for b in plan.bounds]}
-    return payload
 
 
 def _split_points(cut: dict) -> str:
@@ -42,9 +27,8 @@ def partition_to_resume(partition, names: list[str], pieces: int, newest_cut: Ca
     many pieces; a fresh start, or a checkpoint of another model, times.
 
     Timing afresh would often cut elsewhere (stages a few tenths of a millisecond apart swap
-    places between starts), and a pipeline checkpoint loads only at its own cut. `newest_cut`
-    (the framework's pipeline_state.newest_cut: rank 0 reads the checkpoint) is called for `time`
-    only.
+    places between starts). `newest_cut` (the framework's checkpoint.newest_cut: rank 0 reads the
+    checkpoint's index) is called for `time` only.
     """
     if partition != "time":
         return partition

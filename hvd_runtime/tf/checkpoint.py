@@ -12,8 +12,9 @@ resumes at any layout, and a job killed while writing leaves the previous one th
 A variable's name in the whole model is the path to it through the model's layers: the index of
 its top-level layer (`model.layers`; a pipeline stage keeps its layers' indices), then the
 attributes leading to it (a nested Sequential's layers by their index), then its own attribute
-(`2.qkv.kernel`, `0.tokens.embeddings`, `1.0.kernel`), as a torch state_dict names parameters. Split layers sit under the attributes of the layers they
-replace, so a tensor-parallel slice has the name of the unsplit variable it is cut from. A
+(`2.qkv.kernel`, `0.tokens.embeddings`, `1.0.kernel`), as a torch state_dict names parameters.
+Split layers sit under the attributes of the layers they replace, so a tensor-parallel slice has
+the name of the unsplit variable it is cut from. A
 variable reached twice (a head tied to the embedding) has its first name. An optimizer slot made
 for a variable (momentum, Adam's moments; Keras names it after the variable's path) is
 `optimizer/<name>/<slot>`, split with it; the optimizer's own (its iteration count) is

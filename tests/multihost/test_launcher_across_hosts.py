@@ -71,7 +71,8 @@ if RANK is not None:
         import hvd_runtime.tf.checkpoint as checkpoint
 
         checkpoint.save_checkpoint = package.save_checkpoint = after(
-            checkpoint.save_checkpoint, lambda *args: "model", lambda store, parallel, *rest: parallel.module.get_weights())
+            checkpoint.save_checkpoint, lambda *args: "model",
+            lambda store, parallel, *rest: parallel.module.get_weights())
 '''
 
 
@@ -129,7 +130,8 @@ def test_job_trains_across_worker_pods(cluster, tmp_path, framework, strategy, c
         assert not written, f"{pod.name} wrote {written}"
     # a folder: one shard from each rank of the first replica (rank 0 alone in data)
     [saved] = volume.iterdir()
-    shards = {"rank-00000.safetensors", "rank-00001.safetensors"} if strategy == "pipeline" else {"rank-00000.safetensors"}
+    shards = {"rank-00000.safetensors", "rank-00001.safetensors"} if strategy == "pipeline" \
+        else {"rank-00000.safetensors"}
     assert {p.name for p in saved.iterdir()} == {"index.json", *shards}, "not the checkpoint's shards alone"
     written = [volume, *volume.rglob("*")]
     assert {p.stat().st_uid for p in written[1:]} == {0 if user else 1000}, "not written as the job's user"

@@ -1,12 +1,14 @@
 """Checkpoints as folders of shards, tried as a user would: generated projects under horovodrun.
 
-- Resume at any layout (torch and TensorFlow): a GPT pipeline of 2 stages x tp 2 (4 ranks) trains three epochs; its
+Both frameworks, each case:
+- Resume at any layout: a GPT pipeline of 2 stages x tp 2 (4 ranks) trains three epochs; its
   epoch-1 checkpoint resumes unsplit (1 rank), at tp 2 and at pp 2, and the checkpoint each of
   those writes after epoch 2 resumes back at pp 2 x tp 2. Every resumed epoch equals the straight
   run's within 1e-5: each rank read exactly its rows of every tensor, whoever wrote them.
 - The whole model rank 0 writes from the shards at the end of a run (runs/latest/model.safetensors)
-  is the unsplit model's (torch: its state_dict; Keras: its variables by name), and the same (1e-5) whether 1, 2 or 4 ranks' shards made it:
-  the straight run's and each run resumed back; the runs at unsplit, tp 2 and pp 2 alike.
+  is the unsplit model's (torch: its state_dict; Keras: its variables by name), and the same
+  (1e-5) whether 1, 2 or 4 ranks' shards made it: the straight run's and each run resumed back;
+  the runs at unsplit, tp 2 and pp 2 alike.
 - A job SIGKILLed in the middle of writing its shards (rank 1's written, rank 0's index not yet)
   resumes from the previous checkpoint, on the straight run's losses; the half-written folder is
   never taken for a checkpoint.
