@@ -141,6 +141,11 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     group, split, trained = None, None, model
     if ctx.tensor is not None:
+        import horovod.tensorflow as hvd
+
+        # Every rank built the whole model under its own seed: the slices must come from one
+        # model, and the variables kept whole be the same on every rank (replicas included).
+        hvd.broadcast_variables([v.value for v in model.variables if "float" in str(v.dtype)], root_rank=0)
         group = ctx.tensor.group
         model = trained = apply_tp(model, group)
         split = SplitVariables(model)

@@ -64,14 +64,9 @@ def test_pipeline_resumes_exactly(tmp_path, framework, schedule):
         other = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project),
                                 str(tmp_path / "resumed"), "--train.epochs", "3"], cwd=project, env=skip_digest,
                             timeout=400, check=False)
-        if framework == "torch":   # shards: each rank reads its blocks, wherever they were
-            assert other.returncode == 0 and "resuming from checkpoints/ckpt-" in other.stdout, other.stderr[-3000:]
-            assert "epoch   3" in other.stdout
-        else:
-            assert other.returncode != 0
-            # (train() raised it here: train.py's main would print it as one config-error line)
-            assert ("was written by a pipeline of 2 chunks a stage (interleaved-1f1b), this one has one chunk a "
-                    "stage: resume with the parallel.schedule") in other.stderr
+        # shards: each rank reads its blocks, wherever they were (both frameworks)
+        assert other.returncode == 0 and "resuming from checkpoints/ckpt-" in other.stdout, other.stderr[-3000:]
+        assert "epoch   3" in other.stdout
     assert resumed[-1]["epoch"] == 2
     assert_same(resumed[-1], straight[-1], ("train_loss", "val_loss", "val_accuracy"))
 

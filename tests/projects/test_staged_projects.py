@@ -135,25 +135,15 @@ def test_pipeline_trains_alike_at_any_cut_and_resumes_at_its_own(tmp_path, frame
         assert histories[0][key] == pytest.approx(histories[1][key], rel=1e-5, abs=1e-6), key
 
     ranks = tmp_path / "cut3"
-    if framework == "torch":
-        shutil.copytree(ranks, tmp_path / "elsewhere")
-        elsewhere = train(tmp_path / "elsewhere", "2", epochs=2)
-        assert "resuming from checkpoints/ckpt-" in elsewhere.stdout
-    else:
-        before = {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()}
-        proc = train(ranks, "2", epochs=2, check=False)
-        assert proc.returncode != 0
-        # train_in_rank_dir calls train() itself: the ConfigError that train.py prints as its one line
-        errors = [line for line in proc.stderr.splitlines() if "ConfigError: " in line]
-        assert errors and all(" was written by stages cut elsewhere (stages 2.. start at blocks " in e and
-                                  "): resume with --parallel.partition " in e for e in errors), proc.stderr[-3000:]
-        assert {p: p.read_bytes() for p in ranks.rglob("*") if p.is_file()} == before
+    shutil.copytree(ranks, tmp_path / "elsewhere")
+    elsewhere = train(tmp_path / "elsewhere", "2", epochs=2)
+    assert "resuming from checkpoints/ckpt-" in elsewhere.stdout
     # `time` resumes where the checkpoint cut (stage 1: block 3 alone), whatever its timings would say
     resumed = train(ranks, "time", epochs=2)
     assert "resuming from checkpoints/ckpt-" in resumed.stdout and "; stage 1: " in resumed.stdout
     assert resumed.stdout.split("; stage 1: ", 1)[1].split("\n", 1)[0].endswith("(1 block, 650 parameters)")
-    if framework == "torch":   # epoch 2 after a resume at another cut: the same as at the checkpoint's own
-        at_own, at_another = last_epoch(ranks), last_epoch(tmp_path / "elsewhere")
-        assert at_own["epoch"] == at_another["epoch"] == 2
-        for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
-            assert at_another[key] == pytest.approx(at_own[key], rel=1e-5, abs=1e-6), key
+    # epoch 2 after a resume at another cut: the same as at the checkpoint's own
+    at_own, at_another = last_epoch(ranks), last_epoch(tmp_path / "elsewhere")
+    assert at_own["epoch"] == at_another["epoch"] == 2
+    for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
+        assert at_another[key] == pytest.approx(at_own[key], rel=1e-5, abs=1e-6), key
