@@ -16,6 +16,7 @@ of them goes on.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,20 @@ from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume,
 from hvd_runtime.config import ConfigError
 from hvd_runtime.shards import (INDEX, DamagedCheckpoint, ShardReader, index_misfit, merge_index, read_index,
                                 write_json)
+
+
+def cut_of(module) -> dict | None:
+    """Where a pipeline stage's model was cut (its plan's cut), for the index; None for any other module."""
+    plan = getattr(module, "plan", None)
+    return None if plan is None else plan.cut()
+
+
+def shard_description(path: Path, tensors: dict, values: dict) -> dict:
+    """A rank's shard, just written to `path`, made durable and described for the index: its
+    size, and the tensors and other values it holds (`tensors`: name -> key and Placement)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"file": path.name, "bytes": path.stat().st_size, "tensors": tensors, "values": values}
 
 
 def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Callable[[Path, bool], dict], rng,

@@ -49,7 +49,7 @@ def refuse_another_cut(payload: dict, plan, where: str) -> None:
     saved = payload.get("cut")
     if saved is None or plan is None:
         return
-    mine = {"names": list(plan.names), "bounds": [list(b) for b in plan.bounds]}
+    mine = plan.cut()
     if saved["names"] != mine["names"] or len(saved["bounds"]) != len(mine["bounds"]) or saved == mine:
         return      # another model, or another count of stages or chunks: the part checks name those
     raise ConfigError(f"{where} was written by stages cut elsewhere (stages 2.. start at blocks "

@@ -42,6 +42,10 @@ class Partition:
     def stages(self) -> int:
         return len(self.bounds)
 
+    def cut(self) -> dict:
+        """Where it cuts, as a checkpoint keeps it (JSON): the block names and each stage's bounds."""
+        return {"names": list(self.names), "bounds": [list(b) for b in self.bounds]}
+
     def stage_names(self, stage: int) -> list[str]:
         start, stop = self.bounds[stage]
         return list(self.names[start:stop])

@@ -32,7 +32,6 @@ at the layout that wrote them (hvd_runtime.tf.legacy_checkpoint).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import keras
@@ -175,14 +174,7 @@ def _write_shard(folder: Path, rank: int, held: list, write_whole: bool) -> dict
         described[name] = {"key": name, **at.to_json()}
     path = folder / shard_name(rank)
     save_file(tensors, str(path))
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    return {"file": path.name, "bytes": path.stat().st_size, "tensors": described, "values": {}}
-
-
-def _cut(module) -> dict | None:
-    plan = getattr(module, "plan", None)
-    return None if plan is None else {"names": list(plan.names), "bounds": [list(b) for b in plan.bounds]}
+    return sharded.shard_description(path, described, {})
 
 
 def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Path | None:
@@ -199,7 +191,8 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Pa
     def write_shard(folder: Path, write_whole: bool) -> dict:
         return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.split), write_whole)
 
-    return sharded.write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(module), _cut(module))
+    return sharded.write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(module),
+                                    sharded.cut_of(module))
 
 
 # -- reading ----------------------------------------------------------------------------------------

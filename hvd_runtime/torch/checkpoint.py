@@ -26,7 +26,6 @@ file system). Checkpoints written before shards (one `ckpt-<step>.pt`) still res
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from hvd_runtime import sharded
 from hvd_runtime.checkpoint import CheckpointStore, ElasticStart, TrainState, misfit_message, state_fields
 from hvd_runtime.config import ConfigError
 from hvd_runtime.shards import MODEL, OPTIMIZER, Placement, ShardReader, index_misfit, shard_name
-from hvd_runtime.sharded import newest_on_root, read_held, write_checkpoint
+from hvd_runtime.sharded import cut_of, newest_on_root, read_held, shard_description, write_checkpoint
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.legacy_checkpoint import legacy_payload, restore_legacy
@@ -109,14 +108,7 @@ def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool) -> dict
         described[entry] = {"key": key, **at.to_json()}
     path = folder / shard_name(rank)
     save_file(tensors, path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-    return {"file": path.name, "bytes": path.stat().st_size, "tensors": described, "values": values}
-
-
-def _cut(module: nn.Module) -> dict | None:
-    plan = getattr(module, "plan", None)
-    return None if plan is None else {"names": list(plan.names), "bounds": [list(b) for b in plan.bounds]}
+    return shard_description(path, described, values)
 
 
 def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Path | None:
@@ -134,7 +126,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Pa
     def write_shard(folder: Path, write_whole: bool) -> dict:
         return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole)
 
-    return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(), _cut(module))
+    return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(), cut_of(module))
 
 
 # -- reading ----------------------------------------------------------------------------------------
