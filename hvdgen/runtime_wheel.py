@@ -90,8 +90,12 @@ def _add(archive: zipfile.ZipFile, name: str, data: bytes, executable: bool = Fa
 
 
 def _sources_fingerprint(files: list[tuple[str, Path]]) -> str:
-    """Changes whenever a source file is added, removed or touched; costs one stat per file."""
+    """Changes whenever a source file is added, removed or touched (one stat per file), or the
+    installed metadata the wheel copies changes (its dependencies, after `pip install -e`)."""
     digest = hashlib.sha256(__version__.encode())
+    with contextlib.suppress(HvdgenError):   # not installed: only a build says so (_dist_info)
+        for name, data in sorted(_dist_info().items()):
+            digest.update(name.encode() + b"\0" + data)
     for name, path in files:
         stat = path.stat()
         digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
