@@ -9,13 +9,8 @@ safetensors shards, one per rank of the first replica, each holding that rank's 
 slices under their names in the whole model, and an index rank 0 writes last. A checkpoint thus
 resumes at any layout, and a job killed while writing leaves the previous one the newest.
 
-A variable's name in the whole model is the path to it through the model's layers: the index of
-its top-level layer (`model.layers`; a pipeline stage keeps its layers' indices), then the
-attributes leading to it (a nested Sequential's layers by their index), then its own attribute
-(`2.qkv.kernel`, `0.tokens.embeddings`, `1.0.kernel`), as a torch state_dict names parameters.
-Split layers sit under the attributes of the layers they replace, so a tensor-parallel slice has
-the name of the unsplit variable it is cut from. A
-variable reached twice (a head tied to the embedding) has its first name. An optimizer slot made
+Variables are stored under their names in the whole model (hvd_runtime.tf.names: `2.qkv.kernel`),
+so a tensor-parallel slice has the name of the unsplit variable it is cut from. An optimizer slot made
 for a variable (momentum, Adam's moments; Keras names it after the variable's path) is
 `optimizer/<name>/<slot>`, split with it; the optimizer's own (its iteration count) is
 `optimizer/<its name>`.
@@ -34,7 +29,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import keras
 import numpy as np
 from safetensors import SafetensorError
 
@@ -46,64 +40,19 @@ from hvd_runtime.shards import MODEL, OPTIMIZER, DamagedCheckpoint, Placement, S
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.legacy_checkpoint import read_legacy, restore_legacy, whole_legacy
+from hvd_runtime.tf.names import is_state, whole_names
 
 __all__ = ["checkpoint_store", "held_variables", "newest_cut", "restore_checkpoint", "restore_on_root",
-           "save_checkpoint", "shared_variables", "whole_names"]
+           "save_checkpoint", "shared_variables"]
 
-# -- names in the whole model -----------------------------------------------------------------------
-
-def _is_state(variable) -> bool:
-    """A float variable: what a model's checkpoint holds (integer ones are Dropout's seed states)."""
-    return "float" in str(variable.dtype)
-
+# -- what a checkpoint holds -------------------------------------------------------------------------
 
 def shared_variables(model, optimizer, local_variables=()) -> list:
     """What every rank holding the whole model must hold identically: its float variables (not
     `local_variables`, each rank's own) and all of the optimizer's. Integer variables are Dropout's
     seed states: each rank keeps its own, so dropout masks differ across ranks."""
     local = {id(v) for v in local_variables}
-    return [v for v in model.variables if _is_state(v) and id(v) not in local] + list(optimizer.variables)
-
-
-def _top_layers(module) -> list[tuple[int, object]]:
-    """(index in the whole model's layers, layer): a stage's own indices, a model's in order."""
-    positions = getattr(module, "positions", None)
-    return list(zip(positions, module.layers)) if positions is not None else list(enumerate(module.layers))
-
-
-def whole_names(module) -> dict[int, str]:
-    """id(variable) -> its name in the whole model, for every float variable `module` (a Keras
-    model or a pipeline stage) holds."""
-    held = {id(v) for v in module.variables if _is_state(v)}
-    names: dict[int, str] = {}
-
-    def walk(obj, prefix: str, seen: set) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, keras.Model):   # a nested Sequential's (or functional model's) layers, by index
-            for k, layer in enumerate(obj.layers):
-                walk(layer, f"{prefix}.{k}", seen)
-        for attr, value in vars(obj).items():
-            key = f"{prefix}.{attr.lstrip('_')}"
-            if isinstance(value, keras.Variable):
-                if id(value) in held:
-                    names.setdefault(id(value), key)
-            elif attr.startswith("_"):
-                continue
-            elif isinstance(value, keras.layers.Layer):
-                walk(value, key, seen)
-            elif isinstance(value, (list, tuple)):
-                for k, item in enumerate(value):
-                    if isinstance(item, keras.layers.Layer):
-                        walk(item, f"{key}.{k}", seen)
-
-    for position, layer in _top_layers(module):
-        walk(layer, str(position), set())
-        for k, v in enumerate(layer.variables):  # one no attribute holds
-            if id(v) in held:
-                names.setdefault(id(v), f"{position}.variables.{k}")
-    return names
+    return [v for v in model.variables if is_state(v) and id(v) not in local] + list(optimizer.variables)
 
 
 def _model_entries(module, split) -> list[tuple[object, str, Placement]]:
@@ -148,12 +97,12 @@ def held_variables(module, optimizer, split=None) -> list[tuple[object, str, Pla
 
 def rng_state(module) -> dict:
     """This rank's Python and NumPy generators and its Dropout layers' seed states, as JSON values."""
-    return {**host_rng_state(), "seeds": [v.numpy().tolist() for v in module.variables if not _is_state(v)]}
+    return {**host_rng_state(), "seeds": [v.numpy().tolist() for v in module.variables if not is_state(v)]}
 
 
 def set_rng_state(state: dict, module) -> None:
     set_host_rng_state(state)
-    seeds = [v for v in module.variables if not _is_state(v)]
+    seeds = [v for v in module.variables if not is_state(v)]
     if len(seeds) == len(state.get("seeds", [])):
         for v, value in zip(seeds, state["seeds"]):
             v.assign(np.asarray(value, dtype=v.dtype))

@@ -27,7 +27,9 @@ from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.gradients import GradientSync
+from hvd_runtime.tf.meta_init import is_meta, materialize, whole
 from hvd_runtime.tf.model_split import ModelSplit
+from hvd_runtime.tf.names import is_state
 from hvd_runtime.tf.optim import make_optimizer
 from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
 from hvd_runtime.tf.checkpoint import newest_cut
@@ -113,11 +115,14 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     import horovod.tensorflow as hvd
 
     dims = ctx.pipeline
-    # Every rank built the whole model under its own seed: make it rank 0's on all, so that each
-    # stage starts from the same model wherever the stages cut (`partition: time` may cut
-    # differently from one start to the next) and a run is the same at any cut.
-    hvd.broadcast_variables([v.value for v in model.variables if "float" in str(v.dtype)], root_rank=0)
+    # The model has no values yet (hvd_runtime.tf.meta_init): this rank draws only its stage (its
+    # slices under tp), from the seed and each variable's name in the whole model, so each stage
+    # starts from the same model wherever the stages cut (`partition: time` may cut differently
+    # from one start to the next). A model built for real is every rank's own: rank 0's goes to all.
+    if not is_meta(model):
+        hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
     stage = apply_pipeline(model, dims, pipeline_partition(model, dims, ctx, cfg), *timing_sample(dataset, cfg))
+    stage = materialize(stage, cfg.seed)
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, dims), steps_per_epoch, clip=False)
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
@@ -132,24 +137,30 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
     that drives several devices (ctx.stage_devices) the model split over them, any other the whole
     model, data parallel.
 
-    `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's sample batch,
-    whose shapes decide where the stages cut. model.py is never edited.
+    `model`: as hvd_runtime.tf.meta_init.build_on_meta builds it, without values; a pipeline or
+    tensor-parallel rank makes real only its stage or slices, each variable drawn from cfg.seed and
+    its name in the whole model, so every cut and tp starts from the same model; the whole model
+    (data, model-split, elastic) takes its own initializers' values; a model built for real is used
+    as it is. `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's
+    sample batch, whose shapes decide where the stages cut. model.py is never edited.
     """
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
-    if cfg.horovod.sync_batchnorm:
-        model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
-    group, split, trained = None, None, model
-    if ctx.tensor is not None:
+    group, split = None, None
+    if ctx.tensor is not None:   # this rank draws only its slices (and the variables kept whole)
         import horovod.tensorflow as hvd
 
-        # Every rank built the whole model under its own seed: the slices must come from one
-        # model, and the variables kept whole be the same on every rank (replicas included).
-        hvd.broadcast_variables([v.value for v in model.variables if "float" in str(v.dtype)], root_rank=0)
+        if not is_meta(model):   # built for real under each rank's seed: the slices come from rank 0's
+            hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
         group = ctx.tensor.group
-        model = trained = apply_tp(model, group)
+        model = materialize(apply_tp(model, group), cfg.seed)
         split = SplitVariables(model)
-    elif ctx.stage_devices is not None:
+    else:                        # every rank holds the whole model: its own initializers' values
+        model = whole(model)
+    if cfg.horovod.sync_batchnorm:
+        model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
+    trained = model
+    if ctx.stage_devices is not None:
         trained = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
     objective = VocabObjective.of(group, dataset.num_classes)
     optimizer, step = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)

@@ -31,6 +31,8 @@ from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.compiled import compiled, compiled_for_any_batch
 from hvd_runtime.tf.context import Context, init_horovod
+from hvd_runtime.tf.meta_init import is_meta
+from hvd_runtime.tf.names import is_state
 from hvd_runtime.tf.stage import Stage, plan_stages, plan_timed_on_rank0, rank_stage
 from hvd_runtime.tf.tensor_parallel import split_layers
 from hvd_runtime.tf.tensor_state import SplitVariables
@@ -135,21 +137,23 @@ def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
     """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
     group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
-    Every rank of the group first takes its first rank's variables: each rank built the model under
-    its own seed, and the slices must come from one model, the variables kept whole (LayerNorm,
-    position embeddings) be the same on all. Unchanged at tp 1. The split stage keeps the stage's
-    layers in order, split ones whose variables line up with the originals'
-    (hvd_runtime.tf.tensor_state).
+    A stage without values (hvd_runtime.tf.meta_init) splits into meta slices, which every rank
+    draws from the same recipes: one model for the group without a message. A built stage was
+    built under each rank's own seed: every rank of the group first takes its first rank's
+    variables, so that the slices come from one model and the variables kept whole (LayerNorm,
+    position embeddings) are the same on all. Unchanged at tp 1. The split stage keeps the stage's
+    layers in order.
     """
     import horovod.tensorflow as hvd
 
     group = dims.tensor_group
     if group is None:
         return stage
-    root = dims.dims.tp_ranks(dims.rank)[0]
-    # Horovod: one model for the whole group, from its first rank
-    hvd.broadcast_variables([v.value for v in stage.variables if "float" in str(v.dtype)], root_rank=root,
-                            process_set=group.process_set)
+    if not is_meta(stage):
+        root = dims.dims.tp_ranks(dims.rank)[0]
+        # Horovod: one model for the whole group, from its first rank
+        hvd.broadcast_variables([v.value for v in stage.variables if is_state(v)], root_rank=root,
+                                process_set=group.process_set)
     return stage.with_layers(split_layers(stage.layers, group))
 
 

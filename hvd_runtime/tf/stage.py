@@ -20,6 +20,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from hvd_runtime.tf.meta_init import is_meta, made_real
 from hvd_runtime.pipeline.partition import (Partition, PartitionError, plan_on_rank0, plan_partition,
                                             refuse_weights_shared_across_stages)
 
@@ -49,11 +50,13 @@ def time_costs(model, sample, repeats: int = 3, tail=None) -> list[float]:
     """
     costs, x = [], tf.convert_to_tensor(sample)
     layers = named_blocks(model)
-    kept = [(v, v.numpy()) for _, layer in layers for v in layer.non_trainable_variables]  # BatchNorm's statistics
+    kept = [(v, v.numpy()) for _, layer in layers for v in layer.non_trainable_variables  # BatchNorm's statistics
+            if not is_meta(v)]
     for _, layer in layers:
-        costs.append(_fastest_gradient(lambda inp: tf.reduce_sum(tf.cast(layer(inp, training=True), tf.float32)),
-                                       x, layer.trainable_variables, repeats))
-        x = layer(x, training=False)
+        with made_real(layer):   # a layer without values (meta_init) has them while it is timed, then not
+            costs.append(_fastest_gradient(lambda inp: tf.reduce_sum(tf.cast(layer(inp, training=True), tf.float32)),
+                                           x, layer.trainable_variables, repeats))
+            x = layer(x, training=False)
     if tail is not None:
         costs[-1] += _fastest_gradient(tail, x, [], repeats)
     for variable, before in kept:   # timing trains nothing: the statistics it moved go back

@@ -24,6 +24,7 @@ from keras import ops
 
 from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
                                                 split_range, vocab_range)
+from hvd_runtime.tf.meta_init import take
 
 __all__ = ["BLOCK_PLAN", "ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock",
            "TensorParallelEmbedding", "TensorParallelError", "TensorParallelHead", "VocabParallelEmbedding", "apply_tp",
@@ -53,10 +54,10 @@ def sum_over_group(x, group: TensorGroup):
 
 
 class _SplitDense(keras.layers.Layer):
-    """A slice of a built Dense's kernel (and bias), as new variables of this layer."""
+    """A slice of a Dense's kernel (and bias), as new variables of this layer (hvd_runtime.tf.meta_init.take:
+    of a meta Dense, meta slices that materialize draws; of a built one, copies of its values)."""
 
-    def __init__(self, dense: keras.layers.Dense, group: TensorGroup, kernel: np.ndarray, bias: np.ndarray | None,
-                 source_index: np.ndarray):
+    def __init__(self, dense: keras.layers.Dense, group: TensorGroup, source_index: np.ndarray, column: bool):
         # One name on every rank: in a tf.function, op names (and so Horovod's tensor names) must match.
         super().__init__(dtype=dense.dtype_policy, name=f"{dense.name}_tp")
         self.group, self.source_index = group, source_index
@@ -64,12 +65,12 @@ class _SplitDense(keras.layers.Layer):
         # The unsplit Dense it came from, not tracked: its weights are not this layer's to train.
         object.__setattr__(self, "source", dense)
         self.activation = dense.activation
-        self.kernel = self.add_weight(shape=kernel.shape, initializer="zeros", name="kernel")
-        self.kernel.assign(kernel)
-        self.bias = None
-        if bias is not None:
-            self.bias = self.add_weight(shape=bias.shape, initializer="zeros", name="bias")
-            self.bias.assign(bias)
+        if column:   # Keras kernels are (in, out): the output features are the kernel's columns
+            self.kernel = take(self, dense.kernel, "kernel", cols=source_index)
+            self.bias = take(self, dense.bias, "bias", rows=source_index) if dense.use_bias else None
+        else:
+            self.kernel = take(self, dense.kernel, "kernel", rows=source_index)
+            self.bias = take(self, dense.bias, "bias") if dense.use_bias else None
 
 
 class ColumnParallelDense(_SplitDense):
@@ -88,8 +89,7 @@ class ColumnParallelDense(_SplitDense):
         part = part or split_range(chunk, group.size, group.rank,
                                    f"column-parallel Dense {dense.name!r} ({dense.units} units)")
         index = np.concatenate([np.arange(c * chunk + part.start, c * chunk + part.stop) for c in range(chunks)])
-        bias = dense.bias.numpy()[index] if dense.use_bias else None
-        super().__init__(dense, group, dense.kernel.numpy()[:, index], bias, index)
+        super().__init__(dense, group, index, column=True)
 
     def call(self, x):
         y = ops.matmul(_copy_to_group(x, self.group), ops.cast(self.kernel, x.dtype))
@@ -107,9 +107,7 @@ class RowParallelDense(_SplitDense):
                                       "sum over the group: split a Dense without one")
         features = dense.kernel.shape[0]
         part = split_range(features, group.size, group.rank, f"row-parallel Dense {dense.name!r} ({features} inputs)")
-        index = np.arange(part.start, part.stop)
-        super().__init__(dense, group, dense.kernel.numpy()[index], dense.bias.numpy() if dense.use_bias else None,
-                         index)
+        super().__init__(dense, group, np.arange(part.start, part.stop), column=False)
 
     def call(self, x):
         y = sum_over_group(ops.matmul(x, ops.cast(self.kernel, x.dtype)), self.group)
@@ -174,9 +172,7 @@ class VocabParallelEmbedding(keras.layers.Layer):
         self.group, self.start, self.stop = group, part.start, part.stop
         self.source_index = np.arange(part.start, part.stop)  # the original rows (token ids) held
         self.whole_shape = tuple(embedding.embeddings.shape)
-        rows = embedding.embeddings.numpy()[part]
-        self.embeddings = self.add_weight(shape=rows.shape, initializer="zeros", name="embeddings")
-        self.embeddings.assign(rows)
+        self.embeddings = take(self, embedding.embeddings, "embeddings", rows=self.source_index)
 
     def call(self, idx):
         outside = ops.logical_or(idx < self.start, idx >= self.stop)

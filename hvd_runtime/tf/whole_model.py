@@ -7,7 +7,7 @@
 The TensorFlow side of hvd_runtime.torch.whole_model: every TF run ends with its model written
 from the newest checkpoint's shards (hvd_runtime.whole_file), so a model split over ranks is
 never gathered whole to write it. The file maps each variable's name in the whole model
-(hvd_runtime.tf.checkpoint.whole_names: `2.qkv.kernel`, `0.tokens.embeddings`) to its value;
+(hvd_runtime.tf.names.whole_names: `2.qkv.kernel`, `0.tokens.embeddings`) to its value;
 `load_whole_model` assigns them to a freshly built model by the same names, whatever Keras named
 its layers in that process.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from hvd_runtime.checkpoint import CheckpointStore
-from hvd_runtime.tf.checkpoint import whole_names
+from hvd_runtime.tf.names import whole_names
 from hvd_runtime.tf.legacy_checkpoint import read_legacy
 from hvd_runtime.tracking.models import ModelFile
 from hvd_runtime.whole_file import write_whole_file

@@ -25,7 +25,8 @@ from safetensors.numpy import load_file  # noqa: E402
 from hvd_runtime.checkpoint import CheckpointStore  # noqa: E402
 from hvd_runtime.parallel.tensor_groups import TensorGroup  # noqa: E402
 from hvd_runtime.shards import INDEX, merge_index, write_json  # noqa: E402
-from hvd_runtime.tf.checkpoint import _write_shard, held_variables, whole_names  # noqa: E402
+from hvd_runtime.tf.checkpoint import _write_shard, held_variables  # noqa: E402
+from hvd_runtime.tf.names import whole_names  # noqa: E402
 from hvd_runtime.tf.stage import Stage  # noqa: E402
 from hvd_runtime.tf.tensor_parallel import split_layers  # noqa: E402
 from hvd_runtime.tf.tensor_state import SplitVariables  # noqa: E402
