@@ -1,0 +1,131 @@
+"""Run a generated TensorFlow project's train() and count, on every rank, the variable elements it made.
+
+The TensorFlow twin of count_held_elements.py, writing the same record. Every float Keras
+variable given a value while the project's train() runs (Keras' own variable creation, and
+hvd_runtime.tf.meta_init's draws) is counted as it gets it, and the count taken when parallelize
+returns, less the optimizer's own variables: the elements of the model variables this rank
+allocated at start-up. parallelize is the project's own, called as train.py calls it; this script
+only keeps what it returned, to read the names (hvd_runtime.tf.names) and shapes of the variables
+the rank trains and its optimizer's slots once training is over, and the names and shapes of the
+whole model it was handed (without values).
+
+At each checkpoint (train.py's own save_checkpoint, called as it calls it) every float variable
+given a value is counted, and every floating-point element a Horovod collective hands back: what
+a rank allocates or receives to write its checkpoint. Its shard's tensors are read back from the
+file, by name and size. Rank 0 writes every rank's record and those to RANKS_DIR/held.json.
+usage: horovodrun ... python count_held_variables.py PROJECT RANKS_DIR [config overrides...]
+"""
+
+import json
+from math import prod
+from pathlib import Path
+
+from train_in_rank_dir import enter_rank_dir
+
+
+def main() -> None:
+    _, ranks_dir, overrides = enter_rank_dir()
+
+    import numpy as np
+    from keras.src.backend.tensorflow.core import Variable
+
+    given: list = []   # float variables given a value, in order
+    real_initialize = Variable._initialize
+
+    def counted(self, value):
+        real_initialize(self, value)
+        if "float" in str(self.dtype):
+            given.append(self)
+
+    Variable._initialize = counted
+
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    from safetensors import safe_open
+
+    import train
+    from hvd_runtime.tf.checkpoint import held_variables
+    from hvd_runtime.tf.names import whole_names
+
+    def received(value) -> int:
+        """The floating-point elements in what a collective handed back (tensors, arrays, or objects holding them)."""
+        leaves = tf.nest.flatten(value, expand_composites=True)
+        return sum(int(np.size(t)) for t in leaves if isinstance(t, (tf.Tensor, np.ndarray))
+                   and np.issubdtype(np.dtype(t.dtype.as_numpy_dtype if isinstance(t, tf.Tensor) else t.dtype),
+                                     np.floating))
+
+    COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "grouped_allreduce",
+                   "grouped_allgather", "grouped_reducescatter", "allgather_object", "broadcast_object",
+                   "broadcast_variables")
+
+    class Counting:
+        elements = 0
+
+    def counting_collectives(counting):
+        originals = {name: getattr(hvd, name) for name in COLLECTIVES}
+
+        def wrap(call):
+            def counted_call(*args, **kwargs):
+                out = call(*args, **kwargs)
+                counting.elements += received(out)
+                return out
+            return counted_call
+
+        for name, call in originals.items():
+            setattr(hvd, name, wrap(call))
+        return originals
+
+    kept = {"at_checkpoint": [], "shard": {}}
+
+    def save_checkpoint(checkpoints, parallel, state, ctx):
+        counting, before = Counting(), len(given)
+        originals = counting_collectives(counting)
+        try:
+            folder = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx)
+        finally:
+            for name, call in originals.items():
+                setattr(hvd, name, call)
+        kept["at_checkpoint"].append(counting.elements + sum(prod(v.shape) for v in given[before:]))
+        folder = hvd.broadcast_object(None if folder is None else str(folder.resolve()), root_rank=0,
+                                      name="count.checkpoint_folder")
+        shard = Path(folder) / f"rank-{hvd.rank():05d}.safetensors"
+        if shard.exists():
+            with safe_open(shard, framework="np") as f:
+                kept["shard"] = {key: f.get_slice(key).get_shape() for key in f.keys()}
+        return folder
+
+    save_checkpoint.__wrapped__ = train.save_checkpoint
+    train.save_checkpoint = save_checkpoint
+
+    def parallelize(model, *args, **kwargs):
+        names = whole_names(model)   # the whole model as train.py built it, without values
+        kept["unsplit"] = {names[id(v)]: list(v.shape) for v in model.variables if id(v) in names}
+        parallel = kept["parallel"] = train.parallelize.__wrapped__(model, *args, **kwargs)
+        if not parallel.optimizer.built:   # Keras builds it at the first step: built now, it is not counted
+            parallel.optimizer.build(parallel.module.trainable_variables)
+        optimizer = {id(v) for v in parallel.optimizer.variables}
+        kept["at_start_up"] = sum(prod(v.shape) for v in given if id(v) not in optimizer)
+        return parallel
+
+    parallelize.__wrapped__ = train.parallelize
+    train.parallelize = parallelize
+    train.train(train.load_config(train.CONFIG_FILE, overrides))
+
+    parallel = kept["parallel"]
+    entries = held_variables(parallel.module, parallel.optimizer, parallel.split)
+    trained = {id(v) for v in parallel.module.trainable_variables}
+    held = {name[len("model/"):]: list(v.shape) for v, name, _ in entries if name.startswith("model/") and id(v) in trained}
+    state: dict[str, list[int]] = {}
+    for v, name, _ in entries:
+        owner = name[len("optimizer/"):].rsplit("/", 1)[0]
+        if name.startswith("optimizer/") and owner in held and len(v.shape) > 0:
+            state.setdefault(owner, []).append(prod(v.shape))
+    record = {"rank": hvd.rank(), "at_start_up": kept["at_start_up"], "held": held, "optimizer_state": state,
+              "at_checkpoint": kept["at_checkpoint"], "shard": kept["shard"]}
+    records = hvd.allgather_object(record)
+    if hvd.rank() == 0:
+        (ranks_dir / "held.json").write_text(json.dumps({"ranks": records, "unsplit": kept["unsplit"]}))
+
+
+if __name__ == "__main__":
+    main()
