@@ -95,7 +95,7 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "checkpoints"        # rank 0's (torch pipeline/tensor: each rank's shard too); the latest is resumed
+    dir: str = "checkpoints"        # a folder per checkpoint, a shard per rank holding a part of the model; the newest is resumed
     keep: int = 3                   # how many recent checkpoints to keep
     every_steps: int = 0            # also checkpoint every N steps within an epoch; 0 = once per epoch
     resume: bool = True
