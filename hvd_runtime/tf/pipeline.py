@@ -16,7 +16,7 @@ process set) and applied. Data: shard by replica, as in hvd_runtime.torch.pipeli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
@@ -25,12 +25,11 @@ from hvd_runtime.pipeline.partition import Partition, PartitionError
 from hvd_runtime.pipeline.engine import PipelineEngineBase
 from hvd_runtime.config import ConfigError
 from hvd_runtime.parallel.dims import ParallelDims
-from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, check_chunks, chunks_per_rank
+from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, chunks_per_rank
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD, SPLIT_BACKWARD_TORCH_ONLY
-from hvd_runtime.parallel.tensor_groups import TensorGroup
-from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.tf.compiled import compiled, compiled_for_any_batch
-from hvd_runtime.tf.context import Context, init_horovod
+from hvd_runtime.tf.context import Context
+from hvd_runtime.tf.grid import init_pipeline
 from hvd_runtime.tf.meta_init import is_meta
 from hvd_runtime.tf.names import is_state
 from hvd_runtime.tf.stage import Stage, plan_stages, plan_timed_on_rank0, rank_stage
@@ -39,52 +38,6 @@ from hvd_runtime.tf.tensor_state import SplitVariables
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "ReplicaContext", "build_stage",
            "chunks_per_rank", "init_pipeline", "replica_context", "split_stage"]
-
-
-P2P_LINKS = ("socket", "alltoall")
-
-
-def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                  p2p: str = "socket", tp: int = 1, chunks: int = 1) -> tuple[Context, PipelineRank]:
-    """Initialise Horovod with the grid's process sets (dp per stage; neighbour pairs for alltoall) and link neighbours.
-
-    p2p: "socket" (a TCP connection per neighbour pair, the default: fastest, see docs/pipeline.md)
-    or "alltoall" (Horovod's alltoall in the pair's process set: nothing beside Horovod).
-    tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`, split_stage):
-    the grid is replicas x stages x tp, and each slice talks to the same slice of the neighbours.
-    chunks: the model's chunks per rank (interleaved-1f1b): the stages then link in a ring.
-    """
-    import horovod.tensorflow as hvd
-
-    from hvd_runtime.pipeline.socket_link import connect_neighbours
-    from hvd_runtime.tf.p2p import AlltoallLink, SocketTensorLink
-
-    if p2p not in P2P_LINKS:
-        raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(P2P_LINKS)} (e.g. 'socket')")
-    check_chunks(stages, chunks, tp)
-    world = launched_world_size() or 1
-    dims = grid_of(hvd, world, tp=tp, pp=stages)
-    wanted = dims.process_set_ranks(pairs=p2p == "alltoall", ring=chunks > 1)
-    sets = [hvd.ProcessSet(r) for r in wanted]
-    ctx = init_horovod(seed, threads_per_rank, cycle_time_ms, process_sets=sets, staggered=dims.staggered)
-    if ctx.size != dims.world:
-        raise PipelineConfigError(f"Horovod started {ctx.size} ranks but the launcher said {world}: "
-                                  "launch with horovodrun")
-    me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, chunks=chunks, _sets={tuple(r): s for r, s in zip(wanted, sets)})
-    if dims.dp > 1:
-        me.dp_set = me.process_set(dims.dp_ranks(me.rank))
-    if dims.tp > 1:
-        me.tensor_group = TensorGroup.of(dims, me.rank, me._sets)
-    prev, next_ = me.prev_rank, me.next_rank
-    if p2p == "socket":
-        links = connect_neighbours(hvd, prev, next_)
-        me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
-    else:
-        if prev is not None:
-            me.prev = AlltoallLink(me.rank, prev, me.process_set(sorted([prev, me.rank])))
-        if next_ is not None:
-            me.next = AlltoallLink(me.rank, next_, me.process_set(sorted([me.rank, next_])))
-    return replace(ctx, pipeline=me), me
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ The epoch loop itself is framework-free: hvd_runtime.loop, driving a TrainStep o
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.checkpoint import TrainState, checkpoint_store, restore_checkpoint, save_checkpoint
 from hvd_runtime.torch.context import Context, init_horovod
+from hvd_runtime.torch.grid import init
 from hvd_runtime.torch.elastic import run_elastic, start_elastic
 from hvd_runtime.torch.meta_init import build_on_meta
 from hvd_runtime.torch.objective import accuracy, cross_entropy
@@ -15,5 +16,5 @@ from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import SyncBatchNorm, use_sync_batchnorm
 
 __all__ = ["Context", "Precision", "ShardedBatches", "SyncBatchNorm", "TrainState", "TrainStep", "WarmupSchedule",
-           "accuracy", "build_on_meta", "checkpoint_store", "cross_entropy", "init_horovod", "start_elastic", "make_optimizer",
+           "accuracy", "build_on_meta", "checkpoint_store", "cross_entropy", "init", "init_horovod", "start_elastic", "make_optimizer",
            "restore_checkpoint", "run_elastic", "save_checkpoint", "use_sync_batchnorm"]

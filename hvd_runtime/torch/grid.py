@@ -1,11 +1,13 @@
-"""Horovod initialised for a pipeline on PyTorch: the grid's process sets, and links to the neighbours.
+"""Horovod started with the rank grid on PyTorch: every strategy's start-up, a pipeline's process sets and links.
 
-    ctx, dims = init_pipeline(stages=2)   # instead of init_horovod(): process sets are fixed at init
+    ctx = init(cfg, "pipeline")           # data | model-split | tensor | pipeline, as cfg.parallel lays it out
+    ctx, dims = init_pipeline(stages=2)   # a pipeline's start, by hand: process sets are fixed at init
     dims.stage, dims.replica, dims.is_first, dims.is_last
     ctx.device, ctx.data_rank, ctx.data_size   # this rank's device; its replica, of how many
 
 The grid itself (which rank holds which stage, which process sets exist) is framework-free, in
-`hvd_runtime.parallel.dims`; this rank's place in it in `hvd_runtime.pipeline.grid`.
+`hvd_runtime.parallel.dims`; this rank's place in it in `hvd_runtime.pipeline.grid`; what each
+strategy starts with in `hvd_runtime.parallel.layout`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,20 @@ from __future__ import annotations
 import os
 
 from hvd_runtime.parallel.dims import ParallelDims
+from hvd_runtime.parallel.layout import start
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, check_chunks
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.scaling import set_cycle_time
-from hvd_runtime.torch.context import Context, pin_device
+from hvd_runtime.torch.context import Context, init_horovod, pin_device
 
-__all__ = ["Context", "ParallelDims", "PipelineConfigError", "PipelineRank", "init_pipeline"]
+__all__ = ["Context", "ParallelDims", "PipelineConfigError", "PipelineRank", "init", "init_pipeline"]
+
+
+def init(cfg, strategy: str) -> Context:
+    """Start Horovod for the project's `strategy` as cfg.parallel and cfg.horovod lay it out: the
+    context parallelize dispatches on (ctx.pipeline, ctx.tensor, ctx.stage_devices)."""
+    return start(cfg, strategy, init_horovod, init_pipeline)
 
 
 def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
