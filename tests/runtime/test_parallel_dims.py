@@ -1,6 +1,6 @@
-"""The rank grid every strategy shares (hvd_runtime.parallel.dims): layout, process sets, refusals.
+"""The rank grid every strategy shares (hvd_runtime.parallel.dims), and what each strategy starts it with (layout).
 
-Pure arithmetic: no Horovod, no framework.
+Pure arithmetic: no Horovod, no framework (layout.start is handed init functions that record their arguments).
 """
 
 import pytest
@@ -86,3 +86,45 @@ def test_a_vocabulary_smaller_than_tp_is_refused_in_one_line():
     with pytest.raises(TensorParallelError, match=r"^a vocabulary of 3 tokens does not split over tp 4: "
                                                   r"choose a tp of at most 3$"):
         vocab_range(3, 4, 0)
+
+
+@pytest.mark.parametrize("strategy, started", [
+    ("data", ("init_horovod", {})),
+    ("model-split", ("init_horovod", {"devices_per_rank": 3})),
+    ("tensor", ("init_horovod", {"tp": 2})),
+    ("pipeline", ("init_pipeline", {"stages": 3, "tp": 2, "chunks": 1})),
+])
+def test_each_strategy_starts_horovod_as_cfg_parallel_lays_it_out(strategy, started):
+    """layout.start: the call and the layout each strategy starts Horovod with, seed, threads and
+    cycle time always from cfg; the interleaved schedule's chunks from parallel.virtual_stages."""
+    from hvd_runtime.config import RunConfig
+    from hvd_runtime.parallel.layout import start
+
+    cfg = RunConfig()
+    cfg.seed, cfg.parallel.stages, cfg.parallel.tp = 7, 3, 2
+    cfg.horovod.threads_per_rank, cfg.horovod.cycle_time_ms = 2, 1.5
+    calls = []
+
+    def init_horovod(**kwargs):
+        calls.append(("init_horovod", kwargs))
+        return "ctx"
+
+    def init_pipeline(stages, **kwargs):
+        calls.append(("init_pipeline", {"stages": stages, **kwargs}))
+        return "ctx", "dims"
+
+    assert start(cfg, strategy, init_horovod, init_pipeline) == "ctx"
+    common = {"seed": 7, "threads_per_rank": 2, "cycle_time_ms": 1.5}
+    assert calls == [(started[0], {**started[1], **common})]
+    if strategy == "pipeline":
+        cfg.parallel.schedule, cfg.parallel.virtual_stages = "interleaved-1f1b", 2
+        start(cfg, strategy, init_horovod, init_pipeline)
+        assert calls[-1][1]["chunks"] == 2
+
+
+def test_an_unknown_strategy_is_refused_in_one_line():
+    from hvd_runtime.config import ConfigError, RunConfig
+    from hvd_runtime.parallel.layout import start
+
+    with pytest.raises(ConfigError, match=r"^unknown strategy 'zero': choose one of data, model-split, tensor, pipeline$"):
+        start(RunConfig(), "zero", None, None)
