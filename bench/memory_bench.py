@@ -45,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gigabytes", type=float, default=2.0)
     parser.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
-    parser.add_argument("--gpt", action="store_true", help="the GPT layouts instead of the image folder (torch)")
+    parser.add_argument("--gpt", action="store_true", help="the GPT layouts instead of the image folder")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
@@ -54,8 +54,9 @@ def main() -> None:
 
         # the default size writes the docs page; another is only printed
         default = (args.width, args.layers) == (1024, 8)
-        gpt_layouts(args.width, args.layers, Path(__file__).resolve().parents[1] / "docs" / "benchmarks-memory-gpt.md"
-                    if default else None)
+        page = "benchmarks-memory-gpt.md" if args.framework == "torch" else "benchmarks-memory-gpt-tf.md"
+        gpt_layouts(args.width, args.layers, Path(__file__).resolve().parents[1] / "docs" / page if default else None,
+                    args.framework)
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -2,20 +2,21 @@
 
     python bench/memory_bench.py --gpt                      # width 1024, 8 layers: ~101 M parameters
     python bench/memory_bench.py --gpt --width 256 --layers 2   # a quick look
+    python bench/memory_bench.py --gpt --framework tensorflow
 
-One generated torch project (`--strategy pipeline --stages 2 --tp 2`, GPT, AdamW, fp32) trains a
+One generated torch (or TensorFlow) project (`--strategy pipeline --stages 2 --tp 2`, GPT, AdamW, fp32) trains a
 few steps and writes its epoch's checkpoint at four layouts of the same model: unsplit (-np 1,
 one stage, tp 1), tp 2, pp 2 and pp 2 x tp 2 (-np 4). A sitecustomize on every rank reads the
 process's peak resident memory (ru_maxrss) where train.py calls parallelize (the baseline: the
-interpreter, torch, Horovod, the data, the model on the meta device), where it calls
+interpreter, the framework, Horovod, the data, the model without its parameters' memory), where it calls
 save_checkpoint (the peak while training, an evaluation included) and when it returns (the peak
 with the checkpoint), and at exit (rank 0 has then written the whole model from the shards).
 
 Beside each rank: the even share, the training state's 16 bytes a parameter (fp32 weights and
 gradients, Adam's two moments) divided by the ranks. The ratios the issue asks for are each
 layout's worst rank against the unsplit run, baselines taken off, and each rank's checkpoint peak
-against its training peak. At the default size it writes docs/benchmarks-memory-gpt.md and its
-plot, docs/benchmarks-memory-gpt.png.
+against its training peak. At the default size it writes docs/benchmarks-memory-gpt.md (TensorFlow:
+benchmarks-memory-gpt-tf.md) and its plot beside it.
 """
 
 from __future__ import annotations
@@ -44,20 +45,23 @@ if "HOROVOD_RANK" in os.environ:
 
     import sys
 
-    import hvd_runtime.torch as package
-    import hvd_runtime.torch.checkpoint
-    import hvd_runtime.torch.parallelize
+    import importlib
+    from math import prod
 
+    framework = os.environ["MEMORY_FRAMEWORK"]   # torch | tf: hvd_runtime's package
+    package = importlib.import_module(f"hvd_runtime.{framework}")
     # by sys.modules: the package's attribute `parallelize` is the function, not its module
-    checkpoint = sys.modules["hvd_runtime.torch.checkpoint"]
-    parallelize_module = sys.modules["hvd_runtime.torch.parallelize"]
+    checkpoint = importlib.import_module(f"hvd_runtime.{framework}.checkpoint")
+    parallelize_module = importlib.import_module(f"hvd_runtime.{framework}.parallelize")
 
     parallelize = parallelize_module.parallelize
 
     def measured_parallelize(*args, **kwargs):
         record["baseline"] = peak()
         parallel = parallelize(*args, **kwargs)
-        record["held_parameters"] = sum(p.numel() for p in parallel.module.parameters())
+        module = parallel.module
+        held = module.parameters() if framework == "torch" else module.trainable_variables
+        record["held_parameters"] = sum(prod(p.shape) for p in held)
         return parallel
 
     save = checkpoint.save_checkpoint
@@ -86,11 +90,11 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
 
-def gpt_layouts(width: int, layers: int, out: Path | None = None) -> None:
+def gpt_layouts(width: int, layers: int, out: Path | None = None, framework: str = "torch") -> None:
     heads, context, batch = 16 if width % 16 == 0 else 4, 128, 4
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        subprocess.run([str(BIN / "hvdgen"), "new", "proj", "--model", "gpt", "--framework", "torch", "--strategy",
+        subprocess.run([str(BIN / "hvdgen"), "new", "proj", "--model", "gpt", "--framework", framework, "--strategy",
                         "pipeline", "--stages", "2", "--tp", "2", "--output", str(tmp)], check=True,
                        capture_output=True)
         project = tmp / "proj"
@@ -112,6 +116,7 @@ def gpt_layouts(width: int, layers: int, out: Path | None = None) -> None:
                    "--parallel.stages", str(stages), "--parallel.tp", str(tp), "--parallel.partition", "params",
                    "--checkpoint.dir", str(folder / "checkpoints"), "--run_dir", str(folder / "run")]
             env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", MEMORY_OUT=str(folder),
+                       MEMORY_FRAMEWORK="torch" if framework == "torch" else "tf", TF_CPP_MIN_LOG_LEVEL="2",
                        PYTHONPATH=os.pathsep.join([str(tmp / "hook"), os.environ.get("PYTHONPATH", "")]))
             started = time.perf_counter()
             proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
@@ -120,10 +125,10 @@ def gpt_layouts(width: int, layers: int, out: Path | None = None) -> None:
             results[name] = sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")),
                                    key=lambda r: r["rank"])
             print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
-    report(results, width, layers, out)
+    report(results, width, layers, out, framework)
 
 
-def report(results: dict[str, list[dict]], width: int, layers: int, out: Path | None) -> None:
+def report(results: dict[str, list[dict]], width: int, layers: int, out: Path | None, framework: str) -> None:
     """Print the figures; with `out`, also write them as a page of docs and their plot beside it."""
     parameters = sum(r["held_parameters"] for r in results["unsplit"])
     state = 16 * parameters
@@ -146,18 +151,21 @@ def report(results: dict[str, list[dict]], width: int, layers: int, out: Path | 
     if out is None:
         return
     picture = out.with_suffix(".png")
-    plot(results, state, picture)
-    out.write_text("\n".join([TITLE, "", INTRO.format(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())), "",
+    name = {"torch": "torch", "tensorflow": "TensorFlow"}[framework]
+    plot(results, state, picture, name)
+    out.write_text("\n".join([TITLE, "", INTRO.format(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                     framework=name,
+                                                     flag="" if framework == "torch" else " --framework tensorflow"), "",
                               *lines, "", f"![peak memory per rank]({picture.name})", ""]))
 
 
 TITLE = "# Memory benchmark: does splitting a GPT split its memory?"
-INTRO = ("`python bench/memory_bench.py --gpt` on {date}, 2 cores, CPU (Gloo). One generated torch project "
+INTRO = ("`python bench/memory_bench.py --gpt{flag}` on {date}, 2 cores, CPU (Gloo). One generated {framework} project "
          "(`--strategy pipeline --stages 2 --tp 2`, GPT, context 128, batch 4, vocabulary 256 bytes) trains one "
          "short epoch and writes its checkpoint at four layouts of the same model: unsplit (-np 1), tp 2, "
          "pp 2 (cut by parameters) and pp 2 x tp 2 (-np 4); tracking off. Every rank reads its peak resident "
-         "memory (ru_maxrss) where train.py calls parallelize (*baseline*: the interpreter, torch, Horovod, "
-         "the data, the model on the meta device), where it calls save_checkpoint (*training*: the epoch's "
+         "memory (ru_maxrss) where train.py calls parallelize (*baseline*: the interpreter, {framework}, "
+         "Horovod, the data, the model without its parameters' memory), where it calls save_checkpoint (*training*: the epoch's "
          "steps and its evaluation), when that returns (*with the checkpoint*) and at exit (rank 0 has then "
          "written runs/latest/model.safetensors from the shards). *Even share*: the training state (fp32 "
          "weights and gradients, Adam's two moments: 16 bytes a parameter) divided by the ranks. Above its "
@@ -165,7 +173,7 @@ INTRO = ("`python bench/memory_bench.py --gpt` on {date}, 2 cores, CPU (Gloo). O
          "what stays whole (position embeddings, LayerNorms, biases of row-parallel layers).")
 
 
-def plot(results: dict[str, list[dict]], state: float, path: Path) -> None:
+def plot(results: dict[str, list[dict]], state: float, path: Path, framework: str) -> None:
     """Each rank's baseline, training peak above it and checkpoint peak above that, beside its even share."""
     import matplotlib
 
@@ -183,7 +191,7 @@ def plot(results: dict[str, list[dict]], state: float, path: Path) -> None:
             share.append(state / len(ranks) / 2**20)
     x = range(len(labels))
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    ax.bar(x, base, color="lightgrey", label="baseline (interpreter, torch, Horovod, data)")
+    ax.bar(x, base, color="lightgrey", label=f"baseline (interpreter, {framework}, Horovod, data)")
     ax.bar(x, training, bottom=base, color="tab:blue", label="peak while training, above the baseline")
     ax.bar(x, checkpoint, bottom=[b + t for b, t in zip(base, training)], color="tab:orange",
            label="added by the checkpoint")
@@ -191,7 +199,7 @@ def plot(results: dict[str, list[dict]], state: float, path: Path) -> None:
                label="baseline + even share of the training state")
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("peak resident memory, MiB")
-    ax.set_title("A ~100 M-parameter GPT, AdamW fp32: each rank's peak memory by layout")
+    ax.set_title(f"A ~100 M-parameter {framework} GPT, AdamW fp32: each rank's peak memory by layout")
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
