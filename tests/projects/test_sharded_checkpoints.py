@@ -17,6 +17,11 @@ Both frameworks, each case:
   the problem and the fix, and nothing in the project changes. (A model whose shapes changed:
   test_start_up_refusals' pipeline case; a damaged newest with an older one to fall back to:
   test_fault_tolerance.)
+
+Cost: about a tenth of the suite's CPU (351 CPU-s of 3,315 in a full run), since it runs the resume
+matrix for both frameworks: one straight run at pp 2 x tp 2, then three resumes and three returns,
+each a horovodrun job of 1 to 4 ranks, plus the kill-mid-write and damaged-shard jobs.
+These checks need real jobs at each layout, so they cannot be made cheaper by sharing one run.
 """
 
 from __future__ import annotations
