@@ -18,6 +18,7 @@ usage: horovodrun ... python count_held_elements.py PROJECT RANKS_DIR [config ov
 import json
 from pathlib import Path
 
+from collective_counts import counting_collectives
 from train_in_rank_dir import enter_rank_dir
 
 
@@ -61,36 +62,11 @@ def main() -> None:
         """The floating-point elements in what a collective handed back (tensors, or objects holding them)."""
         return sum(t.numel() for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
-    # Horovod allocates a collective's output on its own thread, out of the mode's sight: what every
-    # collective returns is counted instead (object collectives: the tensors inside the objects).
-    COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "grouped_allreduce",
-                   "grouped_allgather", "grouped_reducescatter", "synchronize", "allgather_object",
-                   "broadcast_object")
-
-    def counting_collectives(counting):
-        originals = {name: getattr(hvd, name) for name in COLLECTIVES}
-
-        def wrap(call):
-            def counted_call(*args, **kwargs):
-                out = call(*args, **kwargs)
-                counting.elements += received(out)
-                return out
-            return counted_call
-
-        for name, call in originals.items():
-            setattr(hvd, name, wrap(call))
-        return originals
-
     kept = {"at_checkpoint": [], "shard": {}}
 
     def save_checkpoint(checkpoints, parallel, state, ctx):
-        with NewMemory() as counting:
-            originals = counting_collectives(counting)
-            try:
-                folder = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx)
-            finally:
-                for name, call in originals.items():
-                    setattr(hvd, name, call)
+        with NewMemory() as counting, counting_collectives(hvd, counting, received):
+            folder = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx)
         kept["at_checkpoint"].append(counting.elements)
         # named: unnamed, each rank would name it by its own object's type (str on rank 0, NoneType elsewhere)
         folder = hvd.broadcast_object(None if folder is None else str(folder.resolve()), root_rank=0,

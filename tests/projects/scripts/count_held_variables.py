@@ -20,6 +20,7 @@ import json
 from math import prod
 from pathlib import Path
 
+from collective_counts import counting_collectives
 from train_in_rank_dir import enter_rank_dir
 
 
@@ -54,37 +55,15 @@ def main() -> None:
                    and np.issubdtype(np.dtype(t.dtype.as_numpy_dtype if isinstance(t, tf.Tensor) else t.dtype),
                                      np.floating))
 
-    COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "grouped_allreduce",
-                   "grouped_allgather", "grouped_reducescatter", "allgather_object", "broadcast_object",
-                   "broadcast_variables")
-
     class Counting:
         elements = 0
-
-    def counting_collectives(counting):
-        originals = {name: getattr(hvd, name) for name in COLLECTIVES}
-
-        def wrap(call):
-            def counted_call(*args, **kwargs):
-                out = call(*args, **kwargs)
-                counting.elements += received(out)
-                return out
-            return counted_call
-
-        for name, call in originals.items():
-            setattr(hvd, name, wrap(call))
-        return originals
 
     kept = {"at_checkpoint": [], "shard": {}}
 
     def save_checkpoint(checkpoints, parallel, state, ctx):
-        counting, before = Counting(), len(given)
-        originals = counting_collectives(counting)
-        try:
+        before = len(given)
+        with counting_collectives(hvd, Counting(), received) as counting:
             folder = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx)
-        finally:
-            for name, call in originals.items():
-                setattr(hvd, name, call)
         kept["at_checkpoint"].append(counting.elements + sum(prod(v.shape) for v in given[before:]))
         folder = hvd.broadcast_object(None if folder is None else str(folder.resolve()), root_rank=0,
                                       name="count.checkpoint_folder")
