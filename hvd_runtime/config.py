@@ -55,6 +55,8 @@ class TrainConfig:
     eval_batch_size: int = 256
     log_every: int = 10             # steps between averaged train-loss and throughput points; 0 = off
     precision: str = "fp32"         # fp32 | bf16 | fp16 (fp16 needs a GPU: its gradients are loss-scaled)
+    hang_timeout_s: float = 300.0   # a step not done in this time ends the rank, stacks dumped (watchdog); 0 = off
+    hang_allowance_s: float = 1800.0   # the same for start-up, first steps, evaluations, checkpoints
 
 
 @dataclass
@@ -219,7 +221,7 @@ def check_values(config) -> None:
     for key in AT_LEAST_ONE:
         if key in flat and flat[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {flat[key]}")
-    for key in ("data.workers", "optim.clip_norm"):
+    for key in ("data.workers", "optim.clip_norm", "train.hang_timeout_s", "train.hang_allowance_s"):
         if key in flat and flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more, got {flat[key]}")
     if "parallel.schedule" in flat:

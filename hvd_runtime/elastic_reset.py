@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from hvd_runtime import watchdog
 from hvd_runtime.config import ConfigError
 from hvd_runtime.rank_context import RankContext
 
@@ -76,3 +77,16 @@ def sync_now(elastic) -> None:
         elastic.sync = synced     # every reset after this syncs for real
 
     elastic.sync = skip_once
+
+
+def allowing_resets(fit: Callable) -> Callable:
+    """`fit`, giving what follows a failure inside it (Horovod's shutdown, its wait for hosts, the
+    new rendezvous, the restore) the hang watchdog's longer allowance, not a step's."""
+    def attempt(state):
+        try:
+            return fit(state)
+        except BaseException:
+            watchdog.beat("elastic reset", allowance=True)
+            raise
+
+    return attempt

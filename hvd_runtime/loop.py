@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from hvd_runtime import watchdog
 from hvd_runtime.progress import progress
 from hvd_runtime.throughput import Throughput
 
@@ -89,6 +90,8 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
         if i >= usable:
             break
         apply = (i + 1) % k == 0
+        # an epoch's first step follows evaluation, checkpoints and logging on other ranks: the allowance
+        watchdog.beat(f"step {state.step + 1} (epoch {state.epoch})", allowance=i == 0)
         loss, metric_sums = step.train_batch(x, y, apply, state.step)
         n = int(y.shape[0])
         sums["loss"] = sums["loss"] + loss * n
@@ -119,6 +122,7 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
 
 def evaluate(step: Step, batches) -> dict[str, float]:
     """val_loss and val_<metric> over the whole validation set, each sample counted once on one rank."""
+    watchdog.beat("evaluation", allowance=True)
     loss, metrics = step.evaluate(batches)
     return {"val_loss": loss, **{f"val_{key}": value for key, value in metrics.items()}}
 

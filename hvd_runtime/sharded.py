@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from hvd_runtime import watchdog
 from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
 from hvd_runtime.config import ConfigError
 from hvd_runtime.shards import (INDEX, DamagedCheckpoint, ShardReader, index_misfit, merge_index, read_index,
@@ -48,6 +49,7 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
     tensor-parallel group holds whole), rank 0 the index, last. `rng` is this rank's RNG state,
     `cut` the pipeline's stages (None elsewhere). Returns the checkpoint folder on rank 0, None
     elsewhere; raises OSError on every rank when any could not write."""
+    watchdog.beat(f"checkpoint at step {state.step}", allowance=True)
     rngs = hvd.allgather_object(rng, name="checkpoint.rng")
     staging = None
     if store.is_writer:

@@ -20,7 +20,7 @@ import tensorflow as tf
 from horovod.common.elastic import ObjectState
 
 from hvd_runtime.checkpoint import CheckpointStore, state_fields
-from hvd_runtime.elastic_reset import follow_resets, sync_now
+from hvd_runtime.elastic_reset import allowing_resets, follow_resets, sync_now
 from hvd_runtime.tf.batches import ShardedBatches
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.checkpoint import restore_on_root, shared_variables
@@ -115,6 +115,7 @@ def run_elastic(fit: Callable, elastic_state: KerasState, ctx: Context, batches:
         return f"; lr {float(elastic_state.optimizer.learning_rate):.6g}"
 
     follow_resets(elastic_state, ctx, batches, writers, tracker, hvd.broadcast_object, learning_rate)
+    fit = allowing_resets(fit)
 
     def attempt(state):
         try:

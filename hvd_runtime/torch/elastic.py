@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 from torch import nn
 
 from hvd_runtime.checkpoint import CheckpointStore, state_fields
-from hvd_runtime.elastic_reset import follow_resets, sync_now
+from hvd_runtime.elastic_reset import allowing_resets, follow_resets, sync_now
 from hvd_runtime.torch.batches import ShardedBatches
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.checkpoint import restore_on_root
@@ -47,4 +47,4 @@ def run_elastic(fit: Callable, elastic, ctx: Context, batches: Sequence[ShardedB
     import horovod.torch as hvd
 
     follow_resets(elastic, ctx, batches, writers, tracker, hvd.broadcast_object)
-    return hvd.elastic.run(fit)(elastic)
+    return hvd.elastic.run(allowing_resets(fit))(elastic)
