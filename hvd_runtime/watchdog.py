@@ -3,7 +3,7 @@
 A collective waits for every rank of its set: one stopped, lost or deadlocked peer blocks all the
 others for ever, horovodrun waits on them, and a cluster job holds its GPUs until its wall-clock
 limit with nothing in the log that says where. Here the loop marks each point it passes (a step,
-an evaluation, a checkpoint) with `beat(what, seconds)`; a thread of its own ends the process
+an evaluation, a checkpoint) with `beat(what)`; a thread of its own ends the process
 when the next mark is late:
 
     watchdog.start(cfg.train)                 # hvd_runtime's init(): start-up has its allowance
@@ -16,7 +16,9 @@ stack (`faulthandler`: the frame waiting in a Horovod call names the operation) 
 horovodrun prefixes with the rank, and exits with HANG_EXIT without cleaning up (a blocked
 collective would block the interpreter's own exit too). horovodrun then stops the other ranks.
 Horovod's own stall warnings, which name the tensors and the ranks missing from them, are turned
-at half the timeout, 60 s at most (HOROVOD_STALL_CHECK_TIME_SECONDS, unless set), and print on rank 0.
+on at half the timeout, 60 s at most (HOROVOD_STALL_CHECK_TIME_SECONDS, unless set), and print on
+rank 0 when ranks submit different tensors. Against a stopped peer they stay silent: rank 0's
+background loop blocks first in the collective that coordinates Horovod's response cache.
 
 `train.hang_timeout_s: 0` turns it off. A process-wide watchdog, as faulthandler itself is.
 """
