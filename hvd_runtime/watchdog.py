@@ -39,9 +39,8 @@ HANG_EXIT = 124   # as timeout(1) ends what ran too long: not a crash's 1 nor a 
 class Watchdog:
     """Ends the process when the time since the last beat passes that beat's allowance."""
 
-    def __init__(self, timeout_s: float, allowance_s: float, stream=None) -> None:
+    def __init__(self, timeout_s: float, allowance_s: float) -> None:
         self.timeout_s, self.allowance_s = timeout_s, allowance_s
-        self.stream = stream if stream is not None else sys.stderr
         self._lock = threading.Condition()
         self._what, self._deadline, self._allowed = "", float("inf"), 0.0
         self._stopped = False
@@ -51,9 +50,9 @@ class Watchdog:
         """`what` starts now and must be followed by the next beat within its time."""
         seconds = self.allowance_s if allowance else self.timeout_s
         with self._lock:
-            sooner = time.monotonic() + seconds < self._deadline
-            self._what, self._allowed = what, seconds
-            self._deadline = time.monotonic() + seconds
+            deadline = time.monotonic() + seconds
+            sooner = deadline < self._deadline
+            self._what, self._allowed, self._deadline = what, seconds, deadline
             if sooner:   # the thread sleeps until the old deadline: wake it (a later one it finds itself)
                 self._lock.notify()
             if self._thread is None and not self._stopped:
@@ -74,7 +73,7 @@ class Watchdog:
                 self._lock.wait(timeout=left)
 
     def _end(self) -> None:
-        out = self.stream
+        out = sys.stderr
         out.write(f"hang: {self._what} has not finished in {self._allowed:.0f} s "
                   f"(train.hang_timeout_s / train.hang_allowance_s): ending this rank (exit {HANG_EXIT}) "
                   "so that the job ends; a peer that stopped or a collective that never completed blocks it. "

@@ -167,6 +167,11 @@ runpy.run_path("train.py", run_name="__main__")
 MLP_PIPELINE = ["--train.epochs", "3", "--tracking.enabled", "false", *SMALL_DATA]
 
 
+def epochs_of(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl, a dict per epoch."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @dataclass
 class Straight:
     """An MLP pipeline project of 2 stages and its uninterrupted run of MLP_PIPELINE's 3 epochs."""
@@ -188,8 +193,7 @@ def straight_runs(tmp_path_factory) -> Callable[[str], Straight]:
             project = generate_mlp(root, framework, "pipeline")
             run_horovod(2, [sys.executable, "train.py", *MLP_PIPELINE, "--run_dir", str(root / "run"),
                             "--checkpoint.dir", str(root / "ckpt")], cwd=project, env=QUIET, timeout=400)
-            lines = (root / "run" / "metrics.jsonl").read_text().splitlines()
-            made[framework] = Straight(project, [json.loads(line) for line in lines], root / "ckpt")
+            made[framework] = Straight(project, epochs_of(root / "run"), root / "ckpt")
         return made[framework]
 
     return straight
@@ -198,17 +202,13 @@ def straight_runs(tmp_path_factory) -> Callable[[str], Straight]:
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpoint(tmp_path, framework,
                                                                                     straight_runs):
-    project, straight = straight_runs(framework).project, straight_runs(framework).metrics
-    common = MLP_PIPELINE
-
-    def metrics(run: str) -> list[dict]:
-        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-
+    made = straight_runs(framework)
+    project, straight = made.project, made.metrics
     per_epoch = straight[0]["step"]
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "stopped"
     (tmp_path / "stop.py").write_text(STOP_MID_WRITE)
-    args = [*common, "--run_dir", str(tmp_path / "killed"), "--checkpoint.dir", str(ckpt)]
+    args = [*MLP_PIPELINE, "--run_dir", str(tmp_path / "killed"), "--checkpoint.dir", str(ckpt)]
     log = tmp_path / "killed.log"
     with open(log, "w") as out:
         job = subprocess.Popen([horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo",
@@ -229,10 +229,10 @@ def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpo
     assert (partial / "rank-00001.safetensors").is_file() and not (partial / "index.json").exists()
     assert [p.name for p in ckpt.iterdir() if not p.name.startswith(".")] == [f"ckpt-{per_epoch:09d}"]
 
-    resumed = run_horovod(2, [sys.executable, "train.py", *common, "--run_dir", str(tmp_path / "resumed"),
+    resumed = run_horovod(2, [sys.executable, "train.py", *MLP_PIPELINE, "--run_dir", str(tmp_path / "resumed"),
                               "--checkpoint.dir", str(ckpt)], cwd=project, env=QUIET, timeout=400)
     assert f"resuming from {ckpt / f'ckpt-{per_epoch:09d}'}: epoch 1, step {per_epoch}" in resumed.stdout
-    got = metrics("resumed")
+    got = epochs_of(tmp_path / "resumed")
     assert [m["epoch"] for m in got] == [2, 3]
     for mine, expected in zip(got, straight[1:]):
         assert mine["step"] == expected["step"]
