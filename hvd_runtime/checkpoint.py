@@ -57,6 +57,17 @@ _NAME = re.compile(r"ckpt-(\d{9})(?:\.(\w+))?$")
 _STAGING = re.compile(r"\.ckpt-\d{9}\.(partial|old)$")
 
 
+def newest_step(directory: str | Path) -> int | None:
+    """The step of the newest checkpoint in `directory`, of either framework (None if there is none):
+    how far a job has got, as a launcher outside it sees it (hvd_runtime.retry)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    steps = [int(m.group(1)) for p in directory.iterdir()
+             if (m := _NAME.match(p.name)) and (m.group(2) is not None or (p / "index.json").is_file())]
+    return max(steps, default=None)
+
+
 class CheckpointStore:
     def __init__(self, directory: str | Path, keep: int = 3, is_writer: bool = True, suffix: str = "pt"):
         if keep < 1:

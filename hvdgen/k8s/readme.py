@@ -150,7 +150,9 @@ rather than by hand, and check hand edits with `hvdgen k8s --check`.
 {gpu_rows}
 The launcher is created only when every worker's sshd accepts connections
 (`launcherCreationPolicy: WaitForWorkersReady`). Ranks run on the workers; rank 0 writes checkpoints
-to `{CHECKPOINT_DIR}`, which is the claim, so a restarted job resumes where it stopped. The claim asks
+to `{CHECKPOINT_DIR}`, which is the claim, so a restarted job resumes where it stopped: a failed
+launcher is started again up to `runPolicy.backoffLimit` (3) times, as `python -m hvd_runtime.retry`
+restarts a job on a host (which is why the launcher runs horovodrun without it). The claim asks
 for `ReadWriteMany` because every worker mounts it: on a single node, or a cluster without such a
 storage class, change `accessModes` to `ReadWriteOnce`. {non_root} {controller}
 
@@ -219,7 +221,9 @@ runtime's, since the Trainer applies a TrainJob's `image` and `resourcesPerNode`
 only.
 
 Rank 0 writes checkpoints to `{CHECKPOINT_DIR}`, which is the claim, so a job applied again resumes
-where it stopped. The claim asks for `ReadWriteMany` because every node mounts it: on a single
+where it stopped, as does a failed launcher, which the runtime's launcher job starts again up to its
+`backoffLimit` (3) times, as `python -m hvd_runtime.retry` restarts a job on a host (which is why the
+launcher runs horovodrun without it). The claim asks for `ReadWriteMany` because every node mounts it: on a single
 node, or a cluster without such a storage class, change `accessModes` to `ReadWriteOnce`. The pods
 run as the images' non-root user `mpiuser` (uid 1000), without privilege escalation or
 capabilities; they cannot run as root here, because the Trainer mounts the private key with mode

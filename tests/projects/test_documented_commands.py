@@ -194,16 +194,22 @@ def every_documented_command_runs(tmp_path: Path, framework: str, strategy: str,
     commands = documented_commands(project)
     cpu_launch = next(c for c in commands if c.startswith("horovodrun") and "--gloo python train.py" in c
                       and "localhost" in c).split(" python train.py")[0] + " python train.py"
-    # `make train` is the CPU launch line (make -n shows what it would run): one run serves both.
-    dry = subprocess.run(["make", "-n", "train", "PYTHON=python", "HOROVODRUN=horovodrun"], cwd=project,
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
-    assert dry[-1] == cpu_launch, f"make train runs {dry!r}, the README shows {cpu_launch!r}"
+    # `make train` is the CPU launch line under the retry launcher, which makes no restart by default
+    # (make -n shows what it would run): one run serves both. RESTARTS=3 is the README's retry line.
+    def make_train(*options: str) -> list[str]:
+        return subprocess.run(["make", "-n", "train", "PYTHON=python", "HOROVODRUN=horovodrun", *options],
+                              cwd=project, capture_output=True, text=True, check=True).stdout.strip().splitlines()
+
+    dry, retry_line = make_train(), f"python -m hvd_runtime.retry --max-restarts 3 -- {cpu_launch}"
+    assert dry[-1] == f"python -m hvd_runtime.retry --max-restarts 0 -- {cpu_launch}", \
+        f"make train runs {dry!r}, the README shows {cpu_launch!r}"
+    assert retry_line in commands and make_train("RESTARTS=3")[-1] == retry_line
     gpt = "gpt" in extra or strategy == "tensor"
     # before it, only a GPT project's data: made from the standard library when data/tokens is missing
     assert dry[:-1] == (["python prepare_tokens.py --out data/tokens"] if gpt else []), dry
     ran, skipped = [cpu_launch], {}
     for command in dict.fromkeys(expand(c, cpu_launch) for c in commands):  # each once, as it runs
-        if command == cpu_launch:
+        if command in (cpu_launch, retry_line):   # the retry line: make train's, with RESTARTS=3
             continue
         reason = (next((why for pattern, why in NOT_HERE if re.search(pattern, command)), None)
                   or run_elsewhere(command, framework, strategy, extra))

@@ -91,11 +91,15 @@ def checkpoint_steps(directory: Path) -> list[int]:
 
 
 class Job:
-    """A horovodrun job in its own process group, its output collected line by line as it comes."""
+    """A horovodrun job in its own process group, its output collected line by line as it comes;
+    under the retry launcher (hvd_runtime.retry) with `retry`, its options."""
 
-    def __init__(self, args: list[str], cwd: Path):
+    def __init__(self, args: list[str], cwd: Path, retry: list[str] | None = None):
         env = venv_env()
-        self.proc = subprocess.Popen([horovodrun_path(), *python_command(args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+        command = [horovodrun_path(), *python_command(args)]
+        if retry is not None:
+            command = [sys.executable, "-m", "hvd_runtime.retry", *retry, "--", *command]
+        self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

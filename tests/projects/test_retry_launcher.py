@@ -1,0 +1,166 @@
+"""A rank that hangs, then one killed, under the retry launcher: the job ends, starts again, resumes
+from its newest checkpoint, and ends with the weights of a run that met no fault.
+
+For both frameworks, data parallel and a 2-stage pipeline (the digits MLP, horovodrun -np 2, 3
+epochs, a checkpoint every 10 steps), under `python -m hvd_runtime.retry --max-restarts 2`:
+1. at its 30th step rank 1 holds for a few seconds (PAUSER), in which the test stops it from
+   outside (SIGSTOP), as a wedged process would be. Its peer blocks in the step's collective (an
+   allreduce; a pipeline's neighbour exchange); with `train.hang_timeout_s 8` rank 0 writes the one
+   line naming the step that did not finish, then every thread's stack, in which the frame it
+   waits in shows; it exits with the watchdog's status (124), and horovodrun ends the job, the
+   stopped rank included, within the timeout + 30 s;
+2. the launcher starts the job again; it resumes from the newest checkpoint, and at its own 30th
+   step rank 1 is killed from outside (SIGKILL);
+3. the third start resumes and finishes: its model.safetensors equals, within 1e-5, that of the
+   same command run once without a fault.
+The pause only gives the test its moment; the fault and its handling are the real ones. The ranks
+start cold (plain_start): the stopped and the killed process must be the rank itself.
+
+And a job that fails at the same step every time is given up after its restarts, with one line
+and the job's exit status (horovodrun's: 1 for any rank's failure).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from helpers import run_horovod
+from hvd_runtime.watchdog import HANG_EXIT
+from test_fault_tolerance import UNTRACKED, Job
+from test_start_up_refusals import generate
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 8     # the hang timeout: more than the pause, so that a pause alone ends nothing
+PAUSE_S = 4
+# What the blocked main thread waits in, by framework and strategy: a frame of its stack.
+WAITS_IN = {("torch", "data"): r"horovod/torch/mpi_ops\.py\", line \d+ in synchronize",
+            ("tensorflow", "data"): r"hvd_runtime/tf/step\.py\", line \d+ in train_batch",
+            ("torch", "pipeline"): r"hvd_runtime/pipeline/socket_link\.py\", line \d+ in \w+",
+            ("tensorflow", "pipeline"): r"hvd_runtime/pipeline/socket_link\.py\", line \d+ in \w+"}
+
+PAUSER = """\
+\"\"\"Run train.py; in its first FAULTS starts, the process of rank 1 writes its pid to FOLDER/at-<start>
+when it has trained STEPS steps (and its checkpoint, if one falls there, is written), then ACTS:
+`pause` holds PAUSE_S seconds and goes on, `exit` exits with status 3.
+usage: python pauser.py FRAMEWORK FOLDER FAULTS STEPS ACT SCRIPT ARGS...\"\"\"
+import importlib, os, runpy, sys, time
+from pathlib import Path
+
+framework, folder, faults, steps, act, script = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+sys.argv = sys.argv[6:]
+sys.path.insert(0, str(Path(script).parent))
+folder.mkdir(parents=True, exist_ok=True)
+start = len(list(folder.glob("at-*"))) + 1
+if os.environ["HOROVOD_RANK"] == "1" and start <= faults:
+    cls = importlib.import_module(f"hvd_runtime.{'torch' if framework == 'torch' else 'tf'}.batches").ShardedBatches
+    original, trained = cls.batches, [0]
+
+    def batches(self, *args, **kwargs):
+        for batch in original(self, *args, **kwargs):
+            if self.train:
+                if trained[0] == steps:   # asked for the next batch: step STEPS is done
+                    (folder / f"at-{start}").write_text(str(os.getpid()))
+                    if act == "exit":
+                        os._exit(3)
+                    time.sleep(PAUSE_S)
+                trained[0] += 1
+            yield batch
+
+    cls.batches = batches
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def pauser(tmp_path: Path) -> Path:
+    script = tmp_path / "pauser.py"
+    script.write_text(PAUSER.replace("PAUSE_S)", f"{PAUSE_S})"))
+    return script
+
+
+def at_start(faults: Path, start: int, job: Job, timeout: float = 300) -> int:
+    """The pid rank 1 wrote when it reached its step in start `start`."""
+    marker = faults / f"at-{start}"
+    deadline = time.monotonic() + timeout
+    while not (marker.is_file() and marker.read_text()):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-4000:]
+        time.sleep(0.02)
+    return int(marker.read_text())
+
+
+def weights(run_dir: Path) -> dict[str, np.ndarray]:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+@pytest.mark.plain_start
+@pytest.mark.parametrize("framework, strategy", list(WAITS_IN), ids=["-".join(case) for case in WAITS_IN])
+def test_a_hung_then_a_killed_rank_are_restarted_to_the_same_weights(tmp_path, framework, strategy):
+    project = generate(tmp_path, framework, strategy)
+    training = ["--train.epochs", "3", "--checkpoint.every_steps", "10", *UNTRACKED,
+                "--train.hang_timeout_s", str(TIMEOUT_S), "--train.hang_allowance_s", "300"]
+    run_horovod(2, [sys.executable, "train.py", *training, "--run_dir", str(tmp_path / "straight"),
+                    "--checkpoint.dir", str(tmp_path / "straight-ckpt")], cwd=project)
+
+    faults, run_dir, checkpoints = tmp_path / "faults", tmp_path / "run", tmp_path / "checkpoints"
+    job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), framework, str(faults), "2",
+               "30", "pause", "train.py", *training, "--run_dir", str(run_dir), "--checkpoint.dir", str(checkpoints)],
+              cwd=project, retry=["--max-restarts", "2", "--backoff-s", "0"])
+    try:
+        os.kill(at_start(faults, 1, job), signal.SIGSTOP)
+        stopped = time.monotonic()
+        ended, _ = job.wait_for(r"^retry: the job exited with status 1 ", timeout=TIMEOUT_S + 60)
+        os.kill(at_start(faults, 2, job), signal.SIGKILL)
+        code = job.finish(timeout=300)
+    finally:
+        if job.proc.poll() is None:
+            job.kill()
+    out = job.output
+    assert code == 0, out[-4000:]
+    first, second, third = re.split(r"^retry: the job exited with status 1 .*\n", out, flags=re.M)
+
+    when = "\n".join(f"{stamp - stopped:+6.1f} s {line.rstrip()}" for stamp, line in job.lines if "  File" not in line)
+    assert ended - stopped < TIMEOUT_S + 30, f"the job took {ended - stopped:.0f} s to end after rank 1 stopped:\n{when[-3000:]}"
+    hangs = re.findall(rf"^\[0\]<stderr>:hang: (step 31 \(epoch \d\)) has not finished in {TIMEOUT_S} s .*$", first, re.M)
+    assert len(hangs) == 1, first[-4000:]
+    assert not re.search(r"^\[1\]<stderr>:hang:", first, re.M), "the stopped rank cannot have written"
+    assert f"Process 0 exit with status code {HANG_EXIT}" in first, first[-3000:]
+    stacks = first.split("hang: ", 1)[1]
+    assert "Current thread" in stacks and re.search(r"hvd_runtime/loop\.py\", line \d+ in train_epoch", stacks)
+    assert re.search(WAITS_IN[framework, strategy], stacks), stacks[-4000:]
+    assert "hang:" not in second + third
+
+    # each start resumes the newest checkpoint the one before wrote: 30 before the hang at step 31, 60 before the kill
+    assert re.search(rf"^\[0\]<stdout>:resuming from {checkpoints / 'ckpt-000000030'}: epoch \d, step 30$", second, re.M)
+    assert "Process 1 exit with status code 137" in second, second[-3000:]
+    assert re.search(rf"^\[0\]<stdout>:resuming from {checkpoints / 'ckpt-000000060'}: epoch \d, step 60$", third, re.M)
+    expected, got = weights(tmp_path / "straight"), weights(run_dir)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_job_that_fails_at_the_same_step_every_time_is_given_up(tmp_path):
+    project = generate(tmp_path, "torch", "data")
+    faults = tmp_path / "faults"
+    job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), "torch", str(faults), "9",
+               "10", "exit", "train.py", "--checkpoint.every_steps", "20", *UNTRACKED,
+               "--run_dir", str(tmp_path / "run"), "--checkpoint.dir", str(tmp_path / "checkpoints")],
+              cwd=project, retry=["--max-restarts", "2", "--backoff-s", "0"])
+    code = job.finish(timeout=300)
+    out = job.output
+    assert code == 1, out[-3000:]
+    assert out.count("Process 1 exit with status code 3") == 3 and len(list(faults.glob("at-*"))) == 3
+    assert re.findall(r"^retry: .*$", out, re.M) == [
+        "retry: the job exited with status 1 (no checkpoint yet); restart 1 of 2 in 0 s",
+        "retry: the job exited with status 1 (no checkpoint yet); restart 2 of 2 in 0 s",
+        "retry: giving up: 2 restarts in a row did not move the newest checkpoint (no checkpoint yet; "
+        "--max-restarts 2); exit status 1, the last failure's"]
