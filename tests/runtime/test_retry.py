@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from hvd_runtime.checkpoint import newest_step
 
