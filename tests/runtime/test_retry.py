@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from hvd_runtime.checkpoint import newest_step
 
 # Run in a folder holding plan.json: attempt n (from 1) does plan[n - 1] (the last for later ones),
