@@ -57,6 +57,7 @@ class TrainConfig:
     precision: str = "fp32"         # fp32 | bf16 | fp16 (fp16 needs a GPU: its gradients are loss-scaled)
     hang_timeout_s: float = 300.0   # a step not done in this time ends the rank, stacks dumped (watchdog); 0 = off
     hang_allowance_s: float = 1800.0   # the same for start-up, first steps, evaluations, checkpoints
+    grace_s: float = 30.0           # after SIGTERM / SIGUSR1: the time to stop at a step, checkpoint and exit
 
 
 @dataclass
@@ -208,6 +209,7 @@ CHOICES = {
     "parallel.schedule": tuple(SCHEDULES),
     "tracking.checkpoint_models": ("auto", "every", "final"),
 }
+POSITIVE = ("train.grace_s",)
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches", "parallel.virtual_stages",
                 "model.width", "model.layers", "model.heads", "model.context")
@@ -221,6 +223,9 @@ def check_values(config) -> None:
     for key in AT_LEAST_ONE:
         if key in flat and flat[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {flat[key]}")
+    for key in POSITIVE:
+        if key in flat and flat[key] <= 0:
+            raise ConfigError(f"{key} must be more than 0, got {flat[key]}")
     for key in ("data.workers", "optim.clip_norm", "train.hang_timeout_s", "train.hang_allowance_s"):
         if key in flat and flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more, got {flat[key]}")

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from hvd_runtime import watchdog
+from hvd_runtime import preemption, watchdog
 from hvd_runtime.progress import progress
 from hvd_runtime.throughput import Throughput
 
@@ -68,7 +68,7 @@ def means_over_ranks(sums: Mapping[str, object], count, sum_over_ranks: Callable
 
 def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0,
                 on_log: Callable[[dict[str, float], int], None] | None = None,
-                every: Sequence[Every] = ()) -> dict[str, float]:
+                every: Sequence[Every] = (), on_stop: Callable[[], object] | None = None) -> dict[str, float]:
     """Train the rest of epoch `state.epoch`; return train_loss and train_<metric> over the job, and speed.
 
     `state` (a TrainState or Horovod's elastic state) advances as it goes: `step`, and
@@ -77,6 +77,10 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
     epoch is trimmed to a multiple of k, the same on every rank, so no half-accumulated step is
     left over, and `every` hooks run only between optimizer steps. Every `log_every` steps, the
     batch loss over the job and the throughput since the last point go to `on_log(metrics, step)`.
+
+    The same collective (every STOP_CHECK_EVERY steps without log points) says whether any rank
+    has been asked to stop (hvd_runtime.preemption); if so, every rank ends after the next
+    optimizer step: `on_stop()` (a checkpoint), then Preempted.
     """
     k = step.batches_per_update
     steps = batches.steps(state.samples_in_epoch)
@@ -86,6 +90,8 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
     batch_iter = progress(batches.batches(state.epoch, state.samples_in_epoch), enabled=is_root,
                           desc=f"epoch {state.epoch}", total=usable)
     speed = Throughput(batches.samples_per_step)
+    check_every = log_every or preemption.STOP_CHECK_EVERY
+    stopping = False
     for i, (x, y) in enumerate(batch_iter):
         if i >= usable:
             break
@@ -102,22 +108,41 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
         state.samples_in_epoch += batches.samples_per_step
         speed.tokens_per_sample = int(np.prod(y.shape[1:]))  # a language model's targets: one per token
         speed.step()
-        if log_every and on_log is not None and state.step % log_every == 0:
-            # Horovod: the batch loss averaged over the job (every rank calls, at the same step)
-            point = means_over_ranks({"step_train_loss": loss}, int(step.reports_loss), step.sum_over_ranks,
-                                     "metrics.step")
-            point |= speed.since_last()
-            if hasattr(batch_iter, "set_postfix_str"):
-                batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
-            on_log(point, state.step)
+        if state.step % check_every == 0:
+            # Horovod: every rank calls, at the same step: the batch loss summed over the job, and
+            # how many ranks were asked to stop
+            reports = float(step.reports_loss)
+            totals = step.sum_over_ranks(np.array([float(loss) * reports, reports, preemption.asked()]),
+                                         "loop.point")
+            stopping = stopping or totals[2] > 0
+            if log_every and on_log is not None:
+                point = {"step_train_loss": float(totals[0] / totals[1]) if totals[1] else float("nan")} | speed.since_last()
+                if hasattr(batch_iter, "set_postfix_str"):
+                    batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
+                on_log(point, state.step)
         for hook in every:
             if apply and hook.steps and state.step % hook.steps == 0:
                 hook.action()
+        if stopping and apply:
+            stop(state, is_root, on_stop)
     state.epoch += 1
     state.samples_in_epoch = 0
     # Horovod: sample-weighted over every rank's shard, not just this one.
     return means_over_ranks({f"train_{key}": value for key, value in sums.items()}, seen, step.sum_over_ranks,
                             "metrics.train") | {f"train_{key}": value for key, value in speed.epoch().items()}
+
+
+def stop(state, is_root: bool, on_stop: Callable[[], object] | None) -> None:
+    """End training after this step, every rank alike: its checkpoint, then Preempted."""
+    signum = preemption.signal_received()
+    watchdog.beat(f"the checkpoint at step {state.step} before stopping", allowance=True)
+    if on_stop is not None:
+        on_stop()
+    stopped = preemption.Preempted(signum, state.step)
+    if is_root:
+        print(f"stopped on {stopped.signal_name} after step {state.step} (epoch {state.epoch}), its checkpoint "
+              f"written: launch again to resume there", flush=True)
+    raise stopped
 
 
 def evaluate(step: Step, batches) -> dict[str, float]:

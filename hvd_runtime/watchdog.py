@@ -41,8 +41,9 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, allowance_s: float) -> None:
         self.timeout_s, self.allowance_s = timeout_s, allowance_s
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()   # an RLock: limit() may run in a signal handler inside beat()
         self._what, self._deadline, self._allowed = "", float("inf"), 0.0
+        self._limit, self._limit_why = float("inf"), ""
         self._stopped = False
         self._thread: threading.Thread | None = None
 
@@ -59,25 +60,40 @@ class Watchdog:
                 self._thread = threading.Thread(target=self._watch, name="hvd_runtime.watchdog", daemon=True)
                 self._thread.start()
 
+    def limit(self, seconds: float, why: str) -> None:
+        """End the process `seconds` from now whatever the beats say (a stop's grace time), and
+        stay armed after stop(): the run's close-out is held to it too."""
+        self._limit, self._limit_why = time.monotonic() + seconds, why   # read again on every wake
+        with self._lock:
+            self._stopped = False
+            self._lock.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="hvd_runtime.watchdog", daemon=True)
+                self._thread.start()
+
     def stop(self) -> None:
         with self._lock:
-            self._stopped = True
+            self._stopped = self._limit == float("inf")
+            self._deadline = float("inf")
             self._lock.notify()
 
     def _watch(self) -> None:
         with self._lock:
             while not self._stopped:
-                left = self._deadline - time.monotonic()
-                if left <= 0:
-                    self._end()
-                self._lock.wait(timeout=left)
+                now = time.monotonic()
+                if self._limit <= now:
+                    self._end(f"{self._limit_why}: ending this rank (exit {HANG_EXIT}) before its time is up")
+                if self._deadline <= now:
+                    self._end(f"{self._what} has not finished in {self._allowed:.0f} s "
+                              f"(train.hang_timeout_s / train.hang_allowance_s): ending this rank "
+                              f"(exit {HANG_EXIT}) so that the job ends; a peer that stopped or a collective "
+                              "that never completed blocks it")
+                left = min(self._deadline, self._limit) - now
+                self._lock.wait(timeout=None if left == float("inf") else left)
 
-    def _end(self) -> None:
+    def _end(self, why: str) -> None:
         out = sys.stderr
-        out.write(f"hang: {self._what} has not finished in {self._allowed:.0f} s "
-                  f"(train.hang_timeout_s / train.hang_allowance_s): ending this rank (exit {HANG_EXIT}) "
-                  "so that the job ends; a peer that stopped or a collective that never completed blocks it. "
-                  "Every thread's stack:\n")
+        out.write(f"hang: {why}. Every thread's stack:\n")
         out.flush()
         faulthandler.dump_traceback(file=out, all_threads=True)
         out.flush()
@@ -107,8 +123,19 @@ def beat(what: str, allowance: bool = False) -> None:
         _current.beat(what, allowance)
 
 
+def limit(seconds: float, why: str) -> None:
+    """Hold the process to `seconds` from now (hvd_runtime.preemption's grace time), with a
+    watchdog of its own if hang_timeout_s is 0."""
+    global _current
+    if _current is None:
+        _current = Watchdog(float("inf"), float("inf"))
+    _current.limit(seconds, why)
+
+
 def stop() -> None:
+    """Training's collectives are over: beats stop counting (a limit still holds)."""
     global _current
     if _current is not None:
         _current.stop()
-        _current = None
+        if _current._stopped:
+            _current = None

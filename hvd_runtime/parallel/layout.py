@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hvd_runtime import watchdog
+from hvd_runtime import preemption, watchdog
 from hvd_runtime.config import ConfigError
 from hvd_runtime.pipeline.grid import chunks_per_rank
 
@@ -31,11 +31,12 @@ STRATEGIES = ("data", "model-split", "tensor", "pipeline")
 
 def start(cfg, strategy: str, init_horovod: Callable, init_pipeline: Callable):
     """Horovod started for `strategy` with cfg's seed, threads and cycle time, the hang watchdog
-    armed (hvd_runtime.watchdog): the Context."""
+    armed (hvd_runtime.watchdog) and the stop signals noted (hvd_runtime.preemption): the Context."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     # before hvd.init, which reads Horovod's stall-warning period; start-up has the longer allowance
     watchdog.start(cfg.train)
+    preemption.install(cfg.train.grace_s)   # SIGTERM, SIGUSR1: stop after a step every rank agrees on
     horovod, parallel = cfg.horovod, cfg.parallel
     common = {"seed": cfg.seed, "threads_per_rank": horovod.threads_per_rank, "cycle_time_ms": horovod.cycle_time_ms}
     if strategy == "pipeline":

@@ -58,5 +58,6 @@ class HandoverTracker(NullTracker):
         self._inner.close(status, timeout)
 
     def __exit__(self, exc_type, exc, tb):
-        self.close("FAILED" if exc_type is not None else "FINISHED")
+        # a stop asked for by a signal (hvd_runtime.preemption.Preempted) is KILLED, any other exception FAILED
+        self.close("FINISHED" if exc_type is None else getattr(exc, "run_status", "FAILED"))
         return False

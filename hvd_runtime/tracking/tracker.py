@@ -215,5 +215,6 @@ class Tracker(NullTracker):
             log.warning("tracking could not close cleanly: %s", exc)
 
     def __exit__(self, exc_type, exc, tb):
-        self.close("FAILED" if exc_type is not None else "FINISHED")
+        # a stop asked for by a signal (hvd_runtime.preemption.Preempted) is KILLED, any other exception FAILED
+        self.close("FINISHED" if exc_type is None else getattr(exc, "run_status", "FAILED"))
         return False

@@ -1,8 +1,10 @@
-"""A rank that hangs, then one killed, under the retry launcher: the job ends, starts again, resumes
-from its newest checkpoint, and ends with the weights of a run that met no fault.
+"""Faults of a long run, injected from outside the ranks of real horovodrun jobs: a rank that hangs,
+one killed, a stop signal; each ends, or is restarted, with the weights of a run that met no fault.
 
 For both frameworks, data parallel and a 2-stage pipeline (the digits MLP, horovodrun -np 2, 3
-epochs, a checkpoint every 10 steps), under `python -m hvd_runtime.retry --max-restarts 2`:
+epochs, a checkpoint every 10 steps; one run of each without a fault, `straight`, to compare with):
+
+Under the retry launcher (`python -m hvd_runtime.retry --max-restarts 2`):
 1. at its 30th step rank 1 holds for a few seconds (PAUSER), in which the test stops it from
    outside (SIGSTOP), as a wedged process would be. Its peer blocks in the step's collective (an
    allreduce; a pipeline's neighbour exchange); with `train.hang_timeout_s 8` rank 0 writes the one
@@ -11,17 +13,23 @@ epochs, a checkpoint every 10 steps), under `python -m hvd_runtime.retry --max-r
    stopped rank included, within the timeout + 30 s;
 2. the launcher starts the job again; it resumes from the newest checkpoint, and at its own 30th
    step rank 1 is killed from outside (SIGKILL);
-3. the third start resumes and finishes: its model.safetensors equals, within 1e-5, that of the
-   same command run once without a fault.
-The pause only gives the test its moment; the fault and its handling are the real ones. The ranks
-start cold (plain_start): the stopped and the killed process must be the rank itself.
+3. the third start resumes and finishes: its model.safetensors equals, within 1e-5, the straight
+   run's.
+A job that fails at the same step every time is given up after its restarts, with one line and
+the job's exit status (horovodrun's: 1 for any rank's failure).
 
-And a job that fails at the same step every time is given up after its restarts, with one line
-and the job's exit status (horovodrun's: 1 for any rank's failure).
+Preemption: SIGTERM to horovodrun while rank 1 holds at its 30th step; every rank stops after
+the same later step, its checkpoint written, the MLflow run KILLED (the torch data case is
+tracked); started again, the job resumes at that step and ends with the straight run's metrics
+and weights.
+
+The pause only gives the test its moment; the faults and their handling are the real ones. The
+ranks start cold (plain_start): the stopped and the killed process must be the rank itself.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -35,7 +43,7 @@ from safetensors.numpy import load_file
 
 from helpers import run_horovod
 from hvd_runtime.watchdog import HANG_EXIT
-from test_fault_tolerance import UNTRACKED, Job
+from test_fault_tolerance import N_TRAIN, UNTRACKED, Job, checkpoint_steps, metrics
 from test_start_up_refusals import generate
 
 pytestmark = pytest.mark.slow
@@ -80,10 +88,32 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def pauser(tmp_path: Path) -> Path:
+def pauser(tmp_path: Path, pause_s: float = PAUSE_S) -> Path:
     script = tmp_path / "pauser.py"
-    script.write_text(PAUSER.replace("PAUSE_S)", f"{PAUSE_S})"))
+    script.write_text(PAUSER.replace("PAUSE_S)", f"{pause_s})"))
     return script
+
+
+# Every run of a case trains the same: the hang settings change no number.
+TRAINING = ["--train.epochs", "3", "--checkpoint.every_steps", "10",
+            "--train.hang_timeout_s", str(TIMEOUT_S), "--train.hang_allowance_s", "300"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """(project, run folder) of each case's run without a fault, made on first use."""
+    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def case(framework: str, strategy: str) -> tuple[Path, Path]:
+        if (framework, strategy) not in made:
+            root = tmp_path_factory.mktemp(f"straight-{framework}-{strategy}")
+            project = generate(root, framework, strategy)
+            run_horovod(2, [sys.executable, "train.py", *TRAINING, *UNTRACKED, "--run_dir", str(root / "run"),
+                            "--checkpoint.dir", str(root / "checkpoints")], cwd=project)
+            made[framework, strategy] = project, root / "run"
+        return made[framework, strategy]
+
+    return case
 
 
 def at_start(faults: Path, start: int, job: Job, timeout: float = 300) -> int:
@@ -102,13 +132,9 @@ def weights(run_dir: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.plain_start
 @pytest.mark.parametrize("framework, strategy", list(WAITS_IN), ids=["-".join(case) for case in WAITS_IN])
-def test_a_hung_then_a_killed_rank_are_restarted_to_the_same_weights(tmp_path, framework, strategy):
-    project = generate(tmp_path, framework, strategy)
-    training = ["--train.epochs", "3", "--checkpoint.every_steps", "10", *UNTRACKED,
-                "--train.hang_timeout_s", str(TIMEOUT_S), "--train.hang_allowance_s", "300"]
-    run_horovod(2, [sys.executable, "train.py", *training, "--run_dir", str(tmp_path / "straight"),
-                    "--checkpoint.dir", str(tmp_path / "straight-ckpt")], cwd=project)
-
+def test_a_hung_then_a_killed_rank_are_restarted_to_the_same_weights(tmp_path, framework, strategy, straight):
+    project, straight_run = straight(framework, strategy)
+    training = [*TRAINING, *UNTRACKED]
     faults, run_dir, checkpoints = tmp_path / "faults", tmp_path / "run", tmp_path / "checkpoints"
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), framework, str(faults), "2",
                "30", "pause", "train.py", *training, "--run_dir", str(run_dir), "--checkpoint.dir", str(checkpoints)],
@@ -141,14 +167,17 @@ def test_a_hung_then_a_killed_rank_are_restarted_to_the_same_weights(tmp_path, f
     assert re.search(rf"^\[0\]<stdout>:resuming from {checkpoints / 'ckpt-000000030'}: epoch \d, step 30$", second, re.M)
     assert "Process 1 exit with status code 137" in second, second[-3000:]
     assert re.search(rf"^\[0\]<stdout>:resuming from {checkpoints / 'ckpt-000000060'}: epoch \d, step 60$", third, re.M)
-    expected, got = weights(tmp_path / "straight"), weights(run_dir)
+    assert_same_weights(weights(run_dir), weights(straight_run))
+
+
+def assert_same_weights(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
     assert got.keys() == expected.keys()
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_a_job_that_fails_at_the_same_step_every_time_is_given_up(tmp_path):
-    project = generate(tmp_path, "torch", "data")
+def test_a_job_that_fails_at_the_same_step_every_time_is_given_up(tmp_path, straight):
+    project, _ = straight("torch", "data")
     faults = tmp_path / "faults"
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), "torch", str(faults), "9",
                "10", "exit", "train.py", "--checkpoint.every_steps", "20", *UNTRACKED,
@@ -163,3 +192,60 @@ def test_a_job_that_fails_at_the_same_step_every_time_is_given_up(tmp_path):
         "retry: the job exited with status 1 (no checkpoint yet); restart 2 of 2 in 0 s",
         "retry: giving up: 2 restarts in a row did not move the newest checkpoint (no checkpoint yet; "
         "--max-restarts 2); exit status 1, the last failure's"]
+
+
+@pytest.mark.plain_start
+@pytest.mark.parametrize("framework, strategy", list(WAITS_IN), ids=["-".join(case) for case in WAITS_IN])
+def test_a_stop_signal_checkpoints_where_every_rank_stops_and_the_restart_goes_on_exactly(tmp_path, framework,
+                                                                                           strategy, straight):
+    project, straight_run = straight(framework, strategy)
+    tracked = (framework, strategy) == ("torch", "data")
+    run_dir, checkpoints, faults = tmp_path / "run", tmp_path / "checkpoints", tmp_path / "faults"
+    training = [*TRAINING, *([] if tracked else UNTRACKED), "--train.grace_s", "20",
+                "--run_dir", str(run_dir), "--checkpoint.dir", str(checkpoints)]
+    if tracked:
+        training += ["--tracking.uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path, pause_s=2)), framework,
+               str(faults), "1", "30", "pause", "train.py", *training], cwd=project)
+    try:
+        at_start(faults, 1, job)
+        job.proc.send_signal(signal.SIGTERM)   # to horovodrun, which sends every rank SIGTERM
+        signalled = time.monotonic()
+        code = job.finish(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if job.proc.poll() is None:
+            job.kill()
+    out = job.output
+    assert code == 1 and "Exit code: 143" in out, out[-3000:]    # 128 + SIGTERM, passed on by horovodrun
+    stops = re.findall(r"^\[0\]<stdout>:stopped on SIGTERM after step (\d+) \(epoch (\d)\), its checkpoint written",
+                       out, re.M)
+    assert len(stops) == 1 and not re.search(r"^\[1\]<stdout>:stopped", out, re.M), out[-3000:]
+    step, epoch = map(int, stops[0])
+    per_epoch = math.ceil(math.ceil(N_TRAIN / (2 if strategy == "data" else 1)) / 32)   # steps: 2 replicas or 1
+    assert 30 < step < 3 * per_epoch and step % per_epoch and epoch == step // per_epoch, (step, per_epoch)
+    assert checkpoint_steps(checkpoints)[-1] == step, "no checkpoint at the step every rank stopped after"
+    assert took < 20, f"{took:.0f} s from SIGTERM to the job's end: past train.grace_s"
+    if tracked:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+        assert run.info.status == "KILLED"
+        assert max(m.step for m in client.get_metric_history(run.info.run_id, "step_train_loss")) <= step
+
+    resumed = run_horovod(2, [sys.executable, "train.py", *training], cwd=project)
+    assert f"resuming from {checkpoints / f'ckpt-{step:09d}'}: epoch {epoch}, step {step}" in resumed.stdout
+    by_epoch = {m["epoch"]: m for m in metrics(run_dir)}   # the resumed run's line wins
+    for expected in metrics(straight_run)[epoch:]:
+        got = by_epoch[expected["epoch"]]
+        assert got["step"] == expected["step"], expected["epoch"]
+        # the epoch that was cut trained only its rest after the resume: its train totals are partial
+        keys = ("val_loss", "val_accuracy") if expected["epoch"] == epoch + 1 else (
+            "train_loss", "train_accuracy", "val_loss", "val_accuracy")
+        for key in keys:
+            assert got[key] == pytest.approx(expected[key], rel=1e-5), (expected["epoch"], key)
+    assert_same_weights(weights(run_dir), weights(straight_run))
+    if tracked:   # the same run, reopened and finished
+        (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+        assert run.info.status == "FINISHED"
