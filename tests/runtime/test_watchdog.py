@@ -85,3 +85,17 @@ def test_allowance_is_at_least_the_step_timeout_and_stall_warnings_come_first():
 def test_a_negative_time_is_refused_in_one_line(key):
     with pytest.raises(ConfigError, match=rf"^{key} must be 0 or more, got -1.0$"):
         load_config(None, [f"--{key}", "-1"])
+
+
+def test_a_limit_ends_the_process_after_stop_and_without_a_hang_timeout():
+    # preemption's grace time: held whatever the beats say, with the watchdog off, and after stop()
+    proc = run("""
+        watchdog.start(SimpleNamespace(hang_timeout_s=0, hang_allowance_s=0))
+        watchdog.limit(1, "the stop SIGTERM asked for has not finished in 1 s (train.grace_s)")
+        watchdog.beat("step 1", allowance=True)
+        watchdog.stop()
+        wedged()
+    """)
+    assert proc.returncode == HANG_EXIT, proc.stderr
+    assert proc.stderr.startswith("hang: the stop SIGTERM asked for has not finished in 1 s (train.grace_s): "
+                                  "ending this rank (exit 124) before its time is up. Every thread's stack:"), proc.stderr
