@@ -16,6 +16,7 @@ own deadline (SIGKILL) comes.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -49,7 +50,13 @@ def install(grace_s: float) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
 
+    rank = os.getpid()
+
     def note(signum, frame) -> None:
+        if os.getpid() != rank:   # a process forked from the rank (a data worker): the signal's usual end
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if not _received:
             _received.append(signum)
             watchdog.limit(grace_s, f"the stop {signal.Signals(signum).name} asked for has not finished "
