@@ -109,14 +109,15 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
         speed.tokens_per_sample = int(np.prod(y.shape[1:]))  # a language model's targets: one per token
         speed.step()
         if state.step % check_every == 0:
-            # Horovod: every rank calls, at the same step: the batch loss summed over the job, and
-            # how many ranks were asked to stop
-            reports = float(step.reports_loss)
-            totals = step.sum_over_ranks(np.array([float(loss) * reports, reports, preemption.asked()]),
+            # Horovod: every rank calls, at the same step: the batch loss averaged over the job (a
+            # stage's penalty terms add in, the ranks reporting the data loss count), and how many
+            # ranks were asked to stop
+            totals = step.sum_over_ranks(np.array([float(loss), float(step.reports_loss), preemption.asked()]),
                                          "loop.point")
             stopping = stopping or totals[2] > 0
             if log_every and on_log is not None:
-                point = {"step_train_loss": float(totals[0] / totals[1]) if totals[1] else float("nan")} | speed.since_last()
+                mean = float(totals[0] / totals[1]) if totals[1] else float("nan")
+                point = {"step_train_loss": mean} | speed.since_last()
                 if hasattr(batch_iter, "set_postfix_str"):
                     batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
                 on_log(point, state.step)
