@@ -25,6 +25,9 @@ and weights.
 
 The pause only gives the test its moment; the faults and their handling are the real ones. The
 ranks start cold (plain_start): the stopped and the killed process must be the rank itself.
+
+Cost: about 240 CPU-s (5% of the suite): 21 cold 2-rank starts, since a fault's whole point is
+the restart; the straight runs are one per case, shared by the file's tests.
 """
 
 from __future__ import annotations
