@@ -99,7 +99,8 @@ class Retry:
     def _attempt(self, command: list[str]) -> int:
         self._job = subprocess.Popen(command)
         try:
-            return self._job.wait()
+            code = self._job.wait()
+            return 128 - code if code < 0 else code   # ended by signal n: the shell's 128 + n
         finally:
             self._job = None
 

@@ -167,3 +167,10 @@ def test_a_bad_config_is_one_line_and_runs_nothing(tmp_path):
     assert bare.returncode == 2 and bare.stderr.splitlines()[-1] == (
         "Error: no script in the command has a config.yaml beside it: name the job's checkpoint folder "
         "with --checkpoint-dir")
+
+
+def test_a_job_ended_by_a_signal_passes_the_shells_status(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hvd_runtime.retry", "--max-restarts", "0", "--checkpoint-dir",
+                           str(tmp_path), "--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + 9, proc.stderr
