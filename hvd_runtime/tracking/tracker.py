@@ -13,6 +13,7 @@ import os
 import threading
 import time
 
+from .. import watchdog
 from . import records
 from .sender import Sender
 
@@ -115,7 +116,11 @@ class Tracker(NullTracker):
 
     @property
     def run_id(self) -> str | None:
-        """The MLflow run id, to store with checkpoints; None if the run could not be opened."""
+        """The MLflow run id, to store with checkpoints; None if the run could not be opened.
+
+        A server slow to open the run is not a hung step: the wait has the watchdog's allowance."""
+        if not self._sender.ready.is_set():
+            watchdog.beat("opening the MLflow run", allowance=True)
         self._sender.ready.wait(OPEN_TIMEOUT)
         return self._sender.run_id
 

@@ -1,10 +1,12 @@
 """The hang watchdog (hvd_runtime.watchdog) in a process of its own: when it ends one and when not.
 
-What a real hung job does with it (a peer stopped under horovodrun): tests/projects/test_hang_watchdog.py.
+What a real hung job does with it (a peer stopped under horovodrun): tests/projects/test_run_faults.py.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -99,3 +101,25 @@ def test_a_limit_ends_the_process_after_stop_and_without_a_hang_timeout():
     assert proc.returncode == HANG_EXIT, proc.stderr
     assert proc.stderr.startswith("hang: the stop SIGTERM asked for has not finished in 1 s (train.grace_s): "
                                   "ending this rank (exit 124) before its time is up. Every thread's stack:"), proc.stderr
+
+
+def test_waiting_for_a_slow_tracking_server_to_open_the_run_is_not_a_hung_step(tmp_path):
+    # a checkpoint stores the run's id, and asking for it waits while the server opens the run: here
+    # one that answers nothing, each request given up after 3 s, three times the step timeout
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(f"""
+            from hvd_runtime.config import load_config
+            from hvd_runtime.tracking import start_tracking
+            tracker = start_tracking(load_config(), rank=0, world_size=1, framework="torch", strategy="data",
+                                     project_name="slow", tracking_uri="http://127.0.0.1:{server.getsockname()[1]}")
+            watchdog.start(SimpleNamespace(hang_timeout_s=1, hang_allowance_s=60))
+            watchdog.beat("step 10")
+            print(tracker.run_id)
+            watchdog.stop()
+            tracker.close(timeout=1)
+        """)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    finally:
+        server.close()
+    assert (proc.returncode, proc.stdout) == (0, "None\n"), proc.stderr
