@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from hvd_runtime.nonfinite import POLICIES as NONFINITE_POLICIES
 from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, interleaved_misfit
 
 
@@ -58,6 +59,8 @@ class TrainConfig:
     hang_timeout_s: float = 300.0   # a step not done in this time ends the rank, stacks dumped (watchdog); 0 = off
     hang_allowance_s: float = 1800.0   # the same for start-up, first steps, evaluations, checkpoints
     grace_s: float = 30.0           # after SIGTERM / SIGUSR1: the time to stop at a step, checkpoint and exit
+    on_nonfinite: str = "skip"      # skip | stop | off: an update whose loss or gradients are NaN or inf
+    max_skipped: int = 5            # skip: this many non-finite updates in a row are skipped, the next stops the run
 
 
 @dataclass
@@ -205,6 +208,7 @@ def partition_spec(text: str) -> str | list:
 CHOICES = {
     "data.source": ("digits", "npz", "image_folder", "tokens", "synthetic"),
     "train.precision": ("fp32", "bf16", "fp16"),
+    "train.on_nonfinite": NONFINITE_POLICIES,
     "optim.name": ("sgd", "adam", "adamw"),
     "parallel.schedule": tuple(SCHEDULES),
     "tracking.checkpoint_models": ("auto", "every", "final"),
@@ -226,7 +230,7 @@ def check_values(config) -> None:
     for key in POSITIVE:
         if key in flat and flat[key] <= 0:
             raise ConfigError(f"{key} must be more than 0, got {flat[key]}")
-    for key in ("data.workers", "optim.clip_norm", "train.hang_timeout_s", "train.hang_allowance_s"):
+    for key in ("data.workers", "optim.clip_norm", "train.hang_timeout_s", "train.hang_allowance_s", "train.max_skipped"):
         if key in flat and flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more, got {flat[key]}")
     if "parallel.schedule" in flat:

@@ -98,12 +98,14 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
         apply = (i + 1) % k == 0
         # an epoch's first step follows evaluation, checkpoints and logging on other ranks: the allowance
         watchdog.beat(f"step {state.step + 1} (epoch {state.epoch})", allowance=i == 0)
+        skipped = skipped_updates(step)
         loss, metric_sums = step.train_batch(x, y, apply, state.step)
         n = int(y.shape[0])
-        sums["loss"] = sums["loss"] + loss * n
-        for key, value in metric_sums.items():
-            sums[key] = sums.get(key, 0.0) + value
-        seen += n if step.reports_loss else 0
+        if skipped_updates(step) == skipped:   # a skipped update's batch was not trained on: not counted
+            sums["loss"] = sums["loss"] + loss * n
+            for key, value in metric_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
+            seen += n if step.reports_loss else 0
         state.step += 1
         state.samples_in_epoch += batches.samples_per_step
         speed.tokens_per_sample = int(np.prod(y.shape[1:]))  # a language model's targets: one per token
@@ -131,6 +133,12 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
     # Horovod: sample-weighted over every rank's shard, not just this one.
     return means_over_ranks({f"train_{key}": value for key, value in sums.items()}, seen, step.sum_over_ranks,
                             "metrics.train") | {f"train_{key}": value for key, value in speed.epoch().items()}
+
+
+def skipped_updates(step: Step) -> int:
+    """How many non-finite updates the step's guard (hvd_runtime.nonfinite) has skipped; 0 without one."""
+    guard = getattr(step, "guard", None)
+    return guard.skipped if guard is not None else 0
 
 
 def stop(state, is_root: bool, on_stop: Callable[[], object] | None) -> None:

@@ -34,6 +34,10 @@ def cut_of(module) -> dict | None:
     return None if plan is None else plan.cut()
 
 
+class NonFiniteTensor(ValueError):
+    """A tensor a rank was about to checkpoint holds NaN or inf: no checkpoint ever does."""
+
+
 def shard_description(path: Path, tensors: dict, values: dict) -> dict:
     """A rank's shard, just written to `path`, made durable and described for the index: its
     size, and the tensors and other values it holds (`tensors`: name -> key and Placement)."""
@@ -68,6 +72,8 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
         except OSError as exc:
             description = {"error": f"rank {ctx.rank} could not write its shard in {staging} ({exc}): every rank "
                                     "must see --checkpoint.dir (a shared volume)"}
+        except NonFiniteTensor as exc:
+            description = {"error": f"rank {ctx.rank}'s {exc}, and a checkpoint never holds a non-finite value"}
     shards = [d for d in hvd.allgather_object(description, name="checkpoint.shards") if d is not None]
     failed = next((d["error"] for d in shards if "error" in d), None)
     outcome = final = None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hvd_runtime.nonfinite import Guard
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
 from hvd_runtime.pipeline.schedule import INTERLEAVED, Op, build_schedule, interleaved_misfit, schedule_bubble
 from hvd_runtime.pipeline.timeline import (TimelineRecorder, explain_bubble, load_timeline, measured_bubble, plot_timeline,
@@ -31,8 +32,12 @@ class PipelineEngineBase:
     batches_per_update = 1   # a step's micro-batches are accumulated inside the engine
 
     def __init__(self, hvd, dims: PipelineRank, schedule: str, micro_batches: int, metrics_fn=None,
-                 timeline: bool = False, timeline_steps: int = 20):
+                 timeline: bool = False, timeline_steps: int = 20, guard: Guard | None = None):
+        """`guard` (hvd_runtime.nonfinite): each update checked by the whole model's gradient norm."""
         self.hvd, self.dims, self.metrics_fn = hvd, dims, metrics_fn
+        self.guard = guard
+        self.checks = guard is not None and guard.checks
+        self.step_number = 0   # the loop's step being trained, which a skipped update is named by
         self.schedule, self.micro_batches, self.chunks = schedule, micro_batches, dims.chunks
         if (schedule in INTERLEAVED) != (dims.chunks > 1):
             raise PipelineConfigError(f"schedule {schedule} with {dims.chunks} chunks per rank: interleaved-1f1b needs "
@@ -297,9 +302,10 @@ class PipelineEngineBase:
         """hvd_runtime.loop's call: one step; this stage's mean loss and metric sums, as they are.
 
         No collective: the loop sums them over the job at its log points and the epoch's end, so a
-        step costs no Horovod cycle beyond its gradients'. The loss is this stage's part of the
+        step costs no Horovod cycle beyond its gradients' (and their norm's, to clip or check). The loss is this stage's part of the
         model's: its penalty, plus the data loss on the last stage; the other stages' metrics are zeros.
         """
+        self.step_number = step + 1
         self._before_step(step)
         sums, _ = self._train(x, y)
         self._sync_metric_names()

@@ -121,6 +121,10 @@ def _write_shard(folder: Path, rank: int, held: list, write_whole: bool) -> dict
             continue
         tensors[name] = np.array(v.numpy(), order="C")   # (ascontiguousarray makes a scalar 1-d)
         described[name] = {"key": name, **at.to_json()}
+    bad = next((key for key, a in tensors.items() if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all()),
+               None)
+    if bad is not None:
+        raise sharded.NonFiniteTensor(f"{bad} holds NaN or inf")
     path = folder / shard_name(rank)
     save_file(tensors, str(path))
     return sharded.shard_description(path, described, {})

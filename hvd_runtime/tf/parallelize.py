@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 
 from hvd_runtime.config import partition_spec
+from hvd_runtime.nonfinite import nonfinite_guard
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.tf.context import Context
@@ -98,7 +99,7 @@ def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, s
             GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum, process_set=ctx.dp_set))
     step = TrainStep(trained, optimizer, objective.cross_entropy, sync, cfg.horovod.backward_passes_per_step,
                      clip_norm=cfg.optim.clip_norm, grad_norm=split.grad_norm if split else None,
-                     accuracy_fn=objective.accuracy_sum)
+                     accuracy_fn=objective.accuracy_sum, guard=nonfinite_guard(cfg, ctx))
     return optimizer, step
 
 
@@ -127,7 +128,7 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, dims), steps_per_epoch, clip=False)
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
-                            clip_norm=cfg.optim.clip_norm)
+                            clip_norm=cfg.optim.clip_norm, guard=nonfinite_guard(cfg, ctx))
     return Parallel(stage, optimizer, engine, SplitVariables(stage) if dims.tensor_group else None)
 
 

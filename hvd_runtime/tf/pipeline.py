@@ -16,6 +16,7 @@ process set) and applied. Data: shard by replica, as in hvd_runtime.torch.pipeli
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ import tensorflow as tf
 from hvd_runtime.pipeline.partition import Partition, PartitionError
 from hvd_runtime.pipeline.engine import PipelineEngineBase
 from hvd_runtime.config import ConfigError
+from hvd_runtime.nonfinite import Guard
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, chunks_per_rank
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD, SPLIT_BACKWARD_TORCH_ONLY
@@ -32,6 +34,7 @@ from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.grid import init_pipeline
 from hvd_runtime.tf.meta_init import is_meta
 from hvd_runtime.tf.names import is_state
+from hvd_runtime.tf.precision import poisoned
 from hvd_runtime.tf.stage import Stage, plan_stages, plan_timed_on_rank0, rank_stage
 from hvd_runtime.tf.tensor_parallel import split_layers
 from hvd_runtime.tf.tensor_state import SplitVariables
@@ -155,12 +158,12 @@ class PipelineEngine(PipelineEngineBase):
 
     def __init__(self, stage: Stage, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
                  micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
-                 clip_norm: float = 0.0):
+                 clip_norm: float = 0.0, guard: Guard | None = None):
         import horovod.tensorflow as hvd
 
         if schedule in SPLIT_BACKWARD:
             raise ConfigError(f"parallel.schedule {schedule} {SPLIT_BACKWARD_TORCH_ONLY}: use 1f1b")
-        super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
+        super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps, guard)
         self.stage, self.loss_fn, self.optimizer, self.clip_norm = stage, loss_fn, optimizer, clip_norm
         self.variables = list(stage.trainable_variables)
         # Tensor-parallel stages: the variables held as slices (the clip norm counts them apart)
@@ -210,7 +213,8 @@ class PipelineEngine(PipelineEngineBase):
             # carries its share (weight), so a step adds them once, whichever stage holds the layers
             terms = [term for layer in self.stage.chunk_layers(c) for term in layer.losses]
             penalty = [tf.add_n(terms) * weight] if terms else []
-            target = [loss * weight if last else out, *penalty]   # on the tape: what the backward differentiates
+            differentiated = poisoned(loss) if last and self.checks else loss   # NaN gradients for a non-finite loss
+            target = [differentiated * weight if last else out, *penalty]   # on the tape: what the backward differentiates
         if penalty:   # in float64, as the sums it is added to in train_batch
             self.penalty = self.penalty + tf.cast(tf.stop_gradient(penalty[0]), tf.float64)
         self._saved[(c, i)] = (tape, inp, target)
@@ -255,34 +259,32 @@ class PipelineEngine(PipelineEngineBase):
         self._grads = self._zeros() if self.variables else []   # each micro-batch's gradients add to these
 
     def _finish_step(self):
-        if not self.variables:  # a weight-free stage (a lone flatten): nothing to average or update
-            if self.clip_norm:
-                self._clip_factor([])  # but its share (none) of the job-wide norm is still awaited
-            self._grads = []
-            return
-        grads = self._grads
-        if self.dims.dp_set is not None:
+        grads, self._grads = self._grads, []
+        if self.variables and self.dims.dp_set is not None:
             # Horovod: average this stage's gradients over its dp replicas only
             grads = self.hvd.grouped_allreduce(grads, op=self.hvd.Average, name="pp.grads",
                                                process_set=self.dims.dp_set)
-        scale = self._clip_factor(grads) if self.clip_norm else 1.0
-        self._update(grads, tf.constant(scale, tf.float32))
-        self._grads = []
+        scale = 1.0
+        if self.clip_norm or self.checks:
+            # a weight-free stage (a lone flatten) adds its share, none, to the job-wide norm too
+            norm = self._grad_norm(grads)
+            if self.checks and not self.guard.allows(math.isfinite(norm), self.step_number):
+                return
+            if self.clip_norm and norm > self.clip_norm:
+                scale = self.clip_norm / norm
+        if self.variables:
+            self._update(grads, tf.constant(scale, tf.float32))
 
     def _update_fn(self, grads: list, scale: tf.Tensor) -> None:
         self.optimizer.apply_gradients(zip([g * tf.cast(scale, g.dtype) for g in grads], self.variables))
 
-    def _clip_factor(self, grads: list) -> float:
-        """The factor that scales the stage's gradients so that the whole model's norm is at most clip_norm.
-
-        The norm is the model's, not the stage's: squared norms are summed over all ranks (every
-        replica holds the same averaged gradients, so the sum is divided by the replicas), exactly
-        what Keras' global_clipnorm computes on the unsplit model.
-        """
+    def _grad_norm(self, grads: list) -> float:
+        """The whole model's gradient norm, not the stage's: squared norms summed over all ranks
+        (every replica holds the same averaged gradients, so the sum is divided by the replicas),
+        what Keras' global_clipnorm computes on the unsplit model. The same on every rank."""
         squares = self._squared_norm(grads) if grads else tf.zeros((), tf.float64)
         # Horovod: every rank's share of the squared norm, summed over the whole job
-        norm = (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.dims.replicas) ** 0.5
-        return self.clip_norm / norm if norm > self.clip_norm else 1.0
+        return (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.dims.replicas) ** 0.5
 
     def _squared_norm_fn(self, grads: list) -> tf.Tensor:
         # With tensor parallelism a whole (unsplit) variable is held by each of the tp ranks of its

@@ -14,6 +14,7 @@ The policy is global and must be set before the model is built: call `use_precis
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 
 from hvd_runtime.config import ConfigError
 
@@ -36,3 +37,14 @@ def use_precision(name: str, device: str, *, pipeline: bool = False) -> None:
 def loss_scaled(optimizer: keras.optimizers.Optimizer, name: str) -> keras.optimizers.Optimizer:
     """fp16: the optimizer behind Keras' dynamic loss scaling; otherwise the optimizer as it is."""
     return keras.optimizers.LossScaleOptimizer(optimizer) if name == "fp16" else optimizer
+
+
+def is_loss_scaled(optimizer) -> bool:
+    """Whether `optimizer` is Keras' LossScaleOptimizer, which skips overflowed updates itself."""
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def poisoned(loss):
+    """`loss`, times 1 where it is finite and NaN where not: a non-finite loss's gradients are all NaN."""
+    finite = tf.math.is_finite(tf.stop_gradient(loss))
+    return loss * tf.cast(tf.where(finite, 1.0, float("nan")), loss.dtype)

@@ -14,10 +14,12 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_runtime.loop import evaluate_batches
+from hvd_runtime.nonfinite import Guard
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.compiled import compiled, compiled_for_any_batch
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
 from hvd_runtime.tf.objective import accuracy_sum
+from hvd_runtime.tf.precision import is_loss_scaled, poisoned
 
 
 def sum_over_ranks(values: np.ndarray, name: str) -> np.ndarray:
@@ -43,8 +45,10 @@ class TrainStep:
     reports_loss = True   # every rank's batch is part of the job's loss
 
     def __init__(self, model, optimizer, loss_fn, sync: GradientSync, backward_passes_per_step: int = 1,
-                 clip_norm: float = 0.0, grad_norm=None, accuracy_fn=accuracy_sum):
+                 clip_norm: float = 0.0, grad_norm=None, accuracy_fn=accuracy_sum, guard: Guard | None = None):
         self.model, self.optimizer, self.loss_fn, self.sync = model, optimizer, loss_fn, sync
+        # fp16: the loss-scale optimizer skips an overflowed update itself (hvd_runtime.nonfinite)
+        self.guard = guard if guard is not None and guard.checks and not is_loss_scaled(optimizer) else None
         self.accuracy_fn = accuracy_fn
         self.clip_norm, self.grad_norm = clip_norm if grad_norm is not None else 0.0, grad_norm
         self.variables = list(model.trainable_variables)
@@ -66,23 +70,37 @@ class TrainStep:
             loss = self.loss_fn(y, logits)
             if self.model.losses:  # kernel regularizers and add_loss() terms, as model.fit adds them
                 loss = loss + tf.add_n(self.model.losses)
-            # fp16: differentiate the scaled loss; apply_gradients unscales (a no-op otherwise)
-            scaled = self.optimizer.scale_loss(loss)
+            # fp16: differentiate the scaled loss; apply_gradients unscales (a no-op otherwise). Under
+            # a guard a non-finite loss makes every gradient NaN.
+            scaled = self.optimizer.scale_loss(poisoned(loss) if self.guard is not None else loss)
         grads = tape.gradient(scaled, self.variables)
         return loss, self.accuracy_fn(logits, y), grads
 
     def _apply(self, grads):
+        """Whether the update was applied (a boolean tensor): under a guard, only finite gradients are."""
         # Horovod: average gradients across ranks (one grouped allreduce), then update. The
         # optimizer clips by global norm (optim.clip_norm) and, for fp16, unscales and skips
         # overflowed steps: both on the averaged gradients, so every rank does the same.
         grads = self.sync(grads, self.variables)
-        if self.clip_norm:
-            grads = self._clipped(grads)
-        self.optimizer.apply_gradients(zip(grads, self.variables))
+        if self.guard is None:
+            if self.clip_norm:
+                grads = self._clipped(grads)
+            self.optimizer.apply_gradients(zip(grads, self.variables))
+            return tf.constant(True)
+        # the averaged gradients' norm is the same on every rank of the set: every rank decides alike
+        norm = self.grad_norm(grads, self.variables) if self.grad_norm is not None else tf.linalg.global_norm(
+            [g for g in grads if g is not None])
+        finite = tf.math.is_finite(norm)
 
-    def _clipped(self, grads):
+        def update():
+            self.optimizer.apply_gradients(zip(self._clipped(grads, norm) if self.clip_norm else grads,
+                                               self.variables))
+            return tf.constant(True)
+        return tf.cond(finite, update, lambda: tf.constant(False))
+
+    def _clipped(self, grads, norm=None):
         """grads scaled to at most clip_norm (of the unscaled gradients, under fp16 loss scaling)."""
-        norm = self.grad_norm(grads, self.variables)
+        norm = self.grad_norm(grads, self.variables) if norm is None else norm
         scale = getattr(self.optimizer, "dynamic_scale", None)  # fp16: the grads are the scaled loss's
         unscaled = norm / tf.cast(scale, norm.dtype) if scale is not None else norm
         factor = tf.minimum(1.0, self.clip_norm / (unscaled + 1e-6))
@@ -90,8 +108,7 @@ class TrainStep:
 
     def _train_on_batch(self, x, y):
         loss, correct, grads = self._forward_backward(x, y)
-        self._apply(grads)
-        return loss, correct
+        return loss, correct, self._apply(grads)
 
     def _accumulate_batch(self, x, y):
         loss, correct, grads = self._forward_backward(x, y)
@@ -99,19 +116,21 @@ class TrainStep:
         return loss, correct
 
     def _apply_accumulated_fn(self):
-        self._apply(self.accumulator.mean_and_reset())
+        return self._apply(self.accumulator.mean_and_reset())
 
     def __call__(self, x, y, apply: bool = True):
+        """(loss, number correct, whether the update was applied: True where there was none)."""
         if self.accumulator is None:
             return self._step(x, y)
-        out = self._accumulate(x, y)
-        if apply:
-            self._apply_accumulated()
-        return out
+        loss, correct = self._accumulate(x, y)
+        return loss, correct, self._apply_accumulated() if apply else tf.constant(True)
 
     def train_batch(self, x, y, apply: bool, step: int):
         """hvd_runtime.loop's call: the learning rate follows the optimizer's own iterations."""
-        loss, correct = self(x, y, apply=apply)
+        loss, correct, applied = self(x, y, apply=apply)
+        if self.guard is not None and apply:
+            # the update is already skipped in the graph: this counts it, and stops the run if due
+            self.guard.allows(bool(applied), step + 1)
         return loss, {"accuracy": correct}
 
     def _eval_totals_fn(self, x, y):

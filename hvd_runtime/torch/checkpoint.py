@@ -36,7 +36,8 @@ from hvd_runtime import sharded
 from hvd_runtime.checkpoint import CheckpointStore, ElasticStart, TrainState, misfit_message, state_fields
 from hvd_runtime.config import ConfigError
 from hvd_runtime.shards import MODEL, OPTIMIZER, Placement, ShardReader, index_misfit, shard_name
-from hvd_runtime.sharded import cut_of, newest_on_root, read_held, shard_description, write_checkpoint
+from hvd_runtime.sharded import (NonFiniteTensor, cut_of, newest_on_root, read_held, shard_description,
+                                 write_checkpoint)
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.legacy_checkpoint import legacy_payload, restore_legacy
@@ -106,6 +107,9 @@ def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool) -> dict
         if key == entry:
             tensors[key] = t.cpu().contiguous()
         described[entry] = {"key": key, **at.to_json()}
+    bad = next((key for key, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise NonFiniteTensor(f"{bad} holds NaN or inf")
     path = folder / shard_name(rank)
     save_file(tensors, path)
     return shard_description(path, described, values)

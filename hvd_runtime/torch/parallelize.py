@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.config import partition_spec
+from hvd_runtime.nonfinite import nonfinite_guard
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.torch.checkpoint import newest_cut
@@ -101,7 +102,7 @@ def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabOb
     precision = Precision(cfg.train.precision, ctx.device, cfg.optim.clip_norm, split.grad_norm if split else None)
     optimizer, schedule = make_optimizer(module, cfg.optim, cfg.horovod, ctx, steps_per_epoch)
     step = TrainStep(module, optimizer, schedule, objective.cross_entropy, ctx, cfg.horovod.backward_passes_per_step,
-                     precision, accuracy_fn=objective.accuracy_sum)
+                     precision, accuracy_fn=objective.accuracy_sum, guard=nonfinite_guard(cfg, ctx))
     return optimizer, step
 
 
@@ -127,7 +128,8 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
-                            precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule)
+                            precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule,
+                            guard=nonfinite_guard(cfg, ctx))
     return Parallel(stage, optimizer, engine, SplitParameters(stage) if dims.tensor_group else None)
 
 

@@ -21,17 +21,19 @@ of the whole batch, averaged over the dp replicas by Horovod in the stage's proc
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from hvd_runtime.config import ConfigError
+from hvd_runtime.nonfinite import Guard
 from hvd_runtime.pipeline.engine import PipelineEngineBase
 from hvd_runtime.pipeline.grid import micro_batch_sizes
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD
 from hvd_runtime.pipeline.grid import chunks_per_rank
 from hvd_runtime.torch.grid import ParallelDims, PipelineConfigError, PipelineRank, init_pipeline
 from hvd_runtime.torch.meta_init import is_meta
-from hvd_runtime.torch.precision import Precision
+from hvd_runtime.torch.precision import Precision, poisoned
 from hvd_runtime.torch.split_backward import SplitBackward, WeightWork
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvd_runtime.torch.tensor_parallel import split_model
@@ -79,10 +81,11 @@ class PipelineEngine(PipelineEngineBase):
 
     def __init__(self, stage: torch.nn.Module, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
                  micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
-                 device=None, precision: str = "fp32", clip_norm: float = 0.0, lr_schedule=None):
+                 device=None, precision: str = "fp32", clip_norm: float = 0.0, lr_schedule=None,
+                 guard: Guard | None = None):
         import horovod.torch as hvd
 
-        super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps)
+        super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps, guard)
         self.stage, self.loss_fn, self.optimizer = stage, loss_fn, optimizer
         self.device = torch.device(device) if device else next(stage.parameters(), torch.empty(0)).device
         if precision == "fp16":  # one loss scale would have to be agreed by every stage, every step
@@ -114,7 +117,8 @@ class PipelineEngine(PipelineEngineBase):
             out = self.stage(inp) if self.chunks == 1 else self.stage.forward_chunk(c, inp)
             loss = self.loss_fn(out, y.to(self.device)) if last else None
         if train:
-            self._saved[(c, i)] = (inp, loss * weight if loss is not None else out, calls)
+            target = (poisoned(loss) if self.checks else loss) * weight if loss is not None else out
+            self._saved[(c, i)] = (inp, target, calls)
         return out, (loss.detach() if loss is not None else None)
 
     def _backward(self, c, i, grad):
@@ -169,29 +173,34 @@ class PipelineEngine(PipelineEngineBase):
             # Horovod: average this stage's gradients over its dp replicas only
             self.hvd.grouped_allreduce_([p.grad for p in params], op=self.hvd.Average, name="pp.grads",
                                         process_set=self.dims.dp_set)
-        if self.clip_norm:
-            self._clip_gradients()
+        if self.clip_norm or self.checks:
+            norm = self._grad_norm()
+            if self.checks and not self.guard.allows(math.isfinite(norm), self.step_number):
+                return   # the gradients are zeroed as the next step begins
+            if self.clip_norm:
+                self._clip_gradients(norm)
         self.optimizer.step()
 
-    def _clip_gradients(self) -> None:
-        """Scale every stage's gradients so that the whole model's gradient norm is at most clip_norm.
-
-        The norm is the model's, not the stage's: squared norms are summed over all ranks (every
-        replica holds the same averaged gradients, so the sum is divided by the replicas), exactly
-        what torch.nn.utils.clip_grad_norm_ computes on the unsplit model.
-        """
+    def _grad_norm(self) -> float:
+        """The whole model's gradient norm, not the stage's: squared norms summed over all ranks
+        (every replica holds the same averaged gradients, so the sum is divided by the replicas),
+        what torch.nn.utils.clip_grad_norm_ computes on the unsplit model. The same on every rank."""
         params = [p for p in self.stage.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
         # With tensor parallelism a whole (unsplit) parameter is held by each of the tp ranks of its
         # stage: its square counts 1/tp from each, a split one's slice counts once.
         squares = sum((p.grad.detach().double().pow(2).sum() / (1 if id(p) in self._split_ids else self.dims.dims.tp)
                        for p in params), torch.zeros((), dtype=torch.float64))
         # Horovod: every rank's share of the squared norm, summed over the whole job
         total = self.hvd.allreduce(squares.cpu(), op=self.hvd.Sum, name="pp.grad_norm") / self.dims.replicas
-        scale = self.clip_norm / (total.sqrt().item() + 1e-6)
+        return float(total.sqrt())
+
+    def _clip_gradients(self, norm: float) -> None:
+        """Scale every stage's gradients so that the whole model's gradient norm is at most clip_norm."""
+        scale = self.clip_norm / (norm + 1e-6)
         if scale < 1.0:
-            for g in grads:
-                g.mul_(scale)
+            for p in self.stage.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
     def _before_step(self, step):
         if self.lr_schedule is not None:  # the LR for this step, scaled by the replicas (stages add no samples)

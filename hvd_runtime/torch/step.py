@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.loop import evaluate_batches
+from hvd_runtime.nonfinite import Guard
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.objective import accuracy_sum
@@ -32,17 +33,20 @@ class TrainStep:
 
     With backward_passes_per_step = k > 1 gradients of k batches accumulate locally (Horovod's
     DistributedOptimizer counts them) before the k-th batch's one allreduce and update.
-    `precision` (default fp32) runs the forward pass under autocast and, with fp16 or clipping,
-    steps as hvd_runtime.torch.precision explains. `accuracy_fn(output, target)`: the number right
-    (a vocabulary-split model's comes from hvd_runtime.torch.vocab_parallel, as its loss_fn does).
+    `precision` (default fp32) runs the forward pass under autocast and, with fp16, clipping or
+    a `guard` (hvd_runtime.nonfinite), steps as hvd_runtime.torch.precision explains.
+    `accuracy_fn(output, target)`: the number right (a vocabulary-split model's comes from
+    hvd_runtime.torch.vocab_parallel, as its loss_fn does).
     """
 
     metric_names = ("accuracy",)
     reports_loss = True   # every rank's batch is part of the job's loss
 
     def __init__(self, model: nn.Module, optimizer, schedule: WarmupSchedule, loss_fn, ctx: Context,
-                 backward_passes_per_step: int = 1, precision: Precision | None = None, accuracy_fn=accuracy_sum):
+                 backward_passes_per_step: int = 1, precision: Precision | None = None, accuracy_fn=accuracy_sum,
+                 guard: Guard | None = None):
         self.model, self.optimizer, self.schedule, self.loss_fn, self.ctx = model, optimizer, schedule, loss_fn, ctx
+        self.guard = guard
         self.accuracy_fn = accuracy_fn
         self.batches_per_update = backward_passes_per_step
         self.precision = precision or Precision("fp32", ctx.device)
@@ -57,11 +61,11 @@ class TrainStep:
             out = self.model(x)
             y = y.to(out.device, non_blocking=True)  # a split model answers on its last stage's device
             loss = self.loss_fn(out, y)
-        self.precision.backward(loss / k)
+        self.precision.backward(loss / k, self.guard)
         if apply:
             self.schedule.apply(self.optimizer, step // k, self.ctx.data_size, self.ctx.local_size)
-            # Horovod: waits for the allreduced gradients, then applies them.
-            self.precision.step(self.optimizer, self.model.parameters())
+            # Horovod: waits for the allreduced gradients, then applies them if they are finite.
+            self.precision.step(self.optimizer, self.model.parameters(), self.guard, step + 1)
             self.optimizer.zero_grad()
         # Totals stay tensors on the output's device: no host sync per step.
         return loss.detach().float(), {"accuracy": self.accuracy_fn(out.detach(), y)}

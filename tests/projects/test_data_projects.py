@@ -76,7 +76,7 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
     (["--optim.name", "lamb"], "config error: optim.name is 'lamb': choose one of sgd, adam, adamw"),
     (["--train.epoch", "3"], "config error: unknown config key train.epoch: valid keys are batch_size, epochs, "
                              "eval_batch_size, grace_s, hang_allowance_s, hang_timeout_s, log_every, "
-                             "precision"),
+                             "max_skipped, on_nonfinite, precision"),
 ])
 def test_bad_config_stops_with_one_line(project, tmp_path, override, message):
     _, path = project

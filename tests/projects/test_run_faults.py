@@ -91,6 +91,32 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+NANNER = """\
+\"\"\"Run train.py; in its first start, the process of rank RANK makes the inputs of its STEPS-th
+training batch NaN. usage: python nanner.py FRAMEWORK RANK STEPS SCRIPT ARGS...\"\"\"
+import importlib, os, runpy, sys
+from pathlib import Path
+
+framework, rank, steps, script = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+sys.argv = sys.argv[4:]
+sys.path.insert(0, str(Path(script).parent))
+if os.environ["HOROVOD_RANK"] == rank:
+    cls = importlib.import_module(f"hvd_runtime.{'torch' if framework == 'torch' else 'tf'}.batches").ShardedBatches
+    original, trained = cls.batches, [0]
+
+    def batches(self, *args, **kwargs):
+        for x, y in original(self, *args, **kwargs):
+            if self.train:
+                trained[0] += 1
+                if trained[0] == steps:
+                    x = x * float("nan")
+            yield x, y
+
+    cls.batches = batches
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def pauser(tmp_path: Path, pause_s: float = PAUSE_S) -> Path:
     script = tmp_path / "pauser.py"
     script.write_text(PAUSER.replace("PAUSE_S)", f"{pause_s})"))
@@ -252,3 +278,43 @@ def test_a_stop_signal_checkpoints_where_every_rank_stops_and_the_restart_goes_o
     if tracked:   # the same run, reopened and finished
         (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
         assert run.info.status == "FINISHED"
+
+
+def non_finite_tensors(folder: Path) -> list[str]:
+    """`file:tensor` of every float tensor holding NaN or inf in the safetensors files under `folder`."""
+    return [f"{path.relative_to(folder)}:{name}" for path in sorted(folder.rglob("*.safetensors"))
+            for name, a in load_file(str(path)).items()
+            if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all()]
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+@pytest.mark.parametrize("framework, strategy", list(WAITS_IN), ids=["-".join(case) for case in WAITS_IN])
+def test_a_nan_in_one_ranks_batch_is_skipped_or_stops_on_every_rank_alike(tmp_path, framework, strategy, policy,
+                                                                          straight):
+    # the rank whose batch goes bad: a data-parallel replica's, or a pipeline's first stage, which reads x
+    project, _ = straight(framework, strategy)
+    run_dir, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
+    nanner = tmp_path / "nanner.py"
+    nanner.write_text(NANNER)
+    proc = run_horovod(2, [sys.executable, str(nanner), framework, "1" if strategy == "data" else "0", "15",
+                           "train.py", "--train.epochs", "1", "--checkpoint.every_steps", "10", "--checkpoint.keep", "9",
+                           "--train.on_nonfinite", policy, *UNTRACKED, "--run_dir", str(run_dir),
+                           "--checkpoint.dir", str(checkpoints)], cwd=project, check=False)
+    out = proc.stdout + proc.stderr
+    said = re.findall(r"^\[(\d)\]<stderr>:nonfinite: (.*)$", out, re.M)
+    if policy == "skip":
+        assert proc.returncode == 0, out[-4000:]
+        assert said == [("0", "the gradients of step 15 are not finite: its update skipped on every rank "
+                              "(1 in a row; train.max_skipped 5)")], out[-4000:]
+        assert checkpoint_steps(checkpoints)[:2] == [10, 20]
+        # a replica or a stage that had applied it would hold NaN now, in its checkpoint and the model
+        assert non_finite_tensors(checkpoints) == [] and non_finite_tensors(run_dir) == []
+        (epoch,) = metrics(run_dir)
+        assert math.isfinite(epoch["train_loss"]), epoch   # the skipped batch is not counted
+    else:
+        assert proc.returncode != 0, out[-4000:]
+        assert said == [("0", "the gradients of step 15 are not finite (NaN or inf in the loss or the gradients; "
+                              "train.on_nonfinite stop): stopping before its update, so the weights and the newest "
+                              "checkpoint are the last good ones")], out[-4000:]
+        assert "Traceback" not in out, out[-4000:]
+        assert checkpoint_steps(checkpoints) == [10] and non_finite_tensors(checkpoints) == []

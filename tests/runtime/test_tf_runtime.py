@@ -339,8 +339,8 @@ def test_a_train_step_is_traced_once_for_every_batch_size(one_rank):
     rng = np.random.default_rng(0)
     batches = [(rng.normal(size=(n, 3)).astype(np.float32), np.arange(n) % 2) for n in (8, 3, 5, 8)]
     for x, y in batches:
-        loss, correct = step(x, y)
-        assert np.isfinite(loss)
+        loss, correct, applied = step(x, y)
+        assert np.isfinite(loss) and bool(applied)
     assert len(traces) == 1
     step.evaluate(batches[:2])
     assert len(traces) == 2
@@ -365,7 +365,7 @@ def test_a_model_split_steps_batches_shorter_than_its_micro_batches(one_rank):
     rng = np.random.default_rng(1)
     batches = [(rng.normal(size=(n, 3)).astype(np.float32), np.arange(n) % 2) for n in (8, 5, 2, 1, 2)]
     for x, y in batches:
-        loss, _ = step(x, y)
+        loss, _, _ = step(x, y)
         assert np.isfinite(loss)
     assert all(np.isfinite(v.numpy()).all() for v in model.variables), "BatchNorm took an empty micro-batch"
     assert len(traces) == 3, "one trace for batches of 8 and 5, one each for 2 and 1"

@@ -27,6 +27,7 @@ from hvd_runtime.checkpoint import CheckpointStore  # noqa: E402
 from hvd_runtime.config import HorovodConfig, OptimConfig  # noqa: E402
 from hvd_runtime.data import Split  # noqa: E402
 from hvd_runtime.loop import Every, means_over_ranks, train_epoch  # noqa: E402
+from hvd_runtime.nonfinite import Guard, NonFinite  # noqa: E402
 from hvd_runtime.tf.step import sum_over_ranks  # noqa: E402
 from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, GradientSync, distribute_fit, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
                             checkpoint_store, make_optimizer, restore_checkpoint,
@@ -313,3 +314,32 @@ diff = max_rel_diff(model.variables, reference.variables)
 losses = hvd.allgather_object(history.history["loss"], name="fit_losses")
 report("fit_matches_global_batch_reference", diff < TOL and same_on_all_ranks(model.variables, "fit")
        and losses[0] == losses[1], f"max rel diff {diff:.2e}")
+
+# A non-finite update (rank 1's second batch is NaN): skipped in the graph on both ranks alike, the
+# optimizer's momentum with it, so each rank ends equal to one process trained on the first and
+# third global batches only; under `stop` both ranks stop at that step, before its update.
+steps = [(np.roll(X, 3 * s, axis=0), np.roll(Y, 3 * s)) for s in range(3)]
+reference = reference_sgd(model_fn(), [steps[0], steps[2]], lr=0.1, momentum=0.9)
+for policy in ("skip", "stop"):
+    model = model_fn()
+    guard = Guard(policy, max_skipped=1, is_root=lambda: False)
+    step = TrainStep(model, make_optimizer(sgd, HorovodConfig(), ctx, steps_per_epoch=3), loss_fn, GradientSync(),
+                     guard=guard)
+    stopped_at, after_first = None, None
+    for i, (x, y) in enumerate(steps):
+        x = halves(x).copy()
+        if i == 1 and R == 1:
+            x[0, 0] = np.nan
+        try:
+            step.train_batch(x, halves(y), True, i)
+        except NonFinite as exc:
+            stopped_at = exc.step
+            break
+        after_first = after_first or [np.array(v) for v in model.variables]
+    if policy == "skip":
+        diff = max_rel_diff(model.variables, reference.variables)
+        report("a_nonfinite_update_is_skipped_on_every_rank_alike", diff < TOL and guard.skipped == 1,
+               f"max rel diff {diff:.2e}, {guard.skipped} skipped")
+    else:
+        same = all(np.array_equal(np.array(v), a) for v, a in zip(model.variables, after_first))
+        report("a_nonfinite_update_stops_every_rank_before_it", stopped_at == 2 and same, f"stopped at {stopped_at}")

@@ -66,7 +66,7 @@ def run_case(args, ctx):
     shard = slice(ctx.rank * args.batch, (ctx.rank + 1) * args.batch)
     losses = []
     for x, y in zip(xs, ys):
-        loss, _ = step(tf.constant(x[shard]), tf.constant(y[shard]))
+        loss, _, _ = step(tf.constant(x[shard]), tf.constant(y[shard]))
         losses.append(float(hvd.allreduce(loss, op=hvd.Average, name="loss")))
 
     update_err = {k: rel(v.numpy() - before[k], ref_updates[k])

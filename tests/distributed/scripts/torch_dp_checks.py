@@ -17,8 +17,9 @@ import horovod.torch as hvd
 from hvd_runtime.checkpoint import CheckpointStore
 from hvd_runtime.config import HorovodConfig, OptimConfig
 from hvd_runtime.loop import means_over_ranks  # noqa: E402
+from hvd_runtime.nonfinite import Guard, NonFinite  # noqa: E402
 from hvd_runtime.torch.parallelize import Parallel  # noqa: E402
-from hvd_runtime.torch.step import sum_over_ranks  # noqa: E402
+from hvd_runtime.torch.step import TrainStep, sum_over_ranks  # noqa: E402
 from hvd_runtime.torch import (SyncBatchNorm, init_horovod, make_optimizer, restore_checkpoint,
                                use_sync_batchnorm)
 
@@ -159,3 +160,38 @@ with tempfile.TemporaryDirectory() as tmp:
           and (state.epoch, state.step, state.samples_in_epoch) == (3, 30, 12) and same_rng)
     hvd.barrier()
 report("a_checkpoint_from_before_shards_resumes", ok)
+
+# 7. A non-finite update (rank 1's second batch is NaN): skipped on both ranks alike, the optimizer's
+# momentum with it, so each rank ends equal to one process trained on the first and third global
+# batches only; under `stop` both ranks stop at that step, holding the first step's weights.
+momentum = OptimConfig(name="sgd", lr=0.1, momentum=0.9, scale_lr=False, warmup_epochs=0)
+batches = [(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(3)]
+reference = model_fn()
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+for x, y in (batches[0], batches[2]):
+    ref_opt.zero_grad()
+    loss_fn(reference(x), y).backward()
+    ref_opt.step()
+for policy in ("skip", "stop"):
+    model = model_fn()
+    opt, schedule = make_optimizer(model, momentum, HorovodConfig(), ctx, steps_per_epoch=3)
+    guard = Guard(policy, max_skipped=1, is_root=lambda: False)
+    step = TrainStep(model, opt, schedule, loss_fn, ctx, guard=guard)
+    stopped_at, after_first = None, None
+    for i, (x, y) in enumerate(batches):
+        x = x.chunk(2)[R].clone()
+        if i == 1 and R == 1:
+            x[0, 0] = float("nan")
+        try:
+            step.train_batch(x, y.chunk(2)[R], True, i)
+        except NonFinite as exc:
+            stopped_at = exc.step
+            break
+        after_first = after_first or [p.detach().clone() for p in model.parameters()]
+    if policy == "skip":
+        diff = max_rel_diff(model, reference)
+        report("a_nonfinite_update_is_skipped_on_every_rank_alike", diff < TOL and guard.skipped == 1,
+               f"max rel diff {diff:.2e}, {guard.skipped} skipped")
+    else:
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))
+        report("a_nonfinite_update_stops_every_rank_before_it", stopped_at == 2 and same, f"stopped at {stopped_at}")
