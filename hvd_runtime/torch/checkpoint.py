@@ -107,7 +107,7 @@ def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool) -> dict
         if key == entry:
             tensors[key] = t.cpu().contiguous()
         described[entry] = {"key": key, **at.to_json()}
-    bad = next((key for key, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    bad = next((key for key, t in tensors.items() if t.is_floating_point() and not _finite(t)), None)
     if bad is not None:
         raise NonFiniteTensor(f"{bad} holds NaN or inf")
     path = folder / shard_name(rank)
@@ -115,11 +115,18 @@ def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool) -> dict
     return shard_description(path, described, values)
 
 
-def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Path | None:
+def _finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN and no inf, through two masks of bools: torch.isfinite would copy
+    the tensor whole (its abs) on the way."""
+    return not bool(torch.isnan(t).any()) and not bool(torch.isinf(t).any())
+
+
+def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last: bool = False) -> bool:
     """Every rank calls: the first replica's ranks each write their shard, rank 0 the index, last
-    (hvd_runtime.sharded.write_checkpoint). Returns the checkpoint folder on rank 0, None elsewhere.
-    A rank that fails to write (a full disk) makes every rank raise the same error, and the folder
-    is never published: the previous checkpoint stays the newest.
+    (hvd_runtime.sharded.write_checkpoint); `last`: the run's final one. Returns, on every rank
+    alike, whether it was written: a rank that fails to write (a full disk) fails it on every
+    rank, the folder is never published and the previous checkpoint stays the newest; the run
+    goes on or stops as `checkpoint.max_failures` says (hvd_runtime.write_failures).
     """
     import horovod.torch as hvd
 
@@ -130,7 +137,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Pa
     def write_shard(folder: Path, write_whole: bool) -> dict:
         return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole)
 
-    return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(), cut_of(module))
+    return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(), cut_of(module), last)
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -250,4 +257,4 @@ def newest_cut(checkpoint_cfg, ctx) -> dict | None:
 
 def checkpoint_store(cfg, ctx: Context) -> CheckpointStore:
     """Rank 0 manages the folder (stages, publishes, prunes); the first replica's ranks write shards into it."""
-    return CheckpointStore(cfg.dir, cfg.keep, is_writer=ctx.is_root)
+    return CheckpointStore(cfg.dir, cfg.keep, is_writer=ctx.is_root, max_failures=cfg.max_failures)
