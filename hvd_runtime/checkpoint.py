@@ -23,6 +23,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hvd_runtime.write_failures import WriteFailures
+
+
 @dataclass
 class TrainState:
     """Where training stands: what a checkpoint must carry besides the weights to resume exactly."""
@@ -69,13 +72,16 @@ def newest_step(directory: str | Path) -> int | None:
 
 
 class CheckpointStore:
-    def __init__(self, directory: str | Path, keep: int = 3, is_writer: bool = True, suffix: str = "pt"):
+    def __init__(self, directory: str | Path, keep: int = 3, is_writer: bool = True, suffix: str = "pt",
+                 max_failures: int = 0):
+        """`max_failures`: how many failed writes in a row the run goes on past (hvd_runtime.write_failures)."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be at least 1, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
         self.is_writer = is_writer
         self.suffix = suffix
+        self.failures = WriteFailures(max_failures)
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"ckpt-{step:09d}.{self.suffix}"

@@ -105,6 +105,7 @@ class CheckpointConfig:
     keep: int = 3                   # how many recent checkpoints to keep
     every_steps: int = 0            # also checkpoint every N steps within an epoch; 0 = once per epoch
     resume: bool = True
+    max_failures: int = 2           # failed writes in a row (a full disk) the run goes on past; the next, or the last, stops it
 
 
 @dataclass
@@ -230,7 +231,8 @@ def check_values(config) -> None:
     for key in POSITIVE:
         if key in flat and flat[key] <= 0:
             raise ConfigError(f"{key} must be more than 0, got {flat[key]}")
-    for key in ("data.workers", "optim.clip_norm", "train.hang_timeout_s", "train.hang_allowance_s", "train.max_skipped"):
+    for key in ("data.workers", "optim.clip_norm", "train.hang_timeout_s", "train.hang_allowance_s", "train.max_skipped",
+                "checkpoint.max_failures"):
         if key in flat and flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more, got {flat[key]}")
     if "parallel.schedule" in flat:

@@ -141,16 +141,17 @@ def skipped_updates(step: Step) -> int:
     return guard.skipped if guard is not None else 0
 
 
-def stop(state, is_root: bool, on_stop: Callable[[], object] | None) -> None:
-    """End training after this step, every rank alike: its checkpoint, then Preempted."""
+def stop(state, is_root: bool, on_stop: Callable[[], bool] | None) -> None:
+    """End training after this step, every rank alike: its checkpoint (`on_stop()`: whether it was
+    written), then Preempted."""
     signum = preemption.signal_received()
     watchdog.beat(f"the checkpoint at step {state.step} before stopping", allowance=True)
-    if on_stop is not None:
-        on_stop()
+    written = on_stop() if on_stop is not None else False
     stopped = preemption.Preempted(signum, state.step)
     if is_root:
-        print(f"stopped on {stopped.signal_name} after step {state.step} (epoch {state.epoch}), its checkpoint "
-              f"written: launch again to resume there", flush=True)
+        where = ("its checkpoint written: launch again to resume there" if written
+                 else "its checkpoint not written: launch again to resume from the newest")
+        print(f"stopped on {stopped.signal_name} after step {state.step} (epoch {state.epoch}), {where}", flush=True)
     raise stopped
 
 

@@ -1,6 +1,6 @@
 """The collective steps of a sharded checkpoint, whatever the framework: who writes, who publishes, who agrees.
 
-    folder = write_checkpoint(hvd, store, ctx, state, write_shard, rng, cut)   # every rank calls
+    written = write_checkpoint(hvd, store, ctx, state, write_shard, rng, cut)  # every rank calls
     found = newest_on_root(store, ctx, resume, read_legacy)                     # rank 0 reads the index
     state = read_held(hvd, found, ctx, framework, wanted, load, ...)            # every rank its own rows
 
@@ -8,8 +8,9 @@
 holds (`write_shard`, `wanted`, `load`) and this module runs the same protocol for both: rank 0
 stages a hidden folder and tells every rank where it is; the first replica's ranks each write
 their shard there; rank 0 merges their descriptions into the index, written last, and publishes
-the folder. A rank that cannot write makes every rank raise the same error, and the folder is
-never published, so the previous checkpoint stays the newest. On resume rank 0 finds the newest
+the folder. A rank that cannot write makes every rank see the same failure, and the folder is
+never published, so the previous checkpoint stays the newest (hvd_runtime.write_failures says
+whether the run goes on). On resume rank 0 finds the newest
 readable checkpoint, every rank reads its own rows of it, and all agree on one verdict before any
 of them goes on.
 """
@@ -20,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Callable
+
+from safetensors import SafetensorError
 
 from hvd_runtime import watchdog
 from hvd_runtime.checkpoint import CheckpointStore, TrainState, announce_resume, misfit_message, state_fields
@@ -47,12 +50,15 @@ def shard_description(path: Path, tensors: dict, values: dict) -> dict:
 
 
 def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Callable[[Path, bool], dict], rng,
-                     cut: dict | None) -> Path | None:
+                     cut: dict | None, last: bool = False) -> bool:
     """Every rank calls: the first replica's ranks each `write_shard(folder, write_whole)` (its file's
     description, for the index; `write_whole`: this rank also writes the tensors every rank of its
     tensor-parallel group holds whole), rank 0 the index, last. `rng` is this rank's RNG state,
-    `cut` the pipeline's stages (None elsewhere). Returns the checkpoint folder on rank 0, None
-    elsewhere; raises OSError on every rank when any could not write."""
+    `cut` the pipeline's stages (None elsewhere), `last`: the run's final checkpoint. Returns, on
+    every rank alike, whether the checkpoint was written; one that was not goes to the store's
+    failure count (hvd_runtime.write_failures), which warns, or stops the run on every rank. A
+    rank that cannot find the staging folder cannot see --checkpoint.dir, which no retry mends:
+    every rank raises ConfigError at the first checkpoint."""
     watchdog.beat(f"checkpoint at step {state.step}", allowance=True)
     rngs = hvd.allgather_object(rng, name="checkpoint.rng")
     staging = None
@@ -63,34 +69,46 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
             staging = OSError(f"cannot make {store.directory}: {exc}")
     staging = hvd.broadcast_object(staging, root_rank=0, name="checkpoint.staging")
     if isinstance(staging, Exception):
-        raise staging
+        return _failed(store, f"checkpoint {state.step} was not written, the previous one stays the newest: "
+                              f"{staging}", state.step, last)
     description = None
     if ctx.data_rank == 0:
         coords = ctx.coords
         try:
-            description = write_shard(Path(staging), coords is None or coords.tp == 0)
-        except OSError as exc:
-            description = {"error": f"rank {ctx.rank} could not write its shard in {staging} ({exc}): every rank "
-                                    "must see --checkpoint.dir (a shared volume)"}
+            if not Path(staging).is_dir():   # rank 0 made it: this rank sees another file system
+                description = {"error": f"rank {ctx.rank} cannot see {staging}, which rank 0 made: every rank "
+                                        "must see --checkpoint.dir (a shared volume)", "lasting": True}
+            else:
+                description = write_shard(Path(staging), coords is None or coords.tp == 0)
+        except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+            description = {"error": f"rank {ctx.rank} could not write its shard in {staging} ({exc})"}
         except NonFiniteTensor as exc:
             description = {"error": f"rank {ctx.rank}'s {exc}, and a checkpoint never holds a non-finite value"}
     shards = [d for d in hvd.allgather_object(description, name="checkpoint.shards") if d is not None]
-    failed = next((d["error"] for d in shards if "error" in d), None)
-    outcome = final = None
+    failed = next((d for d in shards if d.get("lasting")), None) or next((d for d in shards if "error" in d), None)
+    outcome = None
     if store.is_writer:
         try:
             if failed:
-                raise OSError(failed)
+                raise OSError(failed["error"])
             index = merge_index(shards, step=state.step, state=state_fields(state), rng=rngs, cut=cut)
             write_json(Path(staging) / INDEX, index)
-            final = store.publish(state.step, Path(staging))
+            store.publish(state.step, Path(staging))
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             outcome = f"checkpoint {state.step} was not written, the previous one stays the newest: {exc}"
     outcome = hvd.broadcast_object(outcome, root_rank=0, name="checkpoint.outcome")
+    if outcome and failed and failed.get("lasting"):
+        raise ConfigError(outcome)
     if outcome:
-        raise OSError(outcome)
-    return final
+        return _failed(store, outcome, state.step, last)
+    store.failures.written()
+    return True
+
+
+def _failed(store: CheckpointStore, reason: str, step: int, last: bool) -> bool:
+    store.failures.failed(reason, step, last, store.directory, say=store.is_writer)
+    return False
 
 
 def read_newest(store: CheckpointStore, read_legacy: Callable[[Path], dict]):

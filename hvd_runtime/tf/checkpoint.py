@@ -130,11 +130,12 @@ def _write_shard(folder: Path, rank: int, held: list, write_whole: bool) -> dict
     return sharded.shard_description(path, described, {})
 
 
-def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Path | None:
+def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last: bool = False) -> bool:
     """Every rank calls: the first replica's ranks each write their shard, rank 0 the index, last
     (hvd_runtime.sharded.write_checkpoint); BatchNorm statistics are first averaged over the
-    replicas. Returns the folder on rank 0, None elsewhere; a rank that fails to write makes
-    every rank raise the same OSError, and the previous checkpoint stays the newest."""
+    replicas; `last`: the run's final one. Returns, on every rank alike, whether it was written: a
+    rank that fails to write fails it on every rank, and the previous checkpoint stays the newest;
+    the run goes on or stops as `checkpoint.max_failures` says (hvd_runtime.write_failures)."""
     import horovod.tensorflow as hvd
 
     module, optimizer = parallel.module, parallel.optimizer
@@ -145,7 +146,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context) -> Pa
         return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.split), write_whole)
 
     return sharded.write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(module),
-                                    sharded.cut_of(module))
+                                    sharded.cut_of(module), last)
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -251,4 +252,4 @@ def newest_cut(checkpoint_cfg, ctx) -> dict | None:
 def checkpoint_store(cfg, ctx: Context) -> CheckpointStore:
     """Rank 0 manages the folder (stages, publishes, prunes); the first replica's ranks write shards
     into it. Checkpoints from before shards (`ckpt-<step>.pkl`) are still found."""
-    return CheckpointStore(cfg.dir, cfg.keep, is_writer=ctx.is_root, suffix="pkl")
+    return CheckpointStore(cfg.dir, cfg.keep, is_writer=ctx.is_root, suffix="pkl", max_failures=cfg.max_failures)

@@ -12,7 +12,8 @@ CHECKS = ["allreduce_step_matches_global_batch", "backward_passes_per_step_accum
           "sync_batchnorm_gradients_match", "sync_batchnorm_running_stats_match", "metric_average_weights_by_count",
           "broadcast_makes_ranks_identical", "lr_warms_up_to_world_size_times_lr",
           "a_checkpoint_from_before_shards_resumes", "a_nonfinite_update_is_skipped_on_every_rank_alike",
-          "a_nonfinite_update_stops_every_rank_before_it"]
+          "a_nonfinite_update_stops_every_rank_before_it", "a_shard_not_written_fails_the_checkpoint_on_every_rank",
+          "a_folder_the_ranks_cannot_see_stops_every_rank_at_once"]
 
 
 @pytest.mark.slow

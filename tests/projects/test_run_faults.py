@@ -23,11 +23,23 @@ the same later step, its checkpoint written, the MLflow run KILLED (the torch da
 tracked); started again, the job resumes at that step and ends with the straight run's metrics
 and weights.
 
+A NaN in one rank's batch at step 15 (NANNER): `skip` skips that update on every rank alike and
+trains on, `stop` ends the run with one line; no checkpoint holds a non-finite value, and after
+`stop` the newest is the last good one.
+
+A full disk (DISK_FILLER: the checkpoint folder is a 32 MiB tmpfs, filled but for half a
+checkpoint after step 11, freed after 25, filled again after 31): the writes in the full windows
+fail with one warning each and leave no folder, the one after the disk is freed is written, and
+the third failure in a row (more than `checkpoint.max_failures 2`) stops the run in one line;
+its newest checkpoint, moved to another disk, resumes to the straight run's weights. The run's
+last checkpoint failing stops it, with no trained model written.
+
 The pause only gives the test its moment; the faults and their handling are the real ones. The
 ranks start cold (plain_start): the stopped and the killed process must be the rank itself.
 
-Cost: about 240 CPU-s (5% of the suite): 21 cold 2-rank starts, since a fault's whole point is
-the restart; the straight runs are one per case, shared by the file's tests.
+Cost: about 470 CPU-s (about 9% of the suite): 21 cold 2-rank starts, since a fault's whole point
+is the restart, and 17 jobs for the NaN and the full disk, each fault in both frameworks and both
+strategies; the straight runs are one per case, shared by the file's tests.
 """
 
 from __future__ import annotations
@@ -35,7 +47,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -111,6 +125,50 @@ if os.environ["HOROVOD_RANK"] == rank:
                 if trained[0] == steps:
                     x = x * float("nan")
             yield x, y
+
+    cls.batches = batches
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+DISK_FILLER = """\
+\"\"\"Run train.py; the process of rank 0, once it has trained a step named in ACTIONS (its checkpoint,
+if one falls there, attempted), fills the file system of DISK but for half the size of the
+newest checkpoint there (`fill`), or frees it again (`free`), as another process on the host could.
+usage: python disk_filler.py FRAMEWORK DISK STEP:fill|free,... SCRIPT ARGS...\"\"\"
+import importlib, os, runpy, sys
+from pathlib import Path
+
+framework, disk, script = sys.argv[1], Path(sys.argv[2]), sys.argv[4]
+actions = dict(a.split(":") for a in sys.argv[3].split(","))
+sys.argv = sys.argv[4:]
+sys.path.insert(0, str(Path(script).parent))
+filler = disk / "filler"
+
+
+def act(what):
+    if what == "free":
+        filler.unlink()
+        return
+    newest = max(disk.glob("ckpt-*"))
+    size = sum(p.stat().st_size for p in newest.iterdir())
+    stat = os.statvfs(disk)
+    with open(filler, "wb") as f:
+        f.write(bytes(stat.f_bavail * stat.f_frsize - size // 2))
+        os.fsync(f.fileno())
+
+
+if os.environ["HOROVOD_RANK"] == "0":
+    cls = importlib.import_module(f"hvd_runtime.{'torch' if framework == 'torch' else 'tf'}.batches").ShardedBatches
+    original, trained = cls.batches, [0]
+
+    def batches(self, *args, **kwargs):
+        for batch in original(self, *args, **kwargs):
+            if self.train:
+                if str(trained[0]) in actions:
+                    act(actions.pop(str(trained[0])))
+                trained[0] += 1
+            yield batch
 
     cls.batches = batches
 runpy.run_path(script, run_name="__main__")
@@ -318,3 +376,73 @@ def test_a_nan_in_one_ranks_batch_is_skipped_or_stops_on_every_rank_alike(tmp_pa
                               "checkpoint are the last good ones")], out[-4000:]
         assert "Traceback" not in out, out[-4000:]
         assert checkpoint_steps(checkpoints) == [10] and non_finite_tensors(checkpoints) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 MiB tmpfs mounted at tmp_path/disk for the test (root only), unmounted after it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("framework, strategy", list(WAITS_IN), ids=["-".join(case) for case in WAITS_IN])
+def test_a_full_disk_fails_checkpoints_and_the_run_goes_on_or_stops_with_the_last_good_one(
+        tmp_path, framework, strategy, straight, small_disk):
+    # full from step 11 to 25 and from 31 on; checkpoints every 10 steps and at each epoch's end
+    project, straight_run = straight(framework, strategy)
+    training = [*TRAINING, *UNTRACKED, "--checkpoint.max_failures", "2"]
+    filler = tmp_path / "disk_filler.py"
+    filler.write_text(DISK_FILLER)
+    proc = run_horovod(2, [sys.executable, str(filler), framework, str(small_disk), "11:fill,25:free,31:fill",
+                           "train.py", *training, "--run_dir", str(tmp_path / "run"),
+                           "--checkpoint.dir", str(small_disk)], cwd=project, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out[-4000:]
+    said = re.findall(r"^\[(\d)\]<stderr>:checkpoint: checkpoint (\d+) was not written, the previous one stays the "
+                      r"newest: rank \d could not write its shard in \S+ \((.*)\); (.*)$", out, re.M)
+    assert {rank for rank, *_ in said} == {"0"}, out[-4000:]
+    assert all("No space left on device" in why for *_, why, _ in said), said
+    per_epoch = math.ceil(math.ceil(N_TRAIN / (2 if strategy == "data" else 1)) / 32)   # 23 steps, or 45
+    # (step, failed in a row) of each failed write the run went on past; the next stops it
+    gone_past = [(20, 1), (23, 2), (40, 1), (46, 2)] if per_epoch == 23 else [(20, 1), (40, 1), (45, 2)]
+    goes_on = "training goes on and tries again at the next checkpoint ({} failed in a row; checkpoint.max_failures 2)"
+    assert [(int(step), then) for _, step, _, then in said] == [
+        *((step, goes_on.format(n)) for step, n in gone_past),
+        (50, "3 in a row, more than checkpoint.max_failures 2: stopping at step 50, so that no more is lost than the "
+             f"steps since the newest checkpoint: make {small_disk} writable with room for a checkpoint (or choose "
+             "another --checkpoint.dir) and launch again to resume from it")], out[-4000:]
+    # written where the disk had room, 30 once it was freed; a failed write leaves no folder behind
+    assert checkpoint_steps(small_disk) == [10, 30]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt-000000010", "ckpt-000000030", "filler"]
+
+    # the newest good checkpoint resumes, on another disk, to the weights of a run that met no fault
+    moved = tmp_path / "checkpoints"
+    shutil.copytree(small_disk / "ckpt-000000030", moved / "ckpt-000000030")
+    resumed = run_horovod(2, [sys.executable, "train.py", *training, "--run_dir", str(tmp_path / "resumed"),
+                              "--checkpoint.dir", str(moved)], cwd=project)
+    assert f"resuming from {moved / 'ckpt-000000030'}: epoch {30 // per_epoch}, step 30" in resumed.stdout
+    assert_same_weights(weights(tmp_path / "resumed"), weights(straight_run))
+
+
+def test_the_runs_last_checkpoint_failing_stops_it_without_a_trained_model(tmp_path, straight, small_disk):
+    # the trained model is written from the last checkpoint: a run whose last one failed has none to give
+    project, _ = straight("torch", "data")
+    filler = tmp_path / "disk_filler.py"
+    filler.write_text(DISK_FILLER)
+    run_dir = tmp_path / "run"
+    proc = run_horovod(2, [sys.executable, str(filler), "torch", str(small_disk), "61:fill", "train.py", *TRAINING,
+                           *UNTRACKED, "--checkpoint.max_failures", "5", "--run_dir", str(run_dir),
+                           "--checkpoint.dir", str(small_disk)], cwd=project, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out[-4000:]
+    said = re.findall(r"^\[0\]<stderr>:checkpoint: checkpoint (\d+) was not written, .*; (.*?):", out, re.M)
+    assert said == [("69", "it was the run's last checkpoint, which the trained model is written from")], out[-4000:]
+    assert checkpoint_steps(small_disk)[-1] == 60 and not (run_dir / "model.safetensors").exists()

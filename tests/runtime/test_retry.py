@@ -161,7 +161,7 @@ def test_a_bad_config_is_one_line_and_runs_nothing(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and not (tmp_path / "attempts.jsonl").exists()
     assert proc.stderr.splitlines() == ["config error: unknown config key checkpoint.kept: valid keys are "
-                                        "dir, every_steps, keep, resume"]
+                                        "dir, every_steps, keep, max_failures, resume"]
     bare = subprocess.run(retry(tmp_path, [[None, 0]], "--", sys.executable, "-c", "pass"),
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert bare.returncode == 2 and bare.stderr.splitlines()[-1] == (

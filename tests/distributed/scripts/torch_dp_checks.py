@@ -8,6 +8,7 @@ import checks  # beside this script: report()
 import random
 import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,7 +16,9 @@ from torch import nn
 
 import horovod.torch as hvd
 from hvd_runtime.checkpoint import CheckpointStore
-from hvd_runtime.config import HorovodConfig, OptimConfig
+from hvd_runtime.checkpoint import TrainState
+from hvd_runtime.config import ConfigError, HorovodConfig, OptimConfig
+from hvd_runtime.sharded import shard_description, write_checkpoint
 from hvd_runtime.loop import means_over_ranks  # noqa: E402
 from hvd_runtime.nonfinite import Guard, NonFinite  # noqa: E402
 from hvd_runtime.torch.parallelize import Parallel  # noqa: E402
@@ -195,3 +198,40 @@ for policy in ("skip", "stop"):
     else:
         same = all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))
         report("a_nonfinite_update_stops_every_rank_before_it", stopped_at == 2 and same, f"stopped at {stopped_at}")
+
+# 8. A shard that cannot be written: where rank 1's disk is full, every rank learns the checkpoint
+# was not written (nothing published, nothing left behind, one failure counted); where the folder
+# rank 0 staged is not there for the ranks (--checkpoint.dir not shared), every rank stops at once.
+both_write = type("Ctx", (), {"rank": R, "data_rank": 0, "coords": None})()   # as a pipeline's stages
+
+
+def write_shard(folder, write_whole):
+    if R == 1:
+        raise OSError(28, "No space left on device")
+    path = folder / f"rank-{R:05d}.safetensors"
+    path.write_bytes(b"")
+    return shard_description(path, {}, {})
+
+
+class Unshared(CheckpointStore):
+    def staging(self, step):
+        folder = super().staging(step)
+        folder.rmdir()   # as if it were on a disk of rank 0's alone
+        return folder
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    tmp = hvd.broadcast_object(tmp)
+    store = CheckpointStore(tmp, is_writer=R == 0, max_failures=2)
+    written = write_checkpoint(hvd, store, both_write, TrainState(step=10), write_shard, None, None)
+    verdicts = hvd.allgather_object(written)
+    full_ok = verdicts == [False, False] and store.failures.in_a_row == 1 and not list(Path(tmp).iterdir())
+    try:
+        write_checkpoint(hvd, Unshared(tmp, is_writer=R == 0), both_write, TrainState(step=20), write_shard, None, None)
+        stopped = None
+    except ConfigError as exc:
+        stopped = str(exc)
+    stopped_all = hvd.allgather_object(stopped is not None and "must see --checkpoint.dir (a shared volume)" in stopped)
+    hvd.barrier()
+report("a_shard_not_written_fails_the_checkpoint_on_every_rank", full_ok, f"{verdicts}")
+report("a_folder_the_ranks_cannot_see_stops_every_rank_at_once", stopped_all == [True, True], f"{stopped}")

@@ -64,18 +64,19 @@ def main() -> None:
 
     kept = {"at_checkpoint": [], "shard": {}}
 
-    def save_checkpoint(checkpoints, parallel, state, ctx):
+    def save_checkpoint(checkpoints, parallel, state, ctx, last=False):
         with NewMemory() as counting, counting_collectives(hvd, counting, received):
-            folder = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx)
+            written = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx, last=last)
         kept["at_checkpoint"].append(counting.elements)
-        # named: unnamed, each rank would name it by its own object's type (str on rank 0, NoneType elsewhere)
-        folder = hvd.broadcast_object(None if folder is None else str(folder.resolve()), root_rank=0,
-                                      name="count.checkpoint_folder")
+        # rank 0's folder: every rank wrote its shard there (each rank runs in a folder of its own);
+        # named: unnamed, each rank would name it by its own object's type
+        folder = hvd.broadcast_object(str(checkpoints.folder_for(state.step).resolve()) if hvd.rank() == 0 else None,
+                                      root_rank=0, name="count.checkpoint_folder")
         shard = Path(folder) / f"rank-{hvd.rank():05d}.safetensors"
         if shard.exists():
             with safe_open(shard, framework="pt") as f:
                 kept["shard"] = {key: f.get_slice(key).get_shape() for key in f.keys()}
-        return folder
+        return written
 
     save_checkpoint.__wrapped__ = train.save_checkpoint
     train.save_checkpoint = save_checkpoint

@@ -17,8 +17,8 @@ usage: horovodrun ... python count_held_variables.py PROJECT RANKS_DIR [config o
 """
 
 import json
-from math import prod
 from pathlib import Path
+from math import prod
 
 from collective_counts import counting_collectives
 from train_in_rank_dir import enter_rank_dir
@@ -60,18 +60,20 @@ def main() -> None:
 
     kept = {"at_checkpoint": [], "shard": {}}
 
-    def save_checkpoint(checkpoints, parallel, state, ctx):
+    def save_checkpoint(checkpoints, parallel, state, ctx, last=False):
         before = len(given)
         with counting_collectives(hvd, Counting(), received) as counting:
-            folder = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx)
+            written = train.save_checkpoint.__wrapped__(checkpoints, parallel, state, ctx, last=last)
         kept["at_checkpoint"].append(counting.elements + sum(prod(v.shape) for v in given[before:]))
-        folder = hvd.broadcast_object(None if folder is None else str(folder.resolve()), root_rank=0,
-                                      name="count.checkpoint_folder")
+        # rank 0's folder: every rank wrote its shard there (each rank runs in a folder of its own);
+        # named: unnamed, each rank would name it by its own object's type
+        folder = hvd.broadcast_object(str(checkpoints.folder_for(state.step).resolve()) if hvd.rank() == 0 else None,
+                                      root_rank=0, name="count.checkpoint_folder")
         shard = Path(folder) / f"rank-{hvd.rank():05d}.safetensors"
         if shard.exists():
             with safe_open(shard, framework="np") as f:
                 kept["shard"] = {key: f.get_slice(key).get_shape() for key in f.keys()}
-        return folder
+        return written
 
     save_checkpoint.__wrapped__ = train.save_checkpoint
     train.save_checkpoint = save_checkpoint
