@@ -144,6 +144,8 @@ def _check_type(key: str, value, annotation):
         return [_check_type(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
     expected = annotation if isinstance(annotation, type) else object
     if expected is str and isinstance(value, bool):   # `off`, `no`, `yes`, `on` in YAML or on the command line
+        if ("on" if value else "off") in CHOICES.get(key, ()):   # a choice named off (or on): the word meant
+            return "on" if value else "off"
         fix = f"choose one of {', '.join(CHOICES[key])}" if key in CHOICES else "quote the value"
         raise ConfigError(f"{key} must be str, got {value!r} (YAML reads on, off, yes, no as true or false): {fix}")
     if expected is int and isinstance(value, bool) or not isinstance(value, expected):

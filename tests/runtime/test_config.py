@@ -33,6 +33,13 @@ def test_a_number_is_accepted_where_text_is_wanted(tmp_path):
     with pytest.raises(ConfigError, match="tracking.checkpoint_models must be str, got False .*: choose one of "
                                           "auto, every, final$"):
         load_config(None, ["--tracking.checkpoint_models", "off"])
+    # where `off` is one of the choices, the bool YAML made of it is that choice, in a file too
+    assert load_config(None, ["--train.on_nonfinite", "off"]).train.on_nonfinite == "off"
+    path.write_text("train:\n  on_nonfinite: off\n")
+    assert load_config(path).train.on_nonfinite == "off"
+    with pytest.raises(ConfigError, match="train.on_nonfinite must be str, got True .*: choose one of skip, stop, "
+                                          "off$"):
+        load_config(None, ["--train.on_nonfinite", "on"])
 
 
 @pytest.mark.parametrize("override, fragment", [
