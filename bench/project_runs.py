@@ -4,9 +4,11 @@ and their command line (rounds, the docs folder)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,12 @@ def readme_run(project: Path, options: list[str] = ()) -> tuple[subprocess.Compl
         raise RuntimeError(f"{' '.join(cmd)} in {project} failed (exit {proc.returncode}):\n"
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc, wall
+
+
+def epoch_speed(project: Path) -> float:
+    """The median of the latest run's epochs' train_samples_per_s, the first (warming up) left out."""
+    epochs = [json.loads(line) for line in (project / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(e["train_samples_per_s"] for e in epochs[1:])
 
 
 def bench_arguments(doc: str, frameworks: bool = False) -> argparse.Namespace:

@@ -16,7 +16,6 @@ docs/benchmarks-tracking.md.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from project_runs import BIN, bench_arguments, readme_run
+from project_runs import BIN, bench_arguments, epoch_speed, readme_run
 
 SETTINGS = {
     "untracked": ["--tracking.enabled", "false"],
@@ -49,9 +48,7 @@ def logged_models(project: Path) -> int:
 def train(project: Path, options: list[str]) -> dict:
     """One run of the README line with `options`, from scratch: samples/s, wall time, models logged."""
     _, wall = readme_run(project, options)
-    epochs = [json.loads(line) for line in (project / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
-    return {"samples_per_s": statistics.median(e["train_samples_per_s"] for e in epochs[1:]), "wall": wall,
-            "models": logged_models(project)}
+    return {"samples_per_s": epoch_speed(project), "wall": wall, "models": logged_models(project)}
 
 
 def report(runs: dict[tuple[str, str], list[dict]], rounds: int, load: tuple[float, float]) -> str:
