@@ -216,10 +216,16 @@ CHOICES = {
     "parallel.schedule": tuple(SCHEDULES),
     "tracking.checkpoint_models": ("auto", "every", "final"),
 }
-POSITIVE = ("train.grace_s",)
+POSITIVE = ("train.grace_s", "optim.lr")
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
-                "horovod.backward_passes_per_step", "parallel.stages", "parallel.micro_batches", "parallel.virtual_stages",
-                "model.width", "model.layers", "model.heads", "model.context")
+                "horovod.backward_passes_per_step", "horovod.elastic_commit_every", "parallel.stages",
+                "parallel.micro_batches", "parallel.virtual_stages", "model.width", "model.layers", "model.heads",
+                "model.context", "data.image_size", "data.synthetic_samples", "data.synthetic_features",
+                "data.synthetic_classes")
+AT_LEAST_ZERO = ("data.workers", "optim.clip_norm", "optim.weight_decay", "optim.warmup_epochs",
+                 "horovod.threads_per_rank", "horovod.cycle_time_ms", "train.log_every", "train.hang_timeout_s",
+                 "train.hang_allowance_s", "train.max_skipped", "checkpoint.every_steps", "checkpoint.max_failures")
+FRACTIONS = ("data.val_fraction", "model.dropout", "optim.momentum")   # 0 or more, less than 1
 
 
 def check_values(config) -> None:
@@ -233,10 +239,12 @@ def check_values(config) -> None:
     for key in POSITIVE:
         if key in flat and flat[key] <= 0:
             raise ConfigError(f"{key} must be more than 0, got {flat[key]}")
-    for key in ("data.workers", "optim.clip_norm", "train.hang_timeout_s", "train.hang_allowance_s", "train.max_skipped",
-                "checkpoint.max_failures"):
+    for key in AT_LEAST_ZERO:
         if key in flat and flat[key] < 0:
             raise ConfigError(f"{key} must be 0 or more, got {flat[key]}")
+    for key in FRACTIONS:
+        if key in flat and not 0 <= flat[key] < 1:
+            raise ConfigError(f"{key} must be 0 or more and less than 1, got {flat[key]}")
     if "parallel.schedule" in flat:
         misfit = interleaved_misfit(flat["parallel.schedule"], flat["parallel.stages"], flat["parallel.micro_batches"])
         if misfit:

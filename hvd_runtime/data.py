@@ -129,6 +129,10 @@ def load_npz(path: str | Path, val_fraction: float = 0.2, seed: int = 0) -> Data
     except (OSError, ValueError) as exc:  # not an .npz, truncated, or arrays of pickled objects
         raise DataError(f"data.path {str(path)!r} is not a readable .npz ({exc}): "
                         f"write it with numpy.savez(path, x=..., y=...)") from exc
+    for x, y in (("x", "y"), ("x_train", "y_train"), ("x_val", "y_val")):
+        if x in arrays and y in arrays and len(arrays[x]) != len(arrays[y]):
+            raise DataError(f"data.path {str(path)!r} holds {len(arrays[x])} rows of {x} but {len(arrays[y])} of "
+                            f"{y}: each sample needs its label, one row of {y} for each row of {x}")
     if {"x_train", "y_train", "x_val", "y_val"} <= arrays.keys():
         train = Split(arrays["x_train"].astype(np.float32), arrays["y_train"].astype(np.int64))
         val = Split(arrays["x_val"].astype(np.float32), arrays["y_val"].astype(np.int64))

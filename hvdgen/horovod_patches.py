@@ -217,6 +217,125 @@ KERAS_3_PATCHES = (
           "never passed, so the layer never used the batch statistics"),
 )
 
+# Horovod's Keras API as its own examples call it, with any Keras 3 optimizer (not only one its
+# DistributedOptimizer wraps, which KERAS_3_PATCHES give a callable `variables`).
+_LR = ("Keras 3: LearningRateScheduleCallback and LearningRateWarmupCallback failed with "
+       "'SGD' object has no attribute 'lr'")
+KERAS_3_API_PATCHES = (
+    Patch("horovod/tensorflow/util.py",
+          "def vars_to_refs(vars):\n"
+          "    if isinstance(vars, list):\n"
+          "        return tuple(vars_to_refs(v) for v in vars)\n"
+          "    return _ref(vars)\n",
+          "def _variables(obj):\n"
+          '    """An optimizer\'s (or a model\'s) variables: a method before Keras 3, a list since."""\n'
+          "    variables = obj.variables\n"
+          "    return list(variables() if callable(variables) else variables)\n"
+          "\n"
+          "\n"
+          "def vars_to_refs(vars):\n"
+          "    if isinstance(vars, list):\n"
+          "        return tuple(vars_to_refs(v) for v in vars)\n"
+          "    return _ref(vars)\n",
+          "for the variables() patches below"),
+    Patch("horovod/_keras/callbacks.py",
+          "from horovod.tensorflow.util import _ref\n",
+          "from horovod.tensorflow.util import _ref, _tf_variable, _variables\n",
+          "for the patches below"),
+    Patch("horovod/_keras/callbacks.py",
+          "hvd.broadcast_variables(self.model.optimizer.variables(),",
+          "hvd.broadcast_variables(_variables(self.model.optimizer),",
+          "Keras 3: BroadcastGlobalVariablesCallback with an optimizer DistributedOptimizer had not wrapped "
+          "failed with 'list' object is not callable"),
+    Patch("horovod/_keras/callbacks.py",
+          "self.backend.get_value(self.model.optimizer.lr)",
+          "self.backend.get_value(_tf_variable(self.model.optimizer.learning_rate))", _LR),
+    Patch("horovod/_keras/callbacks.py",
+          "self.backend.set_value(self.model.optimizer.lr, new_lr)",
+          "self.backend.set_value(_tf_variable(self.model.optimizer.learning_rate), new_lr)",
+          _LR + "; the backend's set_value cannot take a Keras 3 variable, the tf.Variable it holds it can"),
+    Patch("horovod/_keras/callbacks.py",
+          "        if hasattr(self.model.optimizer, 'momentum') and self.momentum_correction:\n",
+          "        momentum = getattr(self.model.optimizer, 'momentum', None)\n"
+          "        if self.momentum_correction and isinstance(momentum, (int, float)):\n"
+          "            if momentum and not getattr(self, '_warned_momentum', False):\n"
+          "                warnings.warn('momentum correction skipped: a Keras 3 optimizer holds momentum as a '\n"
+          "                              'constant of its compiled step, which the callback cannot change; '\n"
+          "                              'pass momentum_correction=False to silence this')\n"
+          "                self._warned_momentum = True\n"
+          "        elif hasattr(self.model.optimizer, 'momentum') and self.momentum_correction:\n",
+          "Keras 3: SGD's momentum is a float, so the momentum correction's set_value failed"),
+    Patch("horovod/tensorflow/elastic.py",
+          "from horovod.tensorflow.mpi_ops import _executing_eagerly, init, rank, shutdown\n",
+          "from horovod.tensorflow.mpi_ops import _executing_eagerly, init, rank, shutdown\n"
+          "from horovod.tensorflow.util import _variables\n",
+          "for the patches below"),
+    Patch("horovod/tensorflow/elastic.py", "self.optimizer.variables()", "_variables(self.optimizer)",
+          "Keras 3: elastic KerasState with an optimizer DistributedOptimizer had not wrapped failed with "
+          "'list' object is not callable"),
+    Patch("horovod/tensorflow/elastic.py", "broadcast_variables(optimizer.variables(), root_rank=0)",
+          "broadcast_variables(_variables(optimizer), root_rank=0)", "as above, in its sync()"),
+    Patch("horovod/_keras/__init__.py",
+          "            tape = tf.GradientTape() if tape is None else tape\n"
+          "            if hasattr(base_class, '_compute_gradients'):\n",
+          "            if keras_3:  # Keras 3 optimizers compute no gradients: the tape does, as Keras 2's did\n"
+          "                if tape is None and not callable(loss):\n"
+          "                    raise ValueError('`tape` is required when a `Tensor` loss is passed')\n"
+          "                tape = tf.GradientTape() if tape is None else tape\n"
+          "                if callable(loss):\n"
+          "                    with tape:\n"
+          "                        if not callable(var_list):\n"
+          "                            tape.watch(var_list)\n"
+          "                        loss = loss()\n"
+          "                var_list = list(var_list() if callable(var_list) else var_list)\n"
+          "                grads = self._allreduce(tape.gradient(loss, var_list, grad_loss), var_list)\n"
+          "                self._reduced = tuple(grads)  # apply() takes these as they are\n"
+          "                return list(zip(grads, var_list))\n"
+          "            tape = tf.GradientTape() if tape is None else tape\n"
+          "            if hasattr(base_class, '_compute_gradients'):\n",
+          "Keras 3: compute_gradients (PartialDistributedOptimizer's and DistributedOptimizer's) failed "
+          "with 'super' object has no attribute 'compute_gradients'"),
+    Patch("horovod/_keras/__init__.py",
+          "                    trainable_variables = list(trainable_variables)\n"
+          "                    grads = self._allreduce(list(grads), trainable_variables)\n",
+          "                    trainable_variables = list(trainable_variables)\n"
+          "                    grads, reduced = list(grads), getattr(self, '_reduced', ())\n"
+          "                    self._reduced = ()\n"
+          "                    if not (len(grads) == len(reduced) and all(g is r for g, r in zip(grads, reduced))):\n"
+          "                        grads = self._allreduce(grads, trainable_variables)\n",
+          "gradients compute_gradients reduced are applied as they are: reduced again, a local "
+          "variable's would be scaled twice"),
+    Patch("horovod/_keras/__init__.py",
+          "    horovod_objects = {\n"
+          "        subclass.__name__.lower(): wrap_optimizer(subclass)\n"
+          "        for subclass in keras_subclasses\n"
+          "    }\n",
+          "    horovod_objects = {\n"
+          "        subclass.__name__.lower(): wrap_optimizer(subclass)\n"
+          "        for subclass in keras_subclasses\n"
+          "    }\n"
+          "    if int(keras.__version__.split('.')[0]) >= 3:\n"
+          "        # Keras 3 looks a saved optimizer up by its class name and builds it with from_config\n"
+          "        horovod_objects = {subclass.__name__: _FromConfig(wrap_optimizer(subclass))\n"
+          "                           for subclass in keras_subclasses + list(custom_optimizers or [])}\n",
+          "Keras 3: load_model of a model saved with a DistributedOptimizer failed with Could not locate "
+          "class 'SGD'"),
+    Patch("horovod/_keras/__init__.py",
+          "def load_model(keras, wrap_optimizer, filepath, custom_optimizers, custom_objects, legacy_opts=False):\n",
+          "class _FromConfig(object):\n"
+          '    """An optimizer class as Keras 3 deserializes it: from_config(config) builds the wrapped one."""\n'
+          "\n"
+          "    def __init__(self, make):\n"
+          "        self._make = make\n"
+          "\n"
+          "    def from_config(self, config):\n"
+          "        return self._make(**config)\n"
+          "\n"
+          "\n"
+          "def load_model(keras, wrap_optimizer, filepath, custom_optimizers, custom_objects, legacy_opts=False):\n",
+          "for the load_model patch above"),
+)
+
 # Before every job horovodrun asks whether Horovod was built with Gloo (or MPI) and answers by
 # importing horovod.tensorflow in a forked process: TensorFlow's import, about 4 s of CPU before any
 # rank starts, and TensorFlow's log lines in the output of a PyTorch job. The answer is compiled into
@@ -477,7 +596,8 @@ LAUNCHER_PATCHES = (
           "process start reaped a rank's middleman first"),
 )
 
-PATCHES = BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + PERFORMANCE_PATCHES + LAUNCHER_PATCHES
+PATCHES = (BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + KERAS_3_API_PATCHES + PERFORMANCE_PATCHES
+           + LAUNCHER_PATCHES)
 
 
 def patches_digest() -> str:

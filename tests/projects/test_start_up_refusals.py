@@ -5,6 +5,8 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
   the first step, where it would fail with HorovodInternalError (an endless reset when elastic).
 - data that cannot be read (`--data.source npz --data.path` a file that is not there): the
   loader's own message, not a traceback from every rank.
+- inputs once trained on without a word: `--horovod.threads_per_rank -2`, an .npz whose x has
+  more rows than its y.
 - a pipeline resumed from a checkpoint of another model (`--model.hidden` changed after an
   epoch): each rank holds its own stage, so each judges its own part, and all stop with the same
   line instead of one rank dying on a state_dict error while the others wait.
@@ -21,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import horovodrun_path, python_command, run_horovod, venv_env
@@ -98,6 +101,19 @@ def test_unreadable_data_stops_every_rank_with_the_loaders_line(tmp_path, framew
     project = generate(tmp_path, framework, strategy)
     line = refused(project, "--data.source", "npz", "--data.path", "mine.npz")
     assert line == "config error: data.path 'mine.npz' is not a file: point it at an .npz with x and y arrays"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("framework, bad, problem", [
+    ("torch", ("--horovod.threads_per_rank", "-2"), "config error: horovod.threads_per_rank must be 0 or more, got -2"),
+    ("tensorflow", ("--data.source", "npz", "--data.path", "short_labels.npz"),
+     "config error: data.path 'short_labels.npz' holds 10 rows of x but 7 of y: each sample needs its label, one "
+     "row of y for each row of x"),
+], ids=["threads_per_rank", "npz_rows"])
+def test_inputs_once_trained_on_silently_stop_every_rank(tmp_path, framework, bad, problem):
+    project = generate(tmp_path, framework, "data")
+    np.savez(project / "short_labels.npz", x=np.zeros((10, 64), np.float32), y=np.zeros(7, np.int64))
+    assert refused(project, *bad) == problem
 
 
 @pytest.mark.timeout(900)

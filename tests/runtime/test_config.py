@@ -59,6 +59,13 @@ def test_a_number_is_accepted_where_text_is_wanted(tmp_path):
     (["--parallel.schedule", "interleaved-1f1b", "--parallel.virtual_stages", "1"],
      "parallel.virtual_stages 1 gives each rank one chunk: interleaved-1f1b needs 2 or more"),
     (["--parallel.virtual_stages", "0"], "parallel.virtual_stages must be at least 1"),
+    (["--horovod.threads_per_rank", "-2"], "horovod.threads_per_rank must be 0 or more, got -2"),
+    (["--horovod.cycle_time_ms", "-1"], "horovod.cycle_time_ms must be 0 or more, got -1.0"),
+    (["--checkpoint.every_steps", "-5"], "checkpoint.every_steps must be 0 or more, got -5"),
+    (["--horovod.elastic_commit_every", "0"], "horovod.elastic_commit_every must be at least 1, got 0"),
+    (["--data.val_fraction", "1"], "data.val_fraction must be 0 or more and less than 1, got 1.0"),
+    (["--model.dropout", "-0.1"], "model.dropout must be 0 or more and less than 1, got -0.1"),
+    (["--optim.lr", "0"], "optim.lr must be more than 0, got 0.0"),
 ])
 def test_bad_overrides_name_the_key(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):

@@ -103,6 +103,10 @@ def test_npz_with_and_without_split(tmp_path):
     (lambda path: np.save(path.with_suffix(".npy"), np.zeros(3)) or path.with_suffix(".npy").rename(path),
      "is not a readable .npz (it holds one array, as numpy.save writes"),
     (lambda path: np.savez(path, x=np.array([object()]), y=np.zeros(1)), "is not a readable .npz (Object arrays"),
+    (lambda path: np.savez(path, x=np.zeros((10, 4)), y=np.zeros(7)),
+     "holds 10 rows of x but 7 of y: each sample needs its label, one row of y for each row of x"),
+    (lambda path: np.savez(path, x_train=np.zeros((6, 4)), y_train=np.zeros(6), x_val=np.zeros((3, 4)),
+                           y_val=np.zeros(2)), "holds 3 rows of x_val but 2 of y_val"),
 ])
 def test_unreadable_npz_is_a_data_error_of_one_line_naming_the_fix(tmp_path, write, problem):
     """What a user gets wrong with their own arrays: a config error (train.py prints it as one

@@ -249,11 +249,133 @@ def sync_batchnorm_matches_global_batch():
         f"max rel diff: output {forward:.1e}, moving stats {stats:.1e}, gradients {backward:.1e}"
 
 
+
+def broadcast_callback_with_a_plain_optimizer():
+    """model.compile(optimizer=<a Keras optimizer Horovod did not wrap>) with the broadcast callback:
+    every rank holds rank 0's weights and optimizer state (RMSprop's velocities) after the batch,
+    the only one; a learning rate of 0 leaves the weights where the broadcast put them."""
+    model = model_fn(seed=100 + R)
+    model.compile(optimizer=keras.optimizers.RMSprop(0.0), loss=loss_fn())
+    one_batch = slice(0, PER_RANK_BATCH)
+    model.fit(mine(X)[one_batch], mine(Y)[one_batch], batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    rank0 = model_fn(seed=100)
+    weights = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), rank0.get_weights()))
+    state = identical_on_all_ranks(model.optimizer.variables, "plain_optimizer_state")
+    return weights and state, f"rank 0's weights: {weights}, optimizer state identical: {state}"
+
+
+def elastic_keras_state_with_a_plain_optimizer():
+    """hvd.elastic.KerasState(model, optimizer) of a Keras optimizer Horovod did not wrap: restore()
+    gives back the committed weights and momentum exactly, sync() rank 0's to every rank."""
+    model = model_fn(seed=100 + R)
+    optimizer = keras.optimizers.SGD(LR, momentum=0.9)
+    model.compile(optimizer=optimizer, loss=loss_fn())
+    model.fit(mine(X), mine(Y), batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)  # momentum made
+    state = hvd.elastic.KerasState(model, optimizer, epoch=1)
+    state.commit()
+    committed = [np.array(v) for v in model.variables + optimizer.variables]
+    model.fit(mine(X), mine(Y), batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    moved = not all(np.array_equal(a, b) for a, b in zip(committed, model.variables + optimizer.variables))
+    state.restore()
+    restored = all(np.array_equal(a, b) for a, b in zip(committed, model.variables + optimizer.variables))
+    state.sync()
+    synced = identical_on_all_ranks(model.variables + optimizer.variables, "elastic_synced")
+    rank0s = on_all_ranks(committed, "elastic_committed")[0]
+    from_rank0 = all(np.array_equal(a, b) for a, b in zip(rank0s, model.variables + optimizer.variables))
+    return moved and restored and synced and from_rank0, \
+        f"trained past the commit: {moved}, restored: {restored}, synced to rank 0's: {synced and from_rank0}"
+
+
+def lr_warmup_callback_on_keras3():
+    """LearningRateWarmupCallback ramps the rate per batch from initial_lr / size to initial_lr over
+    its epochs, as Horovod's formula says, and logs it; Keras 3's SGD holds momentum as a constant of
+    its compiled step, so the momentum correction is skipped with one warning."""
+    model = model_fn()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)), loss=loss_fn())
+    steps = len(mine(X)) // PER_RANK_BATCH
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(float(np.asarray(model.optimizer.learning_rate))))
+    warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=2 * LR, warmup_epochs=2, steps_per_epoch=steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(mine(X), mine(Y), batch_size=PER_RANK_BATCH, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[warmup, record])
+    expected = [2 * LR / 2 * ((e + (b + 1) / steps) * (2 - 1) / 2 + 1) for e in range(2) for b in range(steps)]
+    expected += [expected[-1]] * steps   # after the warm-up the rate stays where it ended
+    ramp = np.allclose(seen, expected, rtol=TOL)
+    warned = sum("momentum correction skipped" in str(w.message) for w in caught) == 1
+    same = identical_on_all_ranks(model.get_weights(), "warmup")
+    return ramp and warned and same, f"rates {np.round(seen, 4).tolist()}, one warning: {warned}, ranks identical: {same}"
+
+
+def lr_schedule_callback_on_keras3():
+    """LearningRateScheduleCallback (staircase) multiplies the rate at each epoch from start_epoch
+    on, and logs it in the epoch's logs."""
+    model = model_fn()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(LR)), loss=loss_fn())
+    schedule = hvd.callbacks.LearningRateScheduleCallback(initial_lr=LR, multiplier=0.5, start_epoch=1)
+    history = model.fit(mine(X), mine(Y), batch_size=PER_RANK_BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[schedule])
+    logged = [float(v) for v in history.history["lr"]]
+    ok = np.allclose(logged, [LR, LR, LR / 2], rtol=TOL)
+    return ok, f"logged rates {logged}"
+
+
+def partial_optimizer_compute_gradients_in_a_custom_loop():
+    """PartialDistributedOptimizer's compute_gradients + apply_gradients (Keras 2's methods, which
+    Keras 3 optimizers lack): shared gradients averaged, the local head's this rank's own divided by
+    the number of ranks, and reduced once: one step of SGD gives exactly those updates."""
+    import horovod.keras as hvd_keras
+
+    model = model_fn()
+    head = model.layers[-1]
+    x, y = mine(X), mine(Y)
+    before = [np.array(v) for v in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        loss = loss_fn()(y, model(x, training=True))
+    own = [np.asarray(g) for g in tape.gradient(loss, model.trainable_variables)]
+    mean = [np.mean(gs, axis=0) for gs in zip(*on_all_ranks(own, "partial_own"))]
+    is_local = [any(v is w for w in head.trainable_variables) for v in model.trainable_variables]
+    optimizer = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(LR), local_layers=[head])
+    with tf.GradientTape() as tape:
+        loss = loss_fn()(y, model(x, training=True))
+    optimizer.apply_gradients(optimizer.compute_gradients(loss, model.trainable_variables, tape=tape))
+    expected = [w - LR * (o / 2 if local else m) for w, o, m, local in zip(before, own, mean, is_local)]
+    diff = max_rel_diff(model.trainable_variables, expected)
+    return diff < TOL, f"max rel diff to the expected step {diff:.1e}"
+
+
+def load_model_wraps_the_saved_optimizer():
+    """hvd.load_model of a model saved (.keras) with a DistributedOptimizer: the optimizer comes back
+    wrapped, with its momentum, and training on from it keeps averaging: equal to the model trained
+    on without the save, and the ranks identical."""
+    import tempfile
+
+    model = model_fn()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)), loss=loss_fn())
+    model.fit(mine(X), mine(Y), batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save(f"{tmp}/model.keras")
+        loaded = hvd.load_model(f"{tmp}/model.keras")
+    wrapped = hasattr(loaded.optimizer, "_allreduce")
+    state = all(np.array_equal(a, b) for a, b in zip(loaded.optimizer.variables, model.optimizer.variables))
+    for m in (model, loaded):
+        m.fit(mine(X), mine(Y), batch_size=PER_RANK_BATCH, epochs=1, shuffle=False, verbose=0)
+    diff = max_rel_diff(loaded.get_weights(), model.get_weights())
+    same = identical_on_all_ranks(loaded.get_weights(), "loaded")
+    return wrapped and state and diff < TOL and same, \
+        f"wrapped: {wrapped}, momentum kept: {state}, trained on: max rel diff {diff:.1e}, ranks identical: {same}"
+
 CHECKS = {check.__name__: check for check in (
     fit_averages_gradients, metric_average_callback_averages_loss, fit_with_variable_groups,
     keras_gradient_accumulation_with_distributed_optimizer, backward_passes_per_step_refused_clearly,
     custom_loop_apply_gradients_averages, partial_tape_keeps_local_source, partial_optimizer_keeps_local_layer,
     broadcast_variables_keras3, broadcast_callback_skips_local_variables, sync_batchnorm_matches_global_batch,
+    broadcast_callback_with_a_plain_optimizer, elastic_keras_state_with_a_plain_optimizer, lr_warmup_callback_on_keras3,
+    lr_schedule_callback_on_keras3, partial_optimizer_compute_gradients_in_a_custom_loop,
+    load_model_wraps_the_saved_optimizer,
 )}
 
 unknown = set(sys.argv[1:]) - set(CHECKS)
