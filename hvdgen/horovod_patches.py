@@ -334,6 +334,13 @@ KERAS_3_API_PATCHES = (
           "\n"
           "def load_model(keras, wrap_optimizer, filepath, custom_optimizers, custom_objects, legacy_opts=False):\n",
           "for the load_model patch above"),
+    Patch("horovod/keras/callbacks.py",
+          "import keras.backend as K\n",
+          "import keras.backend as K\n"
+          "if not hasattr(K, 'constant'):  # Keras 3 keeps constant, get_value, set_value in tf.keras's only\n"
+          "    K = tf.keras.backend\n",
+          "Keras 3: horovod.keras's MetricAverageCallback and learning-rate callbacks failed with module "
+          "'keras.backend' has no attribute 'constant' (or 'get_value')"),
 )
 
 # Before every job horovodrun asks whether Horovod was built with Gloo (or MPI) and answers by

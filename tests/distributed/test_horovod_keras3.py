@@ -24,6 +24,7 @@ CHECKS = {
     "broadcast_callback_with_a_plain_optimizer", "elastic_keras_state_with_a_plain_optimizer",
     "lr_warmup_callback_on_keras3", "lr_schedule_callback_on_keras3",
     "partial_optimizer_compute_gradients_in_a_custom_loop", "load_model_wraps_the_saved_optimizer",
+    "horovod_keras_callbacks_on_keras3",
 }
 
 

@@ -368,6 +368,24 @@ def load_model_wraps_the_saved_optimizer():
     return wrapped and state and diff < TOL and same, \
         f"wrapped: {wrapped}, momentum kept: {state}, trained on: max rel diff {diff:.1e}, ranks identical: {same}"
 
+
+def horovod_keras_callbacks_on_keras3():
+    """The callbacks of `horovod.keras` (Horovod's layer for standalone Keras): the epoch's loss
+    averaged over the ranks, as one process reports it on the global batches, and the scheduled
+    rate logged."""
+    import horovod.keras as hvd_keras
+
+    model = model_fn()
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR)), loss=loss_fn())
+    callbacks = [hvd_keras.callbacks.MetricAverageCallback(),
+                 hvd_keras.callbacks.LearningRateScheduleCallback(initial_lr=LR, multiplier=1.0)]
+    history = model.fit(mine(X), mine(Y), batch_size=PER_RANK_BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=callbacks)
+    _, ref_history = fit_reference(keras.optimizers.SGD(LR))
+    diff = max_rel_diff(history.history["loss"], ref_history.history["loss"])
+    rates = np.allclose(history.history["lr"], [LR, LR], rtol=TOL)
+    return diff < TOL and rates, f"logged loss vs one process: max rel diff {diff:.1e}, rates logged: {rates}"
+
 CHECKS = {check.__name__: check for check in (
     fit_averages_gradients, metric_average_callback_averages_loss, fit_with_variable_groups,
     keras_gradient_accumulation_with_distributed_optimizer, backward_passes_per_step_refused_clearly,
@@ -375,7 +393,7 @@ CHECKS = {check.__name__: check for check in (
     broadcast_variables_keras3, broadcast_callback_skips_local_variables, sync_batchnorm_matches_global_batch,
     broadcast_callback_with_a_plain_optimizer, elastic_keras_state_with_a_plain_optimizer, lr_warmup_callback_on_keras3,
     lr_schedule_callback_on_keras3, partial_optimizer_compute_gradients_in_a_custom_loop,
-    load_model_wraps_the_saved_optimizer,
+    load_model_wraps_the_saved_optimizer, horovod_keras_callbacks_on_keras3,
 )}
 
 unknown = set(sys.argv[1:]) - set(CHECKS)
