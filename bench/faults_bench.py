@@ -15,12 +15,10 @@ epochs' train_samples_per_s after the first. Writes docs/benchmarks-faults.md.
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from project_runs import BIN, bench_arguments, epoch_speed, readme_run
+from project_runs import bench_arguments, epoch_speed, readme_run, turned_rounds
 
 SETTINGS = {
     "both off": ["--train.hang_timeout_s", "0", "--train.on_nonfinite", "off"],
@@ -71,20 +69,12 @@ def report(runs: dict[tuple[str, str], list[float]], rounds: int, load: tuple[fl
 def main() -> None:
     args = bench_arguments(__doc__, frameworks=True)
     load_before = os.getloadavg()[0]
-    runs: dict[tuple[str, str], list[float]] = {(f, s): [] for f in args.frameworks for s in SETTINGS}
-    order = list(runs)
-    with tempfile.TemporaryDirectory() as tmp:
-        projects = {}
-        for framework in args.frameworks:
-            subprocess.run([str(BIN / "hvdgen"), "new", f"faults_{framework}", "--framework", framework,
-                            "--output", tmp], check=True, capture_output=True)
-            projects[framework] = Path(tmp) / f"faults_{framework}"
-        for r in range(args.rounds):
-            for framework, setting in (order if r % 2 == 0 else order[::-1]):
-                readme_run(projects[framework], [*UNTRACKED, *SETTINGS[setting]])
-                speed = epoch_speed(projects[framework])
-                runs[(framework, setting)].append(speed)
-                print(f"round {r + 1} {framework} {setting}: {speed:,.0f} samples/s", flush=True)
+
+    def speed(project: Path, options: list[str]) -> float:
+        readme_run(project, [*UNTRACKED, *options])
+        return epoch_speed(project)
+
+    runs = turned_rounds(args, SETTINGS, speed, lambda got: f"{got:,.0f} samples/s", "faults")
     out = args.docs / "benchmarks-faults.md"
     out.write_text(report(runs, args.rounds, (load_before, os.getloadavg()[0])))
     print(f"wrote {out}")

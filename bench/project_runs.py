@@ -10,7 +10,9 @@ import shutil
 import subprocess
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +44,28 @@ def epoch_speed(project: Path) -> float:
     """The median of the latest run's epochs' train_samples_per_s, the first (warming up) left out."""
     epochs = [json.loads(line) for line in (project / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(e["train_samples_per_s"] for e in epochs[1:])
+
+
+def turned_rounds(args: argparse.Namespace, settings: dict[str, list[str]], run: Callable[[Path, list[str]], object],
+                  said: Callable[[object], str], tag: str) -> dict[tuple[str, str], list]:
+    """Each of args.frameworks' default project (`hvdgen new`), `run(project, options)` for each
+    setting's options, args.rounds times, in turned order (reversed every other round) so that a
+    drift of the machine's speed falls on every setting alike; `said(result)` is printed as each
+    one ends. Returns {(framework, setting): [each round's result]}."""
+    runs: dict[tuple[str, str], list] = {(f, s): [] for f in args.frameworks for s in settings}
+    order = list(runs)
+    with tempfile.TemporaryDirectory() as tmp:
+        projects = {}
+        for framework in args.frameworks:
+            subprocess.run([str(BIN / "hvdgen"), "new", f"{tag}_{framework}", "--framework", framework,
+                            "--output", tmp], check=True, capture_output=True)
+            projects[framework] = Path(tmp) / f"{tag}_{framework}"
+        for r in range(args.rounds):
+            for framework, setting in (order if r % 2 == 0 else order[::-1]):
+                got = run(projects[framework], settings[setting])
+                runs[(framework, setting)].append(got)
+                print(f"round {r + 1} {framework} {setting}: {said(got)}", flush=True)
+    return runs
 
 
 def bench_arguments(doc: str, frameworks: bool = False) -> argparse.Namespace:

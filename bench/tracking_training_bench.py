@@ -20,11 +20,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from project_runs import BIN, bench_arguments, epoch_speed, readme_run
+from project_runs import bench_arguments, epoch_speed, readme_run, turned_rounds
 
 SETTINGS = {
     "untracked": ["--tracking.enabled", "false"],
@@ -92,20 +91,8 @@ def report(runs: dict[tuple[str, str], list[dict]], rounds: int, load: tuple[flo
 def main() -> None:
     args = bench_arguments(__doc__, frameworks=True)
     load_before = os.getloadavg()[0]
-    runs: dict[tuple[str, str], list[dict]] = {(f, s): [] for f in args.frameworks for s in SETTINGS}
-    order = list(runs)
-    with tempfile.TemporaryDirectory() as tmp:
-        projects = {}
-        for framework in args.frameworks:
-            subprocess.run([str(BIN / "hvdgen"), "new", f"tr_{framework}", "--framework", framework,
-                            "--output", tmp], check=True, capture_output=True)
-            projects[framework] = Path(tmp) / f"tr_{framework}"
-        for r in range(args.rounds):
-            for framework, setting in (order if r % 2 == 0 else order[::-1]):
-                got = train(projects[framework], SETTINGS[setting])
-                runs[(framework, setting)].append(got)
-                print(f"round {r + 1} {framework} {setting}: {got['samples_per_s']:,.0f} samples/s, "
-                      f"{got['wall']:.1f} s, {got['models']} models", flush=True)
+    runs = turned_rounds(args, SETTINGS, train, lambda got: f"{got['samples_per_s']:,.0f} samples/s, "
+                                                        f"{got['wall']:.1f} s, {got['models']} models", "tr")
     out = args.docs / "benchmarks-tracking.md"
     out.write_text(report(runs, args.rounds, (load_before, os.getloadavg()[0])))
     print(f"wrote {out}")
