@@ -223,20 +223,14 @@ _LR = ("Keras 3: LearningRateScheduleCallback and LearningRateWarmupCallback fai
        "'SGD' object has no attribute 'lr'")
 KERAS_3_API_PATCHES = (
     Patch("horovod/tensorflow/util.py",
-          "def vars_to_refs(vars):\n"
-          "    if isinstance(vars, list):\n"
-          "        return tuple(vars_to_refs(v) for v in vars)\n"
-          "    return _ref(vars)\n",
+          "def vars_to_refs(vars):\n",
           "def _variables(obj):\n"
           '    """An optimizer\'s (or a model\'s) variables: a method before Keras 3, a list since."""\n'
           "    variables = obj.variables\n"
           "    return list(variables() if callable(variables) else variables)\n"
           "\n"
           "\n"
-          "def vars_to_refs(vars):\n"
-          "    if isinstance(vars, list):\n"
-          "        return tuple(vars_to_refs(v) for v in vars)\n"
-          "    return _ref(vars)\n",
+          "def vars_to_refs(vars):\n",
           "for the variables() patches below"),
     Patch("horovod/_keras/callbacks.py",
           "from horovod.tensorflow.util import _ref\n",
@@ -601,6 +595,32 @@ LAUNCHER_PATCHES = (
           "    return exit_code\n",
           "an elastic job that trained to the end failed with 'Exit code: None' when a discovery thread's "
           "process start reaped a rank's middleman first"),
+    Patch("horovod/runner/common/util/safe_shell_exec.py",
+          "def terminate_executor_shell_and_children(pid):\n",
+          "def _wait_unreaped(p, timeout):\n"
+          '    """hvdgen: wait for `p` to end without reaping it. The middleman\'s own wait() must read its\n'
+          "    shell's exit status: reaped by psutil first, subprocess reads the lost status as 0, and a\n"
+          '    job whose ranks failed ends as if it had succeeded."""\n'
+          "    deadline = time.monotonic() + timeout\n"
+          "    while True:\n"
+          "        try:\n"
+          "            if p.status() == psutil.STATUS_ZOMBIE:\n"
+          "                return\n"
+          "        except psutil.NoSuchProcess:\n"
+          "            return\n"
+          "        if time.monotonic() > deadline:\n"
+          "            raise psutil.TimeoutExpired(timeout, p.pid)\n"
+          "        time.sleep(0.01)\n"
+          "\n"
+          "\n"
+          "def terminate_executor_shell_and_children(pid):\n",
+          "for the patch below"),
+    Patch("horovod/runner/common/util/safe_shell_exec.py",
+          "    try:\n        p.wait(timeout=GRACEFUL_TERMINATION_TIME_S)\n    except psutil.TimeoutExpired:\n",
+          "    try:\n        _wait_unreaped(p, GRACEFUL_TERMINATION_TIME_S)\n    except psutil.TimeoutExpired:\n",
+          "horovodrun sent SIGTERM exited 0 when its ranks stopped with 143 (a preempted job read as done): "
+          "psutil's wait reaped the shell that the middleman's Popen.wait() was waiting on, which then "
+          "read the lost status as 0"),
 )
 
 PATCHES = (BUILD_PATCHES + IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + KERAS_3_API_PATCHES + PERFORMANCE_PATCHES

@@ -2,7 +2,8 @@
 extension libraries, not by importing a framework (hvdgen/horovod_patches.py, LAUNCHER_PATCHES).
 
 Unpatched, every `horovodrun` imported TensorFlow in a forked process before starting any rank:
-seconds per job, and TensorFlow's log lines in the output of a PyTorch job.
+seconds per job, and TensorFlow's log lines in the output of a PyTorch job. The exit statuses a
+job ends with survive the launcher's own threads (its middlemen, a terminated job's shells).
 """
 
 import json
@@ -80,3 +81,19 @@ def test_a_rank_s_exit_status_survives_another_thread_reaping_its_middleman():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == [3] * 30
+
+
+def test_a_shell_that_ended_keeps_its_exit_status_when_its_job_is_terminated():
+    """A job stopped by a signal (horovodrun sent SIGTERM) runs terminate_executor_shell_and_children
+    on each rank's shell while the middleman waits on it. A shell that has just ended must still
+    give the middleman its exit status: reaped by the terminating thread instead, Popen.wait() read
+    the lost status as 0, and horovodrun ended a preempted job (ranks 143) with exit 0."""
+    import psutil
+    from horovod.runner.common.util.safe_shell_exec import terminate_executor_shell_and_children
+
+    shell = subprocess.Popen(["sh", "-c", "exit 3"])
+    proc = psutil.Process(shell.pid)
+    while proc.status() != psutil.STATUS_ZOMBIE:   # ended, not yet waited for: the middleman's moment
+        pass
+    terminate_executor_shell_and_children(shell.pid)
+    assert shell.wait(timeout=10) == 3

@@ -77,6 +77,7 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
     (["--train.epoch", "3"], "config error: unknown config key train.epoch: valid keys are batch_size, epochs, "
                              "eval_batch_size, grace_s, hang_allowance_s, hang_timeout_s, log_every, "
                              "max_skipped, on_nonfinite, precision"),
+    (["--horovod.threads_per_rank", "-2"], "config error: horovod.threads_per_rank must be 0 or more, got -2"),
 ])
 def test_bad_config_stops_with_one_line(project, tmp_path, override, message):
     _, path = project

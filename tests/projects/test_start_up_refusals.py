@@ -5,8 +5,7 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
   the first step, where it would fail with HorovodInternalError (an endless reset when elastic).
 - data that cannot be read (`--data.source npz --data.path` a file that is not there): the
   loader's own message, not a traceback from every rank.
-- inputs once trained on without a word: `--horovod.threads_per_rank -2`, an .npz whose x has
-  more rows than its y.
+- an .npz whose x has more rows than its y (once trained on without a word).
 - a pipeline resumed from a checkpoint of another model (`--model.hidden` changed after an
   epoch): each rank holds its own stage, so each judges its own part, and all stop with the same
   line instead of one rank dying on a state_dict error while the others wait.
@@ -104,16 +103,12 @@ def test_unreadable_data_stops_every_rank_with_the_loaders_line(tmp_path, framew
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("framework, bad, problem", [
-    ("torch", ("--horovod.threads_per_rank", "-2"), "config error: horovod.threads_per_rank must be 0 or more, got -2"),
-    ("tensorflow", ("--data.source", "npz", "--data.path", "short_labels.npz"),
-     "config error: data.path 'short_labels.npz' holds 10 rows of x but 7 of y: each sample needs its label, one "
-     "row of y for each row of x"),
-], ids=["threads_per_rank", "npz_rows"])
-def test_inputs_once_trained_on_silently_stop_every_rank(tmp_path, framework, bad, problem):
-    project = generate(tmp_path, framework, "data")
+def test_an_npz_with_fewer_labels_than_samples_stops_every_rank(tmp_path):
+    project = generate(tmp_path, "tensorflow", "data")
     np.savez(project / "short_labels.npz", x=np.zeros((10, 64), np.float32), y=np.zeros(7, np.int64))
-    assert refused(project, *bad) == problem
+    assert refused(project, "--data.source", "npz", "--data.path", "short_labels.npz") == (
+        "config error: data.path 'short_labels.npz' holds 10 rows of x but 7 of y: each sample needs its label, one "
+        "row of y for each row of x")
 
 
 @pytest.mark.timeout(900)
