@@ -66,11 +66,10 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
         try:
             staging = str(store.staging(state.step).resolve())  # rank 0's folder, wherever a rank runs
         except OSError as exc:
-            staging = OSError(f"cannot make {store.directory}: {exc}")
+            staging = OSError(f"{_not_written(store, state.step)}: cannot make {store.directory}: {exc}")
     staging = hvd.broadcast_object(staging, root_rank=0, name="checkpoint.staging")
     if isinstance(staging, Exception):
-        return _failed(store, f"checkpoint {state.step} was not written, the previous one stays the newest: "
-                              f"{staging}", state.step, last)
+        return _failed(store, str(staging), state.step, last)
     description = None
     if ctx.data_rank == 0:
         coords = ctx.coords
@@ -96,7 +95,7 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
             store.publish(state.step, Path(staging))
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            outcome = f"checkpoint {state.step} was not written, the previous one stays the newest: {exc}"
+            outcome = f"{_not_written(store, state.step)}: {exc}"
     outcome = hvd.broadcast_object(outcome, root_rank=0, name="checkpoint.outcome")
     if outcome and failed and failed.get("lasting"):
         raise ConfigError(outcome)
@@ -104,6 +103,12 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
         return _failed(store, outcome, state.step, last)
     store.failures.written()
     return True
+
+
+def _not_written(store: CheckpointStore, step: int) -> str:
+    """What a failed write leaves, as rank 0 (the store's writer) sees the folder."""
+    before = "the previous one stays the newest" if store.paths() else "and there is no checkpoint before it"
+    return f"checkpoint {step} was not written, {before}"
 
 
 def _failed(store: CheckpointStore, reason: str, step: int, last: bool) -> bool:

@@ -5,6 +5,8 @@ global batch, and prints `OK <name>` on rank 0 when it holds.
 """
 
 import checks  # beside this script: report()
+import contextlib
+import io
 import random
 import tempfile
 import warnings
@@ -223,9 +225,13 @@ class Unshared(CheckpointStore):
 with tempfile.TemporaryDirectory() as tmp:
     tmp = hvd.broadcast_object(tmp)
     store = CheckpointStore(tmp, is_writer=R == 0, max_failures=2)
-    written = write_checkpoint(hvd, store, both_write, TrainState(step=10), write_shard, None, None)
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        written = write_checkpoint(hvd, store, both_write, TrainState(step=10), write_shard, None, None)
     verdicts = hvd.allgather_object(written)
-    full_ok = verdicts == [False, False] and store.failures.in_a_row == 1 and not list(Path(tmp).iterdir())
+    warned = said.getvalue().startswith("checkpoint: checkpoint 10 was not written, and there is no checkpoint "
+                                        "before it: rank 1 could not write its shard") if R == 0 else not said.getvalue()
+    full_ok = (verdicts == [False, False] and store.failures.in_a_row == 1 and not list(Path(tmp).iterdir())
+               and all(hvd.allgather_object(warned)))
     try:
         write_checkpoint(hvd, Unshared(tmp, is_writer=R == 0), both_write, TrainState(step=20), write_shard, None, None)
         stopped = None
@@ -233,5 +239,5 @@ with tempfile.TemporaryDirectory() as tmp:
         stopped = str(exc)
     stopped_all = hvd.allgather_object(stopped is not None and "must see --checkpoint.dir (a shared volume)" in stopped)
     hvd.barrier()
-report("a_shard_not_written_fails_the_checkpoint_on_every_rank", full_ok, f"{verdicts}")
+report("a_shard_not_written_fails_the_checkpoint_on_every_rank", full_ok, f"{verdicts} {said.getvalue()!r}")
 report("a_folder_the_ranks_cannot_see_stops_every_rank_at_once", stopped_all == [True, True], f"{stopped}")
