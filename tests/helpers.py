@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from importlib import util
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,23 @@ class MlflowServer:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+
+
+def installed_horovod() -> Path:
+    """The installed horovod package's folder."""
+    spec = util.find_spec("horovod")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("horovod is not installed: run `hvdgen install-horovod` first")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def unpatched_files(patches) -> list[str]:
+    """The files of the installed horovod that lack one of `patches` (hvdgen/horovod_patches.py,
+    applied in their order): each patch's text must be there, unless a later one rewrote part of it."""
+    root = installed_horovod().parent
+
+    def rewritten_later(i: int) -> bool:
+        return any(q.path == patches[i].path and q.old in patches[i].new for q in patches[i + 1:])
+
+    return sorted({p.path for i, p in enumerate(patches)
+                   if p.new and p.new not in (root / p.path).read_text() and not rewritten_later(i)})

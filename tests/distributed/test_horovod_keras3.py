@@ -4,12 +4,11 @@ hvdgen patches Horovod's Keras layer (hvdgen/horovod_patches.py); each check her
 unpatched Horovod 0.28.1 and compares the ranks' work with one process on the global batch.
 """
 
-from importlib import util
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_horovod
+from helpers import REPO, run_horovod, unpatched_files
 from hvdgen.horovod_patches import IDENTITY_KEY_PATCHES, KERAS_3_API_PATCHES, KERAS_3_PATCHES
 
 pytest.importorskip("tensorflow", reason="TensorFlow is not installed: Horovod's Keras layer is not tested here")
@@ -28,24 +27,10 @@ CHECKS = {
 }
 
 
-def installed_horovod() -> Path:
-    spec = util.find_spec("horovod")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("horovod is not installed: run `hvdgen install-horovod` first")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def test_installed_horovod_carries_every_keras3_patch():
     """The checks below test the installed wheel: one built before these patches would fail them
     for a reason this names plainly."""
-    root = installed_horovod().parent
-    patches = IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + KERAS_3_API_PATCHES
-
-    def rewritten_later(i: int) -> bool:   # a later patch replaced part of this one's text
-        return any(q.path == patches[i].path and q.old in patches[i].new for q in patches[i + 1:])
-
-    stale = sorted({p.path for i, p in enumerate(patches)
-                    if p.new and p.new not in (root / p.path).read_text() and not rewritten_later(i)})
+    stale = unpatched_files(IDENTITY_KEY_PATCHES + KERAS_3_PATCHES + KERAS_3_API_PATCHES)
     assert not stale, f"the installed horovod lacks hvdgen's patches to {stale}: run `hvdgen install-horovod --force`"
 
 

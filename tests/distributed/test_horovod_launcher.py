@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import horovodrun_path, run_horovod
+from helpers import horovodrun_path, run_horovod, unpatched_files
 from hvdgen.horovod_patches import LAUNCHER_PATCHES
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -22,8 +22,7 @@ FRAMEWORKS = [name for name in ("torch", "tensorflow") if util.find_spec(name) i
 
 
 def test_installed_horovod_carries_the_launcher_patches():
-    root = Path(next(iter(util.find_spec("horovod").submodule_search_locations))).parent
-    stale = sorted({p.path for p in LAUNCHER_PATCHES if p.new not in (root / p.path).read_text()})
+    stale = unpatched_files(LAUNCHER_PATCHES)
     assert not stale, f"the installed horovod lacks hvdgen's patches to {stale}: run `hvdgen install-horovod --force`"
 
 
