@@ -221,3 +221,7 @@ main.add_command(timeline_cmd)
 from hvdgen.k8s.command import k8s_cmd  # noqa: E402  (click only; validation imports run inside)
 
 main.add_command(k8s_cmd)
+
+from hvdgen.slurm.command import slurm_cmd  # noqa: E402  (click only; validation imports run inside)
+
+main.add_command(slurm_cmd)

@@ -68,7 +68,9 @@ def _environment(spec: ProjectSpec) -> SandboxedEnvironment:
 
 
 def context(spec: ProjectSpec) -> dict:
-    return {"spec": spec, "name": spec.name, "package": spec.package, "framework": spec.framework,
+    from hvdgen.slurm.layout import script_context  # refuses a Slurm shape that does not fit, before any write
+
+    return {"slurm": script_context(spec), "spec": spec, "name": spec.name, "package": spec.package, "framework": spec.framework,
             "strategy": spec.strategy, "hvdgen_version": spec.hvdgen_version,
             "runtime_wheel": runtime_wheel.wheel_relpath(), "framework_pin": FRAMEWORK_PINS[spec.framework]}
 

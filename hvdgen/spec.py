@@ -67,6 +67,7 @@ class ProjectSpec:
     tp: int | None = None  # tensor (default 2) and pipeline (default 1: stages unsplit): ranks per tensor-parallel group
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
+    slurm: dict = field(default_factory=dict)  # answers of `hvdgen slurm`; see hvdgen/slurm/options.py
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -78,9 +79,10 @@ class ProjectSpec:
                                   f"{getattr(ProjectSpec, key, None) or __version__}")
         if not isinstance(self.elastic, bool):
             raise HvdgenError(f"elastic must be true or false, got {self.elastic!r}")
-        if not isinstance(self.k8s, dict):
-            raise HvdgenError(f"k8s must be a mapping of the hvdgen k8s answers, got {self.k8s!r}: "
-                              "remove it, then run hvdgen k8s to write it again")
+        for key in ("k8s", "slurm"):
+            if not isinstance(getattr(self, key), dict):
+                raise HvdgenError(f"{key} must be a mapping of the hvdgen {key} answers, got {getattr(self, key)!r}: "
+                                  f"remove it, then run hvdgen {key} to write it again")
         _check_version(self.hvdgen_version)
         if self.framework not in catalog.FRAMEWORKS:
             raise HvdgenError(f"unknown framework {self.framework!r}: choose one of {', '.join(catalog.FRAMEWORKS)}")

@@ -30,13 +30,14 @@ step() { printf '\n==> [%4ds] %s\n' "$((SECONDS - SETUP_STARTED))" "$*"; }
 # the MPI Operator's images run OpenMPI) and OpenSSH is how horovodrun reaches other hosts. They
 # come from apt, in the background while pip downloads the frameworks; without root or apt-get a
 # note says what to install, and Horovod builds with Gloo alone. The test suite (HVDGEN_FOR_TESTS=1,
-# set by test.sh) also drives `hvdgen new`'s questions in a real terminal: tmux.
+# set by test.sh) also drives `hvdgen new`'s questions in a real terminal: tmux; and submits the
+# generated Slurm scripts to a Slurm cluster it starts itself: slurmctld, slurmd and munge.
 SYSTEM_PACKAGES_PID=""
 missing_system_packages() {
   local -A provides=([mpicxx]=libopenmpi-dev [mpirun]=openmpi-bin [sshd]=openssh-server [ssh]=openssh-client
-                     [tmux]=tmux)
+                     [tmux]=tmux [slurmctld]=slurmctld [slurmd]=slurmd [sbatch]=slurm-client [munged]=munge)
   local tool tools=(mpicxx mpirun sshd ssh)
-  [ "${HVDGEN_FOR_TESTS:-0}" = 1 ] && tools+=(tmux)
+  [ "${HVDGEN_FOR_TESTS:-0}" = 1 ] && tools+=(tmux slurmctld slurmd sbatch munged)
   for tool in "${tools[@]}"; do
     command -v "$tool" >/dev/null || [ -x "/usr/sbin/$tool" ] || printf '%s ' "${provides[$tool]}"
   done

@@ -48,9 +48,10 @@ def k8s_cmd(project: Path, check: bool, file_: str | None, **answers) -> None:
     if file_:
         raise HvdgenError("--file works with --check only: add --check")
     from hvdgen.k8s.layout import options_of
-    from hvdgen.k8s.project import load_spec, regenerate
+    from hvdgen.k8s.project import regenerate
+    from hvdgen.regenerate import load_spec
 
-    opts = options_of(load_spec(project)).updated(**answers)
+    opts = options_of(load_spec(project, "hvdgen k8s")).updated(**answers)
     written = [rel for rel in regenerate(project, opts) if rel.startswith("k8s/")]
     click.echo(f"wrote {len(written)} files in {project / 'k8s'} and the k8s answers in .hvdgen.yaml")
     overlays = ["cpu", "gpu"] if opts.gpus_per_worker else ["cpu"]

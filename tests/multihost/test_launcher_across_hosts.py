@@ -28,7 +28,8 @@ WORKSPACE_OUTPUTS = ("runs", "mlruns", "mlflow.db")  # what rank 0 writes beside
 
 DIGESTS = '''\
 """sitecustomize for the multi-host jobs' ranks (on PYTHONPATH, which horovodrun passes to every rank,
-with Gloo or through mpirun; horovodrun itself and its helpers have no rank and record nothing).
+with Gloo or through mpirun, and srun with its job's environment; horovodrun itself and its
+helpers have no rank and record nothing).
 
 Each rank writes a digest of its weights to HVDT_DIGESTS/<part>-rank<N> whenever the job
 checkpoints (every rank takes part in that): `model` for data parallel, `stage<S>` for a
@@ -37,7 +38,8 @@ pipeline's stage, so the test can compare ranks on different hosts.
 import hashlib, os
 from pathlib import Path
 
-RANK = os.environ.get("HOROVOD_RANK") if os.environ.get("HOROVOD_HOSTNAME") else os.environ.get("OMPI_COMM_WORLD_RANK")
+RANK = os.environ.get("HOROVOD_RANK") if os.environ.get("HOROVOD_HOSTNAME") else \
+    os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK"))  # mpirun's, or srun --mpi=pmix's
 if RANK is not None:
     import numpy as np
 
