@@ -9,6 +9,7 @@ makes the command exit non-zero.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import click
 
 from hvdgen.cuda_env import GpuBuildBlocked, find_gpu_build, torch_cuda_version
 from hvdgen.horovod_build import NCCL_WITH_TENSORFLOW, installed_wheel_url
+from hvdgen.spec import SPEC_FILE, ProjectSpec
 
 
 def parse_check_build(text: str) -> dict[str, dict[str, bool]]:
@@ -92,6 +94,31 @@ def build_mismatches(torch_cuda: str | None, tensor_ops: dict[str, bool], tensor
     return []
 
 
+def _slurm(project: Path) -> list[str]:
+    """Inside a Slurm allocation: what it gave, and, in a project's folder, why it does not fit
+    the project's layout."""
+    from hvdgen.slurm.allocation import allocation
+
+    found = allocation(os.environ)
+    if found is None:
+        return []
+    click.echo(f"slurm        {found.describe()}")
+    if not (project / SPEC_FILE).is_file():
+        return []
+    from hvdgen.slurm.check import layout_problems
+
+    spec = ProjectSpec.from_yaml((project / SPEC_FILE).read_text())
+    if not found.even:
+        return [f"the allocation runs {','.join(map(str, found.tasks_per_node))} tasks on its nodes; the project's "
+                "ranks need the same on each: submit with --ntasks-per-node"]
+    problems = [f"this allocation does not fit {project.name}: {message}"
+                for _, message in layout_problems(spec, found.nodes, found.tasks_per_node[0], found.gpus_per_node)]
+    if not problems:
+        click.echo(f"  fits         {spec.strategy}: {found.tasks} ranks, {found.tasks // spec.model_ranks} "
+                   f"cop{'y' if found.tasks // spec.model_ranks == 1 else 'ies'} of the model")
+    return problems
+
+
 def run_doctor() -> int:
     """Print the report; return 0 when a generated project can run, 1 otherwise."""
     problems: list[str] = []
@@ -136,6 +163,7 @@ def run_doctor() -> int:
     gpus = _gpus()
     click.echo(f"gpus         {len(gpus)}" + "".join(f"\n  {g}" for g in gpus))
     click.echo(f"mpi          {_mpi() or 'not found (Gloo is used; fine on one machine)'}")
+    problems += _slurm(Path.cwd())
 
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)

@@ -9,10 +9,11 @@ the other nodes over ssh, as on a cluster that lets a job's nodes ssh to each ot
 the machine's files as a shared filesystem, but for its own /etc/hosts (naming every node), its
 ssh client settings (the cluster's key, no host-key prompts) and its own node-local temporary
 folder (Slurm's TmpFS, where srun's PMIx keeps a step's files). Authentication is a munged of the
-cluster's own (own key and socket); the controller holds requeued jobs only a few seconds
-(cred_expire), where a production cluster holds them two minutes. CPU nodes only; proctrack and
-task plugins that need no cgroup hierarchy of their own. Needs root; `down()` kills every process
-in the namespaces, deletes them, and stops munged.
+cluster's own (own key and socket). The controller holds a requeued job only a few seconds
+(cred_expire; two minutes by default) and looks for jobs to start every second (sched_interval,
+bf_interval; a minute and half a minute by default), so a requeue takes seconds. CPU nodes only,
+with proctrack and task plugins that need no cgroup hierarchy of their own. Needs root; `down()`
+stops the daemons, kills every process left in the namespaces, deletes them, and stops munged.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
 MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides

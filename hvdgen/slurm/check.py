@@ -133,7 +133,8 @@ def check_script(text: str, spec: ProjectSpec, where: str, project: Path, mpi_bu
         problem(0, "no #SBATCH --ntasks-per-node: the launch places that many ranks on each node; add e.g. "
                    "#SBATCH --ntasks-per-node=4 (one per GPU)")
     if nodes and per_node:
-        _check_layout(spec, nodes, per_node, gpus, problem)
+        for key, message in layout_problems(spec, nodes, per_node, gpus):
+            problem(key, message)
         ntasks = _count(d, "ntasks", problem)
         if ntasks and ntasks != nodes * per_node:
             problem("ntasks", f"--ntasks={ntasks} is not --nodes {nodes} x --ntasks-per-node {per_node} = "
@@ -169,23 +170,28 @@ def _gpus(d: dict, problem) -> int | None:
     return int(value)
 
 
-def _check_layout(spec: ProjectSpec, nodes: int, per_node: int, gpus: int | None, problem) -> None:
+def layout_problems(spec: ProjectSpec, nodes: int, per_node: int, gpus: int | None) -> list[tuple[str, str]]:
+    """(directive, problem) for each way `nodes` x `per_node` ranks with `gpus` GPUs a node do not fit
+    the project's layout (also what `hvdgen doctor` says of an allocation)."""
+    found = []
     if gpus:
         wanted = ranks_per_node(spec, SlurmOptions(nodes=nodes, gpus_per_node=gpus))
         if per_node != wanted:
             each = f"{spec.stages} GPUs a rank, one per stage" if spec.strategy == "model-split" else "one rank per GPU"
-            problem("ntasks-per-node", f"--ntasks-per-node={per_node} with {gpus} GPUs a node: {spec.strategy} runs "
-                                       f"{each}, so write --ntasks-per-node={wanted}")
+            found.append(("ntasks-per-node", f"--ntasks-per-node={per_node} with {gpus} GPUs a node: {spec.strategy} "
+                                             f"runs {each}, so write --ntasks-per-node={wanted}"))
     if spec.tp > 1 and per_node % spec.tp:
-        problem("ntasks-per-node", f"--ntasks-per-node={per_node} splits tensor-parallel groups of tp {spec.tp} over "
-                                   f"nodes (they exchange activations in every layer): use a multiple of {spec.tp}")
+        found.append(("ntasks-per-node", f"--ntasks-per-node={per_node} splits tensor-parallel groups of tp {spec.tp} "
+                                         "over nodes (they exchange activations in every layer): use a multiple of "
+                                         f"{spec.tp}"))
     world = nodes * per_node
     if world % spec.model_ranks:
         what = (f"{spec.stages} stages" + (f" x tp {spec.tp}" if spec.tp > 1 else "")
                 if spec.strategy == "pipeline" else f"tp {spec.tp}")
-        problem("nodes", f"--nodes={nodes} x --ntasks-per-node={per_node} is {world} ranks, not whole copies of the "
-                         f"model ({what}): change --nodes or --ntasks-per-node so their product is a multiple of "
-                         f"{spec.model_ranks}")
+        found.append(("nodes", f"--nodes={nodes} x --ntasks-per-node={per_node} is {world} ranks, not whole copies of "
+                               f"the model ({what}): change --nodes or --ntasks-per-node so their product is a "
+                               f"multiple of {spec.model_ranks}"))
+    return found
 
 
 def _check_signal(script: Script, problem) -> None:

@@ -181,3 +181,31 @@ def test_a_stop_before_the_time_limit_requeues_the_job_and_it_resumes_exactly(sl
     [run] = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED"
     assert len(client.get_metric_history(run.info.run_id, "val_loss")) == 2
+
+
+def test_doctor_reports_the_allocation_and_whether_it_fits_the_layout(slurm, tmp_path, monkeypatch, capsys):
+    """What salloc gives (its variables, read as Slurm sets them) against a pipeline of 2 stages x tp 2."""
+    from hvdgen.doctor import _slurm
+
+    subprocess.run([sys.executable, "-m", "hvdgen", "new", "pp", "--strategy", "pipeline", "--model", "gpt", "--tp",
+                    "2", "--output", str(tmp_path)], check=True, capture_output=True)
+    reports = {}
+    for per_node in (2, 1):
+        given = slurm.run(["salloc", "-N2", f"--ntasks-per-node={per_node}", "env", "-0"]).stdout
+        for name in [n for n in os.environ if n.startswith("SLURM_")]:
+            monkeypatch.delenv(name)
+        for line in filter(None, given.split("\0")):
+            name, _, value = line.partition("=")
+            if name.startswith("SLURM_"):
+                monkeypatch.setenv(name, value)
+        reports[per_node] = _slurm(tmp_path / "pp"), capsys.readouterr().out
+    problems, out = reports[2]
+    assert problems == [] and re.fullmatch(r"slurm        job \d+: 2 node\(s\) \(n\[1-2\]\), 4 task\(s\), 2 a node, "
+                                           r"no GPUs\n  fits         pipeline: 4 ranks, 1 copy of the model\n", out), out
+    problems, out = reports[1]
+    assert "2 task(s), 1 a node" in out and "fits" not in out
+    assert problems == [
+        "this allocation does not fit pp: --ntasks-per-node=1 splits tensor-parallel groups of tp 2 over nodes (they "
+        "exchange activations in every layer): use a multiple of 2",
+        "this allocation does not fit pp: --nodes=2 x --ntasks-per-node=1 is 2 ranks, not whole copies of the model "
+        "(2 stages x tp 2): change --nodes or --ntasks-per-node so their product is a multiple of 4"]
