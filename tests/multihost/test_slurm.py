@@ -6,7 +6,8 @@ script, written by `hvdgen slurm` for CPU nodes of 2 ranks each, submitted with 
 controller (the login node) with train.py's arguments after it:
 
 - data parallel, 4 ranks over the 2 nodes: torch with Gloo (one horovodrun on the batch node,
-  ssh to the other) and with MPI (`srun --mpi=pmix`), TensorFlow with Gloo; a torch pipeline of 2
+  ssh to the other) and with MPI (`srun --mpi=pmix`), TensorFlow with Gloo, an elastic torch
+  project (horovodrun's elastic mode, the hosts from the allocation); a torch pipeline of 2
   stages x 2 replicas. Each ends COMPLETED with exit 0; its ranks ran on both nodes, and end with
   the same weights (a digest per rank at every checkpoint); only rank 0 reports.
 - requeue: `scancel --signal=USR1 --batch` while rank 1 is held at step 6 of its first start: the
@@ -80,10 +81,10 @@ def slurm(tmp_path_factory):
         made.down()
 
 
-def slurm_project(tmp_path: Path, framework: str, strategy: str, *slurm_flags: str) -> Path:
+def slurm_project(tmp_path: Path, framework: str, strategy: str, *slurm_flags: str, elastic: bool = False) -> Path:
     """A project named proj, its script written for CPU nodes of 2 ranks each."""
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", "--framework", framework, "--strategy", strategy,
-                    "--output", str(tmp_path)], check=True, capture_output=True)
+                    "--output", str(tmp_path), *(["--elastic"] if elastic else [])], check=True, capture_output=True)
     project = tmp_path / "proj"
     subprocess.run([sys.executable, "-m", "hvdgen", "slurm", "--gpus-per-node", "0", "--tasks-per-node", "2",
                     *slurm_flags], cwd=project, check=True, capture_output=True)
@@ -101,40 +102,52 @@ def submit(slurm: SlurmCluster, project: Path, tmp_path: Path, framework: str, *
     return job, project / "slurm" / "logs" / f"proj-{job}.out", digests
 
 
-def ranks_agree(digests: Path, parts: dict[str, list[int]]) -> None:
-    """Each part's ranks wrote one digest; ranks 0-1 ran on n1, 2-3 on n2."""
+def ranks_agree(digests: Path, parts: dict[str, list[int]], in_order: bool = True) -> None:
+    """Each part's ranks wrote one digest; two ranks ran on each node: 0-1 on n1, 2-3 on n2, but
+    where horovodrun's elastic mode numbers the hosts in an order of its own."""
     found: dict[str, dict[int, str]] = {}
     for path in digests.iterdir():
         part, rank = path.name.rsplit("-rank", 1)
         found.setdefault(part, {})[int(rank)] = path.read_text()
     hosts = found.pop("host")
-    assert hosts == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}, hosts
+    if in_order:
+        assert hosts == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}, hosts
+    else:
+        assert sorted(hosts) == [0, 1, 2, 3] and sorted(hosts.values()) == ["n1", "n1", "n2", "n2"], hosts
     assert {part: sorted(ranks) for part, ranks in found.items()} == parts
     for part, ranks in found.items():
         assert len(set(ranks.values())) == 1, f"the ranks' {part} weights differ across nodes: {ranks}"
 
 
 CASES = [("torch", "data", "gloo"), ("torch", "data", "mpi"), ("tensorflow", "data", "gloo"),
-         ("torch", "pipeline", "gloo")]
+         ("torch", "pipeline", "gloo"), ("torch", "elastic", "gloo")]
 
 
 @pytest.mark.parametrize("framework, strategy, controller", CASES, ids=["-".join(case) for case in CASES])
 def test_the_generated_script_trains_across_nodes(slurm, tmp_path, framework, strategy, controller):
+    """elastic: a data-parallel project made with --elastic, whose horovodrun finds the hosts with
+    discover_hosts.sh, fed from the allocation."""
     if controller == "mpi":
         if mpi_missing():
             pytest.skip(f"Requires: Horovod with MPI: {mpi_missing()}")
         assert mpi_built(), "hvdgen slurm --check would take this Horovod for one without MPI"
-    project = slurm_project(tmp_path, framework, strategy, "--controller", controller)
+    elastic = strategy == "elastic"
+    project = slurm_project(tmp_path, framework, "data" if elastic else strategy, "--controller", controller,
+                            elastic=elastic)
     job, output, digests = submit(slurm, project, tmp_path, framework, *TRAIN, "--tracking.enabled", "false")
     ended = slurm.wait(job, output)
     assert (ended.state, ended.exit_code, ended.restarts) == ("COMPLETED", "0:0", 0), ended.output[-4000:]
     started = "pipeline of 2 stages x 2 replica(s)" if strategy == "pipeline" else "training on 4 rank(s)"
     assert started in ended.output and re.search(r"epoch\s+2\b.*val_", ended.output), ended.output[-4000:]
     assert f"slurm: job {job}, start 1, on n1 n2" in ended.output
+    # what the README tells users to run: this submission, without or with train.py's options
+    readme = re.findall(r"^(sbatch .*?)\s+#", (project / "README.md").read_text(), re.M)
+    assert readme == ["sbatch slurm/train.sbatch", "sbatch slurm/train.sbatch --train.epochs 20"], readme
     reports = re.findall(r"^(.*)epoch\s+\d+\s+step", ended.output, re.M)
     # only rank 0 reports: Gloo tags its lines [0]<stdout>:, srun passes them untagged
     assert reports == (["[0]<stdout>:"] * 2 if controller == "gloo" else [""] * 2), ended.output[-3000:]
-    ranks_agree(digests, {"stage0": [0, 2], "stage1": [1, 3]} if strategy == "pipeline" else {"model": [0, 1, 2, 3]})
+    ranks_agree(digests, {"stage0": [0, 2], "stage1": [1, 3]} if strategy == "pipeline" else {"model": [0, 1, 2, 3]},
+                in_order=not elastic)
 
 
 def test_a_stop_before_the_time_limit_requeues_the_job_and_it_resumes_exactly(slurm, tmp_path):

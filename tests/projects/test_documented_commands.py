@@ -58,6 +58,8 @@ SHAPES += [(framework, "tensor", ()) for framework in ("torch", "tensorflow")]
 NOT_HERE = (
     (r"-H node\d|HVD_HOSTS=\"node", "several hosts: see the multi-host tests"),
     (r"^kubectl ", "a Kubernetes cluster: the manifests are validated against the CRD schema in tests/generator"),
+    (r"^sbatch slurm/train\.sbatch( --\S+ \S+)*$", "a Slurm cluster: tests/multihost/test_slurm.py submits the "
+                                                    "script this way, with train.py's options after it"),
     (r"^docker ", "a Docker daemon: the image's build script runs in tests/projects/test_outside_checkout.py"),
     (r"^python -m venv|^make setup", "a fresh environment: run in tests/projects/test_outside_checkout.py"),
 )
