@@ -73,6 +73,16 @@ def _kill_all_in(netns: str) -> None:
             pass
 
 
+def kill_groups(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's group (each was started in a session of its own) and reap it."""
+    for proc in processes:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
 def _ip(*args: str, netns: str | None = None) -> None:
     cmd = ["ip", *(["-n", netns] if netns else []), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -243,12 +253,7 @@ class Cluster:
         """Kill everything in the namespaces, delete them, and remove the files."""
         for pod in self.pods:
             self.kill_pod(pod)
-        for proc in self.processes:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+        kill_groups(self.processes)
         for netns in [p.netns for p in self.pods] + [self.switch]:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         self.pods.clear()

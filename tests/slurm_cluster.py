@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import SWITCH, _ip, _kill_all_in  # noqa: E402  (the namespaces' wiring, written once)
+from cluster import SWITCH, _ip, _kill_all_in, kill_groups  # noqa: E402  (the namespaces' wiring, written once)
 
 SUBNET = "10.213.78"
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sshd", "ip")
@@ -247,12 +247,7 @@ TmpFS={b / 'node-tmp'}
                 pass
         for netns in self.namespaces:
             _kill_all_in(netns)
-        for proc in self.processes:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+        kill_groups(self.processes)
         for netns in self.namespaces:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         pid = self.base / "munged.pid"

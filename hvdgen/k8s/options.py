@@ -1,14 +1,14 @@
 """The Kubernetes answers of a project: what `hvdgen k8s` asks, checked before any manifest is built.
 
-They are stored in `.hvdgen.yaml` under `k8s:` as a plain mapping, so a later `hvdgen k8s` starts
-from the last answers and only the options given on its command line change.
+Kept in `.hvdgen.yaml` under `k8s:` (hvdgen/answers.py).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 
+from hvdgen.answers import Answers, flag
 from hvdgen.errors import HvdgenError
 from hvdgen.k8s.limits import MAX_CLAIM, MAX_GPUS_PER_POD, MAX_WORKERS, MIN_CLAIM, parse_quantity
 
@@ -25,8 +25,12 @@ _RANGES = (("workers", 1, MAX_WORKERS, 2), ("gpus_per_worker", 0, MAX_GPUS_PER_P
 
 
 @dataclass(frozen=True)
-class K8sOptions:
+class K8sOptions(Answers):
     """One MPIJob's shape. Defaults give a 2-worker CPU job and a 1-GPU-per-worker GPU overlay."""
+
+    RANGES = _RANGES
+    SECTION = "k8s"
+    EXAMPLES = {"image": "registry.example.com/team/demo:v1", "gpu_image": "registry.example.com/team/demo:v1-cuda"}
 
     workers: int = 2
     gpus_per_worker: int = 1  # GPUs per worker in the gpu overlay; 0 leaves the gpu overlay out
@@ -43,17 +47,11 @@ class K8sOptions:
     api: str = "mpijob"  # mpijob: an MPIJob for the MPI operator; trainer: a TrainJob and its TrainingRuntime
 
     def __post_init__(self) -> None:
-        for spec in fields(self):
-            _check_type(spec.name, getattr(self, spec.name), spec.default)
-        for name, low, high, example in _RANGES:
-            value = getattr(self, name)
-            if not low <= value <= high:
-                raise HvdgenError(f"--{_flag(name)} must be between {low} and {high}, got {value}: "
-                                  f"e.g. --{_flag(name)} {example}")
+        self.check_fields()
         for name in ("image", "gpu_image"):
             value = getattr(self, name)
             if value and not _IMAGE.fullmatch(value):
-                raise HvdgenError(f"--{_flag(name)} {value!r} is not an image reference: "
+                raise HvdgenError(f"--{flag(name)} {value!r} is not an image reference: "
                                   "use e.g. registry.example.com/team/mnist:v1 (lower-case, no spaces)")
         if "@" in self.image and self.gpus_per_worker and not self.gpu_image:
             raise HvdgenError(f"--image {self.image!r} is pinned by digest, so no CUDA tag can be derived from it: "
@@ -106,42 +104,8 @@ class K8sOptions:
     def max_np_workers(self) -> int:
         return self.max_workers or self.workers
 
-    def to_answers(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_answers(cls, answers: dict | None) -> "K8sOptions":
-        answers = dict(answers or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(map(str, set(answers) - known))
-        if unknown:
-            raise HvdgenError(f".hvdgen.yaml k8s has unknown keys {unknown}: remove them "
-                              f"(known: {', '.join(sorted(known))})")
-        return cls(**answers)
-
     def updated(self, **changes) -> "K8sOptions":
         """These answers with the given options changed; None means "keep the recorded answer"."""
-        changes = {k: v for k, v in changes.items() if v is not None}
         if changes.get("elastic") is False:
-            changes.setdefault("min_workers", 0)
-            changes.setdefault("max_workers", 0)
-        return replace(self, **changes)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-_KINDS = {bool: "true or false", int: "a whole number", str: "text"}
-
-
-def _check_type(name: str, value, default) -> None:
-    """Answers read back from .hvdgen.yaml may hold anything; the command line's are typed by click."""
-    wanted = type(default)
-    if isinstance(value, wanted) and (wanted is bool or not isinstance(value, bool)):
-        return
-    example = str(default).lower() if wanted is bool else default if default not in ("", 0) else \
-        {"image": "registry.example.com/team/demo:v1", "gpu_image": "registry.example.com/team/demo:v1-cuda"}.get(
-            name, default)
-    raise HvdgenError(f".hvdgen.yaml k8s: {name} must be {_KINDS[wanted]}, got {value!r}: write e.g. "
-                      f"{name}: {example}, or remove the line")
+            changes = {"min_workers": 0, "max_workers": 0} | {k: v for k, v in changes.items() if v is not None}
+        return self.with_changes(changes)

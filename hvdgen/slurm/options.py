@@ -1,14 +1,14 @@
 """The Slurm answers of a project: what `hvdgen slurm` asks, checked before the batch script is written.
 
-They are stored in `.hvdgen.yaml` under `slurm:` as a plain mapping, so a later `hvdgen slurm`
-starts from the last answers and only the options given on its command line change.
+Kept in `.hvdgen.yaml` under `slurm:` (hvdgen/answers.py).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 
+from hvdgen.answers import Answers
 from hvdgen.errors import HvdgenError
 from hvdgen.k8s.limits import MAX_GPUS_PER_POD, MAX_WORKERS
 
@@ -39,9 +39,13 @@ def time_limit_s(text: str) -> int | None:
 
 
 @dataclass(frozen=True)
-class SlurmOptions:
+class SlurmOptions(Answers):
     """One batch job's shape. Defaults: 2 nodes of 4 GPUs, horovodrun over Gloo, no partition,
     account or time limit (the cluster's defaults)."""
+
+    RANGES = _RANGES
+    SECTION = "slurm"
+    EXAMPLES = {"partition": "gpu", "account": "ml-team", "time": "1-00:00:00"}
 
     nodes: int = 2
     gpus_per_node: int = 4  # 0: CPU nodes, whose ranks per node are tasks_per_node
@@ -54,13 +58,7 @@ class SlurmOptions:
     grace_s: int = 120  # USR1 this long before the time limit: the ranks checkpoint, the job requeues
 
     def __post_init__(self) -> None:
-        for spec in fields(self):
-            _check_type(spec.name, getattr(self, spec.name), spec.default)
-        for name, low, high, example in _RANGES:
-            value = getattr(self, name)
-            if not low <= value <= high:
-                raise HvdgenError(f"--{_flag(name)} must be between {low} and {high}, got {value}: "
-                                  f"e.g. --{_flag(name)} {example}")
+        self.check_fields()
         if self.tasks_per_node and self.gpus_per_node:
             raise HvdgenError(f"--tasks-per-node is for CPU nodes: with --gpus-per-node {self.gpus_per_node} a "
                               "node runs one rank per GPU; leave it out, or give --gpus-per-node 0")
@@ -82,41 +80,9 @@ class SlurmOptions:
                 raise HvdgenError(f"--time {self.time} leaves no training before the stop signal {self.grace_s} s "
                                   f"ahead of it: give a longer --time, or a --grace-s below {limit}")
 
-    def to_answers(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_answers(cls, answers: dict | None) -> "SlurmOptions":
-        answers = dict(answers or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(map(str, set(answers) - known))
-        if unknown:
-            raise HvdgenError(f".hvdgen.yaml slurm has unknown keys {unknown}: remove them "
-                              f"(known: {', '.join(sorted(known))})")
-        return cls(**answers)
-
     def updated(self, **changes) -> "SlurmOptions":
         """These answers with the given options changed; None means "keep the recorded answer".
         GPUs given leave CPU tasks per node behind (they apply to CPU nodes only)."""
-        changes = {k: v for k, v in changes.items() if v is not None}
         if changes.get("gpus_per_node"):
-            changes.setdefault("tasks_per_node", 0)
-        return replace(self, **changes)
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-_KINDS = {int: "a whole number", str: "text"}
-
-
-def _check_type(name: str, value, default) -> None:
-    """Answers read back from .hvdgen.yaml may hold anything; the command line's are typed by click."""
-    wanted = type(default)
-    if isinstance(value, wanted) and not isinstance(value, bool):
-        return
-    example = default if default not in ("", 0) else {"partition": "gpu", "account": "ml-team",
-                                                       "time": "1-00:00:00"}.get(name, default)
-    raise HvdgenError(f".hvdgen.yaml slurm: {name} must be {_KINDS[wanted]}, got {value!r}: write e.g. "
-                      f"{name}: {example}, or remove the line")
+            changes = {"tasks_per_node": 0} | {k: v for k, v in changes.items() if v is not None}
+        return self.with_changes(changes)
