@@ -47,6 +47,8 @@ class ModelConfig:
     heads: int = 4                  # gpt: attention heads (width must divide by it)
     context: int = 128              # gpt: tokens per training window
     tie_embeddings: bool = True     # gpt: the output head shares the token embedding
+    recompute: str = "none"         # none | blocks: each block runs its forward again in backward, keeping
+                                    # only its input (activation memory for a forward's compute)
 
 
 @dataclass
@@ -215,6 +217,7 @@ CHOICES = {
     "optim.name": ("sgd", "adam", "adamw"),
     "parallel.schedule": tuple(SCHEDULES),
     "tracking.checkpoint_models": ("auto", "every", "final"),
+    "model.recompute": ("none", "blocks"),
 }
 POSITIVE = ("train.grace_s", "optim.lr")
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",

@@ -6,6 +6,7 @@ The TensorFlow side of `hvd_runtime.torch.parallelize`, with the same signature,
     apply_tp             tensor: a Sequential of the model's layers, blocks, embedding and head split
     apply_pipeline       pipeline: this rank's stage of the model, then its slices of it (tp)
     apply_model_split    model-split: the model's layers over this rank's devices
+    recompute_blocks     model.recompute: blocks: each block's activations recomputed in backward
     apply_data_parallel  the optimizer (LR scaled by the replicas, with warmup; fp16 loss scaling),
                          the gradient allreduce over the replicas (the dp set), and the TrainStep;
                          a pipeline's step is its engine
@@ -35,6 +36,7 @@ from hvd_runtime.tf.optim import make_optimizer
 from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
 from hvd_runtime.tf.checkpoint import newest_cut
 from hvd_runtime.tf.precision import loss_scaled
+from hvd_runtime.tf.recompute import recompute_blocks
 from hvd_runtime.tf.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import use_sync_batchnorm
@@ -124,12 +126,19 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
         hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
     stage = apply_pipeline(model, dims, pipeline_partition(model, dims, ctx, cfg), *timing_sample(dataset, cfg))
     stage = materialize(stage, cfg.seed)
+    _recompute(stage, cfg)  # in each micro-batch's backward
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, dims), steps_per_epoch, clip=False)
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             clip_norm=cfg.optim.clip_norm, guard=nonfinite_guard(cfg, ctx))
     return Parallel(stage, optimizer, engine, SplitVariables(stage) if dims.tensor_group else None)
+
+
+def _recompute(model, cfg) -> None:
+    """model.recompute: blocks: each block keeps only its input for backward (hvd_runtime.tf.recompute)."""
+    if cfg.model.recompute == "blocks":
+        recompute_blocks(model)
 
 
 def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
@@ -160,6 +169,7 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         model = whole(model)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
+    _recompute(model, cfg)
     trained = model
     if ctx.stage_devices is not None:
         trained = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))

@@ -11,6 +11,7 @@ function with explicit arguments, so that a strategy is a path through them, not
     apply_tp             tensor: the blocks, token embedding and head split over the tp group
     apply_pipeline       pipeline: this rank's stage of the model, then its slices of it (tp)
     apply_model_split    model-split: the model's blocks over this rank's devices
+    recompute_blocks     model.recompute: blocks: each block's activations recomputed in backward
     apply_data_parallel  the Horovod optimizer averaging gradients over the replicas (the dp set),
                          the LR scaled by their number, and the step the loop drives; a pipeline's
                          step is its engine, which averages each stage over its replicas
@@ -39,6 +40,7 @@ from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
 from hvd_runtime.torch.precision import Precision
+from hvd_runtime.torch.recompute import recompute_blocks
 from hvd_runtime.torch.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import use_sync_batchnorm
@@ -123,6 +125,7 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     # wherever the stages cut (`partition: time` may cut differently from one start to the next).
     stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg))
     stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
+    _recompute(stage, cfg)  # in each micro-batch's backward
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
     optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))
@@ -131,6 +134,12 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
                             precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule,
                             guard=nonfinite_guard(cfg, ctx))
     return Parallel(stage, optimizer, engine, SplitParameters(stage) if dims.tensor_group else None)
+
+
+def _recompute(model: nn.Module, cfg) -> None:
+    """model.recompute: blocks: each block keeps only its input for backward (hvd_runtime.torch.recompute)."""
+    if cfg.model.recompute == "blocks":
+        recompute_blocks(model)
 
 
 def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
@@ -156,6 +165,7 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         model = whole(model, cfg.seed)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
+    _recompute(model, cfg)
     if ctx.stage_devices is not None:
         # it places each block on its own device
         model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))

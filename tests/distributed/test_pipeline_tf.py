@@ -177,6 +177,27 @@ def test_generated_keras_models_split_into_a_pipeline_match_single_process(pipel
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 
+# Recomputed blocks (model.recompute: blocks, tf.recompute_grad) against the unsplit model that keeps
+# its activations, each on the grid of a case here (its job):
+# (model, np, stages, schedule, micro-batches, clip norm, steps, batch, tp, what it covers)
+RECOMPUTE_CASES = [
+    ("mlp", 2, 2, "1f1b", 4, 0.0, 2, 10, 1, "recomputed MLP pp=2, 1F1B"),
+    ("gpt", 4, 2, "1f1b", 2, 0.1, 2, 8, 2, "recomputed GPT pp=2 x tp=2: the split layers' collectives again in backward"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model,np_,stages,schedule,m,clip,steps,batch,tp,what", RECOMPUTE_CASES,
+                         ids=[c[-1] for c in RECOMPUTE_CASES])
+def test_recomputed_keras_blocks_match_the_unsplit_model(pipeline_jobs, model, np_, stages, schedule, m, clip, steps,
+                                                        batch, tp, what):
+    results, _ = pipeline_jobs(what)
+    check_against_reference(results, np_, stages, schedule, m, BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model],
+                            tp=tp)
+    assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
+
+
 INTERLEAVED_CASES = [
     # (np, stages, chunks, micro-batches, link, model, clip norm, batch, what it covers)
     (2, 2, 2, 4, "socket", "mlp", 0.0, 10, "pp=2, 2 chunks a rank, round the ring over two sockets; L2 terms per chunk"),
@@ -229,6 +250,10 @@ for np_, stages, schedule, m, p2p, extra, what in PIPELINE_CASES:
 for model, np_, stages, schedule, m, clip, steps, batch, tp, what in WORKLOAD_CASES:
     JOB_CASES[what] = grid(np_, stages, tp=tp), {"schedule": schedule, "micro_batches": m, "model": model,
                                                  "clip_norm": clip, "steps": steps, "batch": batch}
+for model, np_, stages, schedule, m, clip, steps, batch, tp, what in RECOMPUTE_CASES:
+    JOB_CASES[what] = grid(np_, stages, tp=tp), {"schedule": schedule, "micro_batches": m, "clip_norm": clip,
+                                                 "steps": steps, "batch": batch, "recompute": True,
+                                                 **({} if model == "mlp" else {"model": model})}
 for np_, stages, chunks, m, p2p, model, clip, batch, what in INTERLEAVED_CASES:
     # the MLP with L2 kernel regularizers: each chunk's terms under its own tape
     JOB_CASES[what] = grid(np_, stages, p2p, chunks=chunks), {
@@ -236,7 +261,7 @@ for np_, stages, chunks, m, p2p, model, clip, batch, what in INTERLEAVED_CASES:
         **({"regularize": True} if model == "mlp" else {"model": model})}
 JOB_CASES["timeline: 1f1b"] = grid(2, 2), {"schedule": "1f1b", "micro_batches": 4, "steps": 3, "partition": "b4",
                                            "run_dir": True}
-assert len(JOB_CASES) == len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(INTERLEAVED_CASES) + 1
+assert len(JOB_CASES) == len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(RECOMPUTE_CASES) + len(INTERLEAVED_CASES) + 1
 
 
 @pytest.fixture(scope="module")

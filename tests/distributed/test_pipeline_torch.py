@@ -194,6 +194,14 @@ WORKLOAD_CASES = [
      "ResNet-18 pp=2, batched weight gradients: convolutions and norms a micro-batch at a time, the head's Linear as one"),
 ]
 WORKLOAD_BLOCKS = {"resnet18": [str(i) for i in range(10)], "gpt": [str(i) for i in range(4)]}
+# Recomputed blocks (model.recompute: blocks) against the unsplit model that keeps its activations,
+# each on the grid of a case here (its job): (model, np, stages, schedule, micro-batches, clip, tp, what)
+RECOMPUTE_CASES = [
+    ("gpt", 4, 2, "1f1b", 2, 0.1, 2, "recomputed GPT pp=2 x tp=2: the split layers' collectives again in backward"),
+    ("resnet18", 2, 2, "zb-h1", 4, 0.0, 1,
+     "recomputed ResNet-18 pp=2, zero bubble: BatchNorm updated once, weight halves recomputed"),
+    ("mlp", 2, 2, "interleaved-1f1b", 4, 0.0, 1, "recomputed MLP pp=2 x 2 chunks"),
+]
 
 
 @pytest.mark.slow
@@ -211,6 +219,17 @@ def test_generated_models_split_into_a_pipeline_match_single_process(pipeline_jo
                                                                      schedule, m, clip, tp, what):
     results, _ = pipeline_jobs(what)
     check_against_reference(results, np_, stages, schedule, m, WORKLOAD_BLOCKS[model], tp=tp)
+    assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model,np_,stages,schedule,m,clip,tp,what", RECOMPUTE_CASES, ids=[c[-1] for c in RECOMPUTE_CASES])
+def test_recomputed_blocks_match_the_unsplit_model(pipeline_jobs, model, np_, stages, schedule, m, clip, tp, what):
+    results, _ = pipeline_jobs(what)
+    blocks = ALL_BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model]
+    check_against_reference(results, np_, stages, schedule, m, blocks, tp=tp,
+                            chunks=2 if schedule == "interleaved-1f1b" else 1)
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 
@@ -313,6 +332,11 @@ for np_, stages, schedule, m, p2p, what in PIPELINE_CASES:
 for model, np_, stages, schedule, m, clip, tp, what in WORKLOAD_CASES:
     JOB_CASES[what] = grid(np_, stages, tp=tp), {"schedule": schedule, "micro_batches": m, "model": model,
                                                  "clip_norm": clip, "batch": 8}
+for model, np_, stages, schedule, m, clip, tp, what in RECOMPUTE_CASES:
+    JOB_CASES[what] = grid(np_, stages, "socket" if model == "mlp" else "torch", tp=tp,
+                           chunks=2 if schedule == "interleaved-1f1b" else 1), {
+        "schedule": schedule, "micro_batches": m, "clip_norm": clip, "recompute": True,
+        **({} if model == "mlp" else {"model": model, "batch": 8})}
 for np_, stages, chunks, m, p2p, model, clip, what in INTERLEAVED_CASES:
     JOB_CASES[what] = grid(np_, stages, p2p, chunks=chunks), {
         "schedule": "interleaved-1f1b", "micro_batches": m, "clip_norm": clip,
@@ -320,7 +344,8 @@ for np_, stages, chunks, m, p2p, model, clip, what in INTERLEAVED_CASES:
 for schedule in TIMELINES:
     JOB_CASES[f"timeline: {schedule}"] = grid(2, 2, chunks=timeline_chunks(schedule)), {
         "schedule": schedule, "micro_batches": 4, "steps": 3, "partition": TIMELINE_SPLITS[schedule], "run_dir": True}
-assert len(JOB_CASES) == len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(INTERLEAVED_CASES) + len(TIMELINES)
+assert len(JOB_CASES) == (len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(RECOMPUTE_CASES) + len(INTERLEAVED_CASES)
+                          + len(TIMELINES))
 
 
 @pytest.fixture(scope="module")

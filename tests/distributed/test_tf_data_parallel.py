@@ -20,7 +20,7 @@ RUNTIME_CHECKS = {
     "model_parallel_shards_match_full_layer", "metric_average_weights_by_count", "broadcast_makes_ranks_identical",
     "lr_warms_up_to_world_size_times_lr", "adasum_on_gloo_refused_clearly", "mid_epoch_resume_matches_uninterrupted",
     "fit_matches_global_batch_reference", "a_nonfinite_update_is_skipped_on_every_rank_alike",
-    "a_nonfinite_update_stops_every_rank_before_it",
+    "a_nonfinite_update_stops_every_rank_before_it", "recomputed_blocks_match_kept_activations",
 }
 BUILD_CHECKS = {
     "collectives_float32", "collectives_float16", "collectives_int32", "allreduce_average_float32", "process_sets",

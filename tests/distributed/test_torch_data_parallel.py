@@ -13,7 +13,7 @@ CHECKS = ["allreduce_step_matches_global_batch", "backward_passes_per_step_accum
           "broadcast_makes_ranks_identical", "lr_warms_up_to_world_size_times_lr",
           "a_checkpoint_from_before_shards_resumes", "a_nonfinite_update_is_skipped_on_every_rank_alike",
           "a_nonfinite_update_stops_every_rank_before_it", "a_shard_not_written_fails_the_checkpoint_on_every_rank",
-          "a_folder_the_ranks_cannot_see_stops_every_rank_at_once"]
+          "a_folder_the_ranks_cannot_see_stops_every_rank_at_once", "recomputed_blocks_match_kept_activations"]
 
 
 @pytest.mark.slow

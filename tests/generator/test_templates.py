@@ -47,7 +47,8 @@ def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
         expected.discard("parallel.virtual_stages")
     if strategy in ("data", "tensor"):
         expected = {k for k in expected if not k.startswith("parallel.") or k == "parallel.tp"}
-    expected = {k for k in expected if not k.startswith("model.")} | MODEL_KEYS[model]
+    # each model's own keys, and what the runtime does with any model's blocks
+    expected = {k for k in expected if not k.startswith("model.")} | MODEL_KEYS[model] | {"model.recompute"}
     if model == "gpt":  # AdamW: no momentum; tokens: no image or synthetic settings
         expected = {k for k in expected if not k.startswith("data.") and k != "optim.momentum"} | TOKEN_DATA_KEYS
     if framework == "tensorflow":

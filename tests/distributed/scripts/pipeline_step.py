@@ -6,7 +6,9 @@ Every rank computes the single-process reference itself (the whole global batch 
 whole model, plain SGD; for a model with BatchNorm, the same micro-batches one after the other,
 since BatchNorm's statistics are a micro-batch's) and compares its own stage's parameters after
 the steps, and the reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
-`--model resnet18|gpt --project DIR` splits a generated project's model instead of the MLP here.
+`--model resnet18|gpt --project DIR` splits a generated project's model instead of the MLP here;
+`--recompute` makes the stage's blocks recompute their activations in backward (the reference
+does not).
 
 `--cases FILE`: a JSON list of cases, each a dict of flags (dest names: schedule, micro_batches,
 model, project, clip_norm, batch, partition, steps, run_dir, out) over the command line's, run one
@@ -24,6 +26,7 @@ from torch import nn
 
 from hvd_runtime.torch.objective import accuracy_sum, cross_entropy
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
+from hvd_runtime.torch.recompute import recompute_blocks
 from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
@@ -112,6 +115,8 @@ def run_case(args, dims) -> dict:
     stage = build_stage(work.build(), dims, partition=args.partition, sample=xs[0][: args.batch])
     if args.tp > 1:  # each stage's blocks, embedding and head split over its tensor-parallel group
         stage = split_model(stage, dims.tensor_group)
+    if args.recompute:  # each micro-batch's blocks run again in its backward
+        recompute_blocks(stage)
     # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
     objective = VocabObjective.of(dims.tensor_group, VOCAB)
     weights = list(stage.parameters()) or [{"params": []}]  # a weight-free stage, as plain_optimizer does

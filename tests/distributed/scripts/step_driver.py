@@ -26,6 +26,8 @@ def parse_args(pipeline: bool, p2p: str = "torch", cases: bool = False) -> argpa
     ap.add_argument("--project", default=None, help="a project generated with that --model")
     ap.add_argument("--clip-norm", type=float, default=0.0, help="clip gradients to this global norm")
     ap.add_argument("--lr", type=float, default=0.5, help="SGD learning rate, pipeline and reference alike")
+    ap.add_argument("--recompute", action="store_true",
+                    help="the split model's blocks recompute their activations in backward; the reference does not")
     if pipeline:
         ap.add_argument("--stages", type=int, default=2)
         ap.add_argument("--tp", type=int, default=1, help="split each stage over this many ranks (tensor parallelism)")

@@ -34,6 +34,8 @@ from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, GradientSync, di
                             save_checkpoint, use_sync_batchnorm)
 from hvd_runtime.config import CheckpointConfig  # noqa: E402
 from hvd_runtime.tf.parallelize import Parallel  # noqa: E402
+from hvd_runtime.tf.recompute import recompute_blocks  # noqa: E402
+from hvd_runtime.config import ConfigError  # noqa: E402
 
 assert ctx.size == 2, "run with -np 2"
 R = ctx.rank
@@ -343,3 +345,21 @@ for policy in ("skip", "stop"):
     else:
         same = all(np.array_equal(np.array(v), a) for v, a in zip(model.variables, after_first))
         report("a_nonfinite_update_stops_every_rank_before_it", stopped_at == 2 and same, f"stopped at {stopped_at}")
+
+# 9. Recomputed blocks (model.recompute: blocks): averaged momentum-SGD steps with every
+# layer's call run again in backward (tf.recompute_grad) == the same steps keeping the activations;
+# a block that draws dropout masks is refused in one line (they would differ the second time).
+recomputed = recompute_blocks(model_fn())
+step = TrainStep(recomputed, make_optimizer(sgd, HorovodConfig(), ctx, steps_per_epoch=5), loss_fn, GradientSync())
+for x, y in steps:
+    step(halves(x), halves(y))
+reference = reference_sgd(model_fn(), steps, lr=0.1, momentum=0.9)
+diff = max_rel_diff(recomputed.variables, reference.variables)
+try:
+    recompute_blocks(keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dropout(0.5, name="dropped")]))
+    refused = ""
+except ConfigError as exc:
+    refused = str(exc)
+report("recomputed_blocks_match_kept_activations",
+       diff < TOL and refused.startswith("model.recompute blocks runs each block's forward twice, and block dropped"),
+       f"max rel diff {diff:.2e}; {refused!r}")

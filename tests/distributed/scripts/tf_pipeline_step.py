@@ -25,6 +25,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from hvd_runtime.tf.objective import accuracy_sum
 from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline, split_stage
+from hvd_runtime.tf.recompute import recompute_blocks
 from hvd_runtime.tf.vocab_parallel import VocabObjective
 from hvd_runtime.tf.tensor_state import SplitVariables
 
@@ -131,6 +132,8 @@ def run_case(args, dims) -> dict:
     names = list(before)  # the unsplit stage's float variables, in order: a split stage's line up with them
     if args.tp > 1:
         stage = split_stage(stage, dims)
+    if args.recompute:  # each micro-batch's blocks run again in its backward
+        recompute_blocks(stage)
     # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
     objective = VocabObjective.of(dims.tensor_group, VOCAB)
     engine = PipelineEngine(stage, dims, objective.cross_entropy, keras.optimizers.SGD(args.lr), schedule=args.schedule,

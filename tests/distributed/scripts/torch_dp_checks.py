@@ -24,6 +24,7 @@ from hvd_runtime.sharded import shard_description, write_checkpoint
 from hvd_runtime.loop import means_over_ranks  # noqa: E402
 from hvd_runtime.nonfinite import Guard, NonFinite  # noqa: E402
 from hvd_runtime.torch.parallelize import Parallel  # noqa: E402
+from hvd_runtime.torch.recompute import recompute_blocks  # noqa: E402
 from hvd_runtime.torch.step import TrainStep, sum_over_ranks  # noqa: E402
 from hvd_runtime.torch import (SyncBatchNorm, init_horovod, make_optimizer, restore_checkpoint,
                                use_sync_batchnorm)
@@ -241,3 +242,27 @@ with tempfile.TemporaryDirectory() as tmp:
     hvd.barrier()
 report("a_shard_not_written_fails_the_checkpoint_on_every_rank", full_ok, f"{verdicts} {said.getvalue()!r}")
 report("a_folder_the_ranks_cannot_see_stops_every_rank_at_once", stopped_all == [True, True], f"{stopped}")
+
+# 9. Recomputed blocks (model.recompute: blocks): one averaged step with BatchNorm and dropout,
+# the blocks' forwards run again in backward, equals the same step with the activations kept:
+# the same dropout masks, BatchNorm's running statistics updated once.
+def dropout_model():
+    torch.manual_seed(321)
+    return nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5)),
+                         nn.Linear(8, 3)).train()
+
+
+stepped = []
+for recompute in (False, True):
+    model = recompute_blocks(dropout_model()) if recompute else dropout_model()
+    opt, _ = make_optimizer(model, plain, HorovodConfig(), ctx, steps_per_epoch=1)
+    opt.zero_grad()
+    torch.manual_seed(55 + R)
+    loss_fn(model(X.chunk(2)[R]), Y.chunk(2)[R]).backward()
+    opt.step()
+    stepped.append(model)
+plain_model, recomputed = stepped
+diff = max(max_rel_diff(recomputed, plain_model),
+           *((a - b).abs().max().item() for a, b in zip(recomputed.buffers(), plain_model.buffers())))
+report("recomputed_blocks_match_kept_activations", diff < TOL and type(recomputed[1]).__name__ == "Sequential",
+       f"max diff {diff:.2e}")
