@@ -29,6 +29,7 @@ from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.gradients import GradientSync
+from hvd_runtime.tf.memory_plan import plan_and_check
 from hvd_runtime.tf.meta_init import is_meta, materialize, whole
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.names import is_state
@@ -125,6 +126,7 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     if not is_meta(model):
         hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
     stage = apply_pipeline(model, dims, pipeline_partition(model, dims, ctx, cfg), *timing_sample(dataset, cfg))
+    plan_and_check(stage, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT")
     stage = materialize(stage, cfg.seed)
     _recompute(stage, cfg)  # in each micro-batch's backward
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
@@ -163,9 +165,12 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         if not is_meta(model):   # built for real under each rank's seed: the slices come from rank 0's
             hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
         group = ctx.tensor.group
-        model = materialize(apply_tp(model, group), cfg.seed)
+        model = apply_tp(model, group)
+        plan_and_check(model, ctx, cfg, "a larger parallel.tp")
+        model = materialize(model, cfg.seed)
         split = SplitVariables(model)
     else:                        # every rank holds the whole model: its own initializers' values
+        plan_and_check(model, ctx, cfg, "a project that splits the model (hvdgen new --strategy pipeline or tensor)")
         model = whole(model)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch

@@ -35,6 +35,7 @@ from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.torch.checkpoint import newest_cut
 from hvd_runtime.torch.context import Context
+from hvd_runtime.torch.memory_plan import activations_of, pipeline_in_flight, plan_and_check
 from hvd_runtime.torch.meta_init import materialize, whole
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
@@ -69,6 +70,11 @@ def apply_pipeline(model: nn.Module, dims: PipelineRank, partition, sample: torc
     stage's loss and metrics) are what `time` times."""
     stage = build_stage(model, dims, partition=partition, sample=sample, tail=tail)
     return split_stage(stage, dims)
+
+
+def batch_sample(dataset, cfg) -> torch.Tensor:
+    """A rank's training batch (its inputs): what the memory plan measures a step's activations on."""
+    return torch.from_numpy(dataset.train.examples(cfg.train.batch_size)[0])
 
 
 def timing_sample(dataset, cfg) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
@@ -120,10 +126,15 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     by the whole model's norm, summed over the stages."""
     dims = ctx.pipeline
     partition = pipeline_partition(model, dims, ctx, cfg)
+    sample, tail = timing_sample(dataset, cfg)
+    per_block = activations_of(model, sample)   # before tp splits the blocks: a micro-batch's
     # The model is on the meta device: this rank draws only its stage (its slices under tp), from
     # the seed and each tensor's name in the whole model, so each stage starts from the same model
     # wherever the stages cut (`partition: time` may cut differently from one start to the next).
-    stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg))
+    stage = apply_pipeline(model, dims, partition, sample, tail)
+    plan_and_check(stage, per_block, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT",
+                   blocks=[name for names in stage.chunk_names for name in names],
+                   scale=pipeline_in_flight(cfg, dims) / dims.dims.tp)
     stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
     _recompute(stage, cfg)  # in each micro-batch's backward
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
@@ -156,12 +167,18 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
     pipeline's sample batch, whose shapes decide where the stages cut. model.py is never edited:
     every piece is applied from outside.
     """
+    _recompute(model, cfg)   # on the meta model too: the memory plan counts what a recomputed block keeps
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     tensor = ctx.tensor is not None
+    per_block = activations_of(model, batch_sample(dataset, cfg))
     if tensor:   # this rank draws only its slices (and the tensors kept whole)
-        model = materialize(apply_tp(model, ctx.tensor.group), cfg.seed, ctx.device)
+        model = apply_tp(model, ctx.tensor.group)
+        plan_and_check(model, per_block, ctx, cfg, "a larger parallel.tp", scale=1 / ctx.tensor.group.size)
+        model = materialize(model, cfg.seed, ctx.device)
     else:        # every rank holds the whole model: built for real, under the seed
+        plan_and_check(model, per_block, ctx, cfg, "a project that splits the model (hvdgen new --strategy pipeline "
+                                                   "or tensor)")
         model = whole(model, cfg.seed)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch

@@ -23,19 +23,23 @@ from torch.utils.checkpoint import checkpoint
 
 from hvd_runtime.torch.stage import named_blocks
 
-__all__ = ["recompute_blocks"]
+__all__ = ["is_recomputed", "recompute_blocks"]
 
 
 def recompute_blocks(model: nn.Module) -> nn.Module:
     """Make every block of `model` recompute its activations in backward, in place; returns `model`."""
     for _, block in named_blocks(model):
-        if not isinstance(block, _Recomputed):
+        if not is_recomputed(block):
             block.__class__ = _recomputed_class(type(block))
     return model
 
 
 class _Recomputed:
     """Marks a block whose forward is recomputed in backward."""
+
+
+def is_recomputed(block: nn.Module) -> bool:
+    return isinstance(block, _Recomputed)
 
 
 @functools.cache

@@ -158,6 +158,9 @@ def _tokens_of(project: Path, text: str) -> list[str]:
     return ["--data.path", str(project.parent / "tokens")]
 
 
+# 38.7 billion parameters: refused by the memory plan before a value is drawn, on any machine
+HUGE_GPT = ["--model.layers", "48", "--model.width", "8192", "--model.heads", "64"]
+
 # A Keras GPT split with a tied head is refused by the same plan_stages check (with Keras' block
 # names: tests/distributed/test_pipeline_tf.py). Not here: its ranks reach the check seconds apart
 # after TensorFlow's start, and horovodrun stops the slower one before it can print the line.
@@ -182,6 +185,12 @@ WORKLOAD_REFUSALS = [
     ("torch", "gpt", "tensor", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), "--model.dropout", "0.1"],
      "model.dropout 0.1 with tensor parallelism: the group's ranks would drop different parts of the activations "
      "they share; set model.dropout 0"),
+    ("torch", "gpt", "data", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), *HUGE_GPT],
+     "memory: the 2 rank(s) on this host would hold about 1254.48 GiB (627.24 GiB each: 576.12 GiB of parameters, "
+     "gradients and optimizer state, 51.13 GiB of activations), more than the "),
+    ("tensorflow", "gpt", "data", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), *HUGE_GPT],
+     "memory: the 2 rank(s) on this host would hold about 1152.23 GiB (576.12 GiB each: 576.12 GiB of parameters, "
+     "gradients and optimizer state, activations not counted), more than the "),
     ("tensorflow", "resnet18", "pipeline", _not_an_image,
      "tabby.png is not a readable image (cannot identify image file"),
     ("tensorflow", "resnet18", "data", lambda p: ["--train.precision", "fp16"],
@@ -194,8 +203,12 @@ WORKLOAD_REFUSALS = [
 @pytest.mark.parametrize("framework, model, strategy, make_args, problem", WORKLOAD_REFUSALS,
                          ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu",
                               "tp-not-dividing-np", "tp-not-dividing-heads", "tp-with-dropout",
-                              "tf-not-an-image", "tf-fp16-on-cpu"])
+                              "model-past-memory", "tf-model-past-memory", "tf-not-an-image", "tf-fp16-on-cpu"])
 def test_workload_data_and_model_problems_stop_every_rank(tmp_path, framework, model, strategy, make_args, problem):
     project = generate(tmp_path, framework, strategy, model)
     line = refused(project, *make_args(project))
     assert problem in line, line
+    if problem.startswith("memory:"):   # the settings that hold less, activations first where they are counted
+        fixes = ("model.recompute blocks (activations), " if framework == "torch" else "") + \
+            "a project that splits the model (hvdgen new --strategy pipeline or tensor)"
+        assert line.endswith(f" of this host: use fewer ranks on this host, a smaller model, or {fixes}"), line

@@ -1,0 +1,84 @@
+"""What a torch rank's share of the model and one step's activations will take (hvd_runtime.memory_plan),
+measured on the meta device before anything is made real.
+
+The activations are what autograd saves for backward in a forward of the rank's batch (a
+pipeline stage: one micro-batch, times the micro-batches its schedule holds at once), counted per
+block on meta tensors: shapes and dtypes, no values, no memory. A recomputed block keeps only its
+input (what torch.utils.checkpoint saves). Tensors autograd saves that are parameters (a Linear's weight) are the parameters', counted
+once, there.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from hvd_runtime.memory_plan import MemoryPlan, settle
+from hvd_runtime.pipeline.schedule import theory_peak_in_flight
+from hvd_runtime.torch.meta_init import is_meta
+from hvd_runtime.torch.stage import named_blocks
+
+__all__ = ["block_activations", "held_parameters", "plan_and_check"]
+
+
+def held_parameters(module: nn.Module) -> int:
+    """Elements of `module`'s parameters, a tied one once."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def block_activations(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Bytes autograd keeps in each block of the meta `model` for a forward of a batch shaped as `x`."""
+    params = {id(p) for p in model.parameters()}
+    current: list[str | None] = [None]
+    saved: Counter = Counter()
+
+    def entering(name):
+        def hook(block, args):
+            current[0] = name
+        return hook
+
+    def pack(t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if current[0] is not None and id(base) not in params and id(t) not in params:
+            saved[current[0]] += t.numel() * t.element_size()
+        return t
+
+    hooks = [block.register_forward_pre_hook(entering(name)) for name, block in named_blocks(model)]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.empty(x.shape, dtype=x.dtype, device="meta"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return dict(saved)
+
+
+def activations_of(model: nn.Module, sample: torch.Tensor) -> dict[str, int] | None:
+    """block_activations of a meta model; None for a model made real (measuring it would compute)
+    or one with an op that has no meta kernel."""
+    if not is_meta(model):
+        return None
+    try:
+        return block_activations(model, sample)
+    except Exception:  # noqa: BLE001 - the plan then goes without activations
+        return None
+
+
+def plan_and_check(module: nn.Module, per_block: dict[str, int] | None, ctx, cfg, splits: str,
+                   blocks: list[str] | None = None, scale: float = 1.0) -> MemoryPlan | None:
+    """The plan for `module`, this rank's share on the meta device, printed by rank 0; refuses
+    (ConfigError) what this host cannot hold. Its activations: `per_block`'s of `blocks` (all by
+    default), times `scale` (the micro-batches a stage holds at once; 1/tp of a split block's)."""
+    if not is_meta(module):
+        return None   # made real already: nothing left to plan
+    activations = None if per_block is None else \
+        round(scale * sum(v for name, v in per_block.items() if blocks is None or name in blocks))
+    return settle(held_parameters(module), activations, ctx, cfg, splits)
+
+
+def pipeline_in_flight(cfg, dims) -> float:
+    """Micro-batches of this stage's activations held at once (a chunk's a 1/chunks part of them)."""
+    return theory_peak_in_flight(cfg.parallel.schedule, dims.stages, cfg.parallel.micro_batches, dims.stage,
+                                 dims.chunks) / dims.chunks

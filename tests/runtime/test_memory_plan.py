@@ -1,0 +1,90 @@
+"""The memory plan (hvd_runtime.memory_plan): what a rank will hold, counted before its model is real.
+
+The activations are counted on meta tensors; here against what autograd saves in a real forward
+of the same model (the same hooks, real values), with and without recomputed blocks. The refusal
+under horovodrun, a GPT past any machine's memory: tests/projects/test_start_up_refusals.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hvd_runtime.config import ConfigError
+from hvd_runtime.memory_plan import GIB, MemoryPlan, available_bytes
+from hvd_runtime.torch.memory_plan import block_activations, held_parameters
+from hvd_runtime.torch.meta_init import build_on_meta
+from hvd_runtime.torch.recompute import recompute_blocks
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16)) for _ in range(3)]
+    return nn.Sequential(nn.Linear(8, 16), *blocks, nn.Linear(16, 4))
+
+
+def saved_for_real(m: nn.Sequential, x: torch.Tensor) -> dict[str, int]:
+    """block_activations' count, made with real tensors: what the meta count must equal."""
+    counted = {}
+    for name, block in m.named_children():
+        inputs = x.detach().requires_grad_(True)
+        saved = [0]
+
+        def pack(t):
+            if not isinstance(t, nn.Parameter) and (t._base is None or not isinstance(t._base, nn.Parameter)):
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = block(inputs)
+        counted[name] = saved[0]
+    return counted
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_activations_counted_on_meta_are_what_a_real_forward_saves(recompute):
+    x = torch.randn(32, 8)
+    meta = build_on_meta(model)
+    real = model()
+    if recompute:
+        recompute_blocks(meta), recompute_blocks(real)
+    counted = block_activations(meta, x)
+    if recompute:   # a recomputed block keeps its input alone
+        expected = {str(i): 32 * (8 if i == 0 else 16) * 4 for i in range(5)}
+    else:
+        expected = saved_for_real(real, x)
+    assert {k: v for k, v in counted.items() if v} == {k: v for k, v in expected.items() if v}
+    assert held_parameters(meta) == sum(p.numel() for p in real.parameters())
+
+
+def test_a_tied_parameter_counts_once():
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    assert held_parameters(tied) == 40
+
+
+def test_the_plan_refuses_what_the_host_cannot_hold():
+    plan = MemoryPlan(parameters=GIB // 4, optimizer_state=2, activations=GIB, ranks_on_host=4, recompute=False)
+    assert plan.rank_bytes == 4 * GIB + GIB   # parameters, gradients and Adam's two moments, float32
+    assert plan.line().startswith("memory: each rank holds about 5.00 GiB (268,435,456 parameters: 1.00 GiB and as "
+                                  "much in gradients, optimizer state 2.00 GiB, activations 1.00 GiB); 4 on this host")
+    plan.check(20 * GIB, "more parallel.stages")   # fits: 4 x 5 GiB
+    with pytest.raises(ConfigError) as refused:
+        plan.check(19 * GIB, "more parallel.stages")
+    assert str(refused.value) == (
+        "memory: the 4 rank(s) on this host would hold about 20.00 GiB (5.00 GiB each: 4.00 GiB of parameters, "
+        "gradients and optimizer state, 1.00 GiB of activations), more than the 19.00 GiB of this host: use fewer "
+        "ranks on this host, a smaller model, or model.recompute blocks (activations), more parallel.stages")
+    plan.check(None, "more parallel.stages")   # a host that does not say: no verdict
+
+
+def test_the_hosts_memory_is_its_total_or_a_lower_container_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683784 kB\nMemFree:         1000000 kB\nMemAvailable:   18000000 kB\n")
+    unlimited, limited = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    unlimited.write_text("max\n")
+    assert available_bytes(meminfo, (unlimited,)) == 24683784 * 1024
+    limited.write_text(f"{8 * GIB}\n")
+    assert available_bytes(meminfo, (unlimited, limited)) == 8 * GIB
+    assert available_bytes(tmp_path / "missing", ()) is None
