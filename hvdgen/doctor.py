@@ -21,7 +21,6 @@ import click
 
 from hvdgen.cuda_env import GpuBuildBlocked, find_gpu_build, torch_cuda_version
 from hvdgen.horovod_build import NCCL_WITH_TENSORFLOW, installed_wheel_url
-from hvdgen.spec import SPEC_FILE, ProjectSpec
 
 
 def parse_check_build(text: str) -> dict[str, dict[str, bool]]:
@@ -103,6 +102,8 @@ def _slurm(project: Path) -> list[str]:
     if found is None:
         return []
     click.echo(f"slurm        {found.describe()}")
+    from hvdgen.spec import SPEC_FILE, ProjectSpec   # PyYAML: where doctor may find nothing but click
+
     if not (project / SPEC_FILE).is_file():
         return []
     from hvdgen.slurm.check import layout_problems

@@ -1,9 +1,10 @@
 """Activation recomputation (`model.recompute: blocks`) for Keras: each block keeps only its input
 for the backward pass and runs its `call` again there, under `tf.recompute_grad`.
 
-The blocks are the model's layers (a keras.Sequential's), or a pipeline stage's. A
-block's other arguments (`training`, a mask) are closed over, since tf.custom_gradient takes none in
-a compiled step, and only its input is differentiated, with the variables it reads. The forward run
+The blocks are the model's layers (a keras.Sequential's), or a pipeline stage's. A block's other
+arguments (`training`, a mask) are closed over, since tf.custom_gradient takes none in a compiled
+step, and only its input is differentiated, with the variables it reads. A call with
+`training=False` (evaluation) runs as it is; one without the argument is recomputed. The forward run
 again must be the same computation, so a block that draws random numbers (dropout above 0) or
 updates state in its forward (BatchNormalization's moving statistics) is refused in one line:
 Keras' seed generators and moving averages would move on in the second run.
@@ -49,7 +50,7 @@ def _sublayers(layer):
 
 def _recomputed(call):
     def recomputing_call(inputs, *args, **kwargs):
-        if not kwargs.get("training"):   # evaluation: no backward to keep anything for
+        if kwargs.get("training") is False:   # evaluation: no backward to keep anything for
             return call(inputs, *args, **kwargs)
         return tf.recompute_grad(lambda x: call(x, *args, **kwargs))(inputs)
 
