@@ -253,7 +253,11 @@ TmpFS={b / 'node-tmp'}
         pid = self.base / "munged.pid"
         if pid.exists():
             try:
-                os.kill(int(pid.read_text()), signal.SIGTERM)
+                munged = int(pid.read_text())
+                os.kill(munged, signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while Path(f"/proc/{munged}").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)   # it removes its socket as it ends: then the files are ours
             except (ProcessLookupError, ValueError):
                 pass
         self.namespaces.clear()
