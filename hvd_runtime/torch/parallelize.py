@@ -73,8 +73,10 @@ def apply_pipeline(model: nn.Module, dims: PipelineRank, partition, sample: torc
 
 
 def batch_sample(dataset, cfg) -> torch.Tensor:
-    """A rank's training batch (its inputs): what the memory plan measures a step's activations on."""
-    return torch.from_numpy(dataset.train.examples(cfg.train.batch_size)[0])
+    """A rank's training batch of inputs on the meta device (one example read for its shape and
+    dtype): what the memory plan measures a step's activations on."""
+    x = torch.from_numpy(dataset.train.examples(1)[0])
+    return torch.empty((cfg.train.batch_size, *x.shape[1:]), dtype=x.dtype, device="meta")
 
 
 def timing_sample(dataset, cfg) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
@@ -136,7 +138,6 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
                    blocks=[name for names in stage.chunk_names for name in names],
                    scale=pipeline_in_flight(cfg, dims) / dims.dims.tp)
     stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
-    _recompute(stage, cfg)  # in each micro-batch's backward
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
     optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))
@@ -167,7 +168,9 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
     pipeline's sample batch, whose shapes decide where the stages cut. model.py is never edited:
     every piece is applied from outside.
     """
-    _recompute(model, cfg)   # on the meta model too: the memory plan counts what a recomputed block keeps
+    # Recomputed blocks (a class swap: a stage, tp's copies and split layers keep it) on the meta model
+    # already, so the memory plan counts what they keep; a stage recomputes in each micro-batch's backward.
+    _recompute(model, cfg)
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     tensor = ctx.tensor is not None
@@ -182,7 +185,7 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         model = whole(model, cfg.seed)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
-    _recompute(model, cfg)
+    _recompute(model, cfg)   # whole() built the model again
     if ctx.stage_devices is not None:
         # it places each block on its own device
         model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))

@@ -47,13 +47,13 @@ def slurm_cmd(project: Path, check: bool, file_: str | None, **answers) -> None:
     from hvdgen.overwrite import refresh_fingerprints
     from hvdgen.regenerate import rewrite
     from hvdgen.render import render_tree
-    from hvdgen.slurm.layout import options_of, script_context
+    from hvdgen.slurm.layout import options_of
     from hvdgen.spec import SPEC_FILE
 
     spec = load_spec(project, "hvdgen slurm")
     opts = options_of(spec).updated(**answers)
     spec = dataclasses.replace(spec, slurm=opts.to_answers())
-    script_context(spec)  # refuses a shape that does not fit, before anything is written
+    # rendering refuses a shape that does not fit (hvdgen.slurm.layout), in the staging folder
     written = rewrite(project, spec, ["slurm/train.sbatch", "slurm/logs/.gitignore"],
                       lambda staging: render_tree(spec, staging, only="slurm"), "hvdgen slurm")
     refresh_fingerprints(project, written + [SPEC_FILE])
