@@ -53,11 +53,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import warm_start
 from helpers import run_horovod
 from hvd_runtime.watchdog import HANG_EXIT
 from test_fault_tolerance import N_TRAIN, UNTRACKED, Job, checkpoint_steps, metrics
@@ -188,15 +190,18 @@ TRAINING = ["--train.epochs", "3", "--checkpoint.every_steps", "10",
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """(project, run folder) of each case's run without a fault, made on first use."""
+    """(project, run folder) of each case's run without a fault, made on first use: with the warm
+    start where the suite has it, also for a test whose own ranks start cold (plain_start)."""
     made: dict[tuple[str, str], tuple[Path, Path]] = {}
+    warm = {name: os.environ[name] for name in (warm_start.VARIABLE, "PATH") if name in os.environ}
 
     def case(framework: str, strategy: str) -> tuple[Path, Path]:
         if (framework, strategy) not in made:
             root = tmp_path_factory.mktemp(f"straight-{framework}-{strategy}")
             project = generate(root, framework, strategy)
-            run_horovod(2, [sys.executable, "train.py", *TRAINING, *UNTRACKED, "--run_dir", str(root / "run"),
-                            "--checkpoint.dir", str(root / "checkpoints")], cwd=project)
+            with mock.patch.dict(os.environ, warm):
+                run_horovod(2, [sys.executable, "train.py", *TRAINING, *UNTRACKED, "--run_dir", str(root / "run"),
+                                "--checkpoint.dir", str(root / "checkpoints")], cwd=project)
             made[framework, strategy] = project, root / "run"
         return made[framework, strategy]
 

@@ -69,8 +69,11 @@ def parse():
     """(script, code, module, unbuffered), two of the first three None; or None where this is no
     launch to warm. The one module run warm is pytest (a generated project's `make test`)."""
     unbuffered, args = False, list(ARGS)
-    while args and args[0] == "-u":
-        unbuffered, args = True, args[1:]
+    # -B where PYTHONDONTWRITEBYTECODE is set already (the server's flags then have it): what
+    # multiprocessing adds from that flag to a DataLoader's fork server and its spawned processes.
+    quiet_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    while args and (args[0] == "-u" or args[0] == "-B" and quiet_bytecode):
+        unbuffered, args = unbuffered or args[0] == "-u", args[1:]
     if args[:1] == ["-c"] and len(args) > 1:
         return None, args[1], None, unbuffered
     if args[:2] == ["-m", "pytest"]:
@@ -82,9 +85,10 @@ def parse():
 
 def profile_of(text: str, args: list):
     """The server to fork from: HVDGEN_WARM_PROFILE, else by the framework the script imports at its
-    top level, else by the one of a generated project's train.py in the folders among `args`
-    (tests/projects/scripts/train_in_rank_dir.py's arguments; pytest's working folder); None
-    where that is neither or both."""
+    top level, else by the one of a generated project's train.py among `args`, named or in a folder
+    named (a test's wrapper that runs `train.py` after it patched something;
+    tests/projects/scripts/train_in_rank_dir.py's arguments; pytest's working folder); None where
+    that is neither or both."""
     chosen = os.environ.get("HVDGEN_WARM_PROFILE")
     if chosen:
         return chosen
@@ -95,7 +99,8 @@ def profile_of(text: str, args: list):
         names = [name.strip("'\" ") for name in fork_server.group(1).split(",")]
         text = "".join(f"import {name}\n" for name in names if name)
     if not TF.search(text) and not TORCH.search(text):
-        projects = [os.path.join(arg, "train.py") for arg in args if os.path.isfile(os.path.join(arg, "train.py"))]
+        projects = [path for path in (arg if os.path.basename(arg) == "train.py" else os.path.join(arg, "train.py")
+                                      for arg in args) if os.path.isfile(path)]
         if len(projects) != 1:
             return None
         with open(projects[0], "rb") as train:
