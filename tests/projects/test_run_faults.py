@@ -37,9 +37,10 @@ last checkpoint failing stops it, with no trained model written.
 The pause only gives the test its moment; the faults and their handling are the real ones. The
 ranks start cold (plain_start): the stopped and the killed process must be the rank itself.
 
-Cost: about 350 CPU-s (8.5% of the suite, 2026-12-06): 21 cold 2-rank starts, since a fault's whole point
-is the restart, and 17 jobs for the NaN and the full disk, each fault in both frameworks and both
-strategies; the straight runs are one per case, shared by the file's tests.
+Cost: about 350 CPU-s (8% of the suite, 2026-12-06): 20 cold 2-rank jobs for the hang, the kill
+and the stop (a fault's whole point is the restart), and 17 warm ones for the NaN and the full
+disk, each fault in both frameworks and both strategies; the straight runs are one per case,
+warm, shared by the file's tests.
 """
 
 from __future__ import annotations
