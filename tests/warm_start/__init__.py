@@ -19,11 +19,13 @@ and strategy.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tempfile
+from multiprocessing import spawn
 from pathlib import Path
 
 VARIABLE = "HVDGEN_WARM_START"
@@ -32,6 +34,7 @@ PREFIX = "hvdwarm."
 
 
 _installed: list[Path] = []   # the folder install() made in this process
+_executables: list[str] = []   # multiprocessing's interpreter before it
 
 
 def server_pids() -> list[int]:
@@ -71,6 +74,10 @@ def install() -> Path:
     netns = os.stat("/proc/self/ns/net").st_ino
     os.environ[VARIABLE] = f"{root}:{os.getpid()}:{netns}"
     os.environ["PATH"] = f"{root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    # What this process starts through multiprocessing (a tracking process, a DataLoader's fork
+    # server, for a test that runs the runtime in-process) goes through the launcher too.
+    _executables.append(spawn.get_executable())
+    multiprocessing.set_executable(str(root / "bin" / "python"))
     _installed.append(root)
     return root
 
@@ -83,6 +90,7 @@ def uninstall(root: Path) -> None:
         except OSError:
             pass
     _installed.remove(root)
+    multiprocessing.set_executable(_executables.pop())
     os.environ.pop(VARIABLE, None)
     os.environ["PATH"] = without_bin_folder(os.environ["PATH"])
     shutil.rmtree(root, ignore_errors=True)
