@@ -1,7 +1,8 @@
-"""A language model's data: a flat file of uint16 tokens, read through np.memmap in context windows.
+"""A language model's data: a flat file of token ids, read through np.memmap in context windows.
 
 The format nanoGPT uses: PATH/train.bin and PATH/val.bin hold the tokens back to back, and
-PATH/meta.json names the vocabulary size ({"vocab_size": 256} for bytes, as the project's
+PATH/meta.json names the vocabulary size and the ids' type ({"vocab_size": 256} for bytes;
+"dtype": "uint32" for a vocabulary past 65536 ids, uint16 otherwise, as the project's
 prepare_tokens.py writes). Nothing is loaded: a batch reads only its windows' pages, so a token
 file of any size trains. Sample i of an epoch is the window starting at offset + i * context,
 its target the same window one token later; the offset is drawn per epoch for training (seeded,
@@ -18,7 +19,7 @@ import numpy as np
 
 from hvd_runtime.data import BatchSource, Dataset, DataError
 
-TOKEN_DTYPE = np.uint16
+DTYPES = ("uint16", "uint32")   # meta.json's "dtype"; uint16 when it names none
 FILES = ("train.bin", "val.bin")
 MAKE_THEM = "make them with: python prepare_tokens.py my_text.txt --out DIR"
 
@@ -30,16 +31,17 @@ class TokenWindows(BatchSource):
     path: str
     context: int
     shift_seed: int | None = None    # None: fixed windows from offset 0 (validation)
+    dtype: str = "uint16"
     input_dtype = np.int64
 
     @property
     def tokens(self) -> np.memmap:
         # Opened on use, not held: a DataLoader worker pickles the split, and a path travels better.
-        return np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
 
     @property
     def token_count(self) -> int:
-        return Path(self.path).stat().st_size // np.dtype(TOKEN_DTYPE).itemsize
+        return Path(self.path).stat().st_size // np.dtype(self.dtype).itemsize
 
     @property
     def min_tokens(self) -> int:
@@ -68,18 +70,24 @@ class TokenWindows(BatchSource):
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
 
 
-def vocab_size(root: Path) -> int:
+def vocabulary(root: Path) -> tuple[int, str]:
+    """meta.json's vocabulary size and the token files' dtype."""
     meta = root / "meta.json"
     try:
-        size = json.loads(meta.read_text())["vocab_size"]
+        found = json.loads(meta.read_text())
+        size, dtype = found["vocab_size"], found.get("dtype", "uint16")
     except FileNotFoundError:
         raise DataError(f"data.path {str(root)!r} has no meta.json naming the vocabulary size: "
                         f"{MAKE_THEM}, or write {{\"vocab_size\": N}} there") from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise DataError(f"{meta} must be JSON with an integer vocab_size, e.g. {{\"vocab_size\": 256}}") from None
-    if not isinstance(size, int) or isinstance(size, bool) or not 1 < size <= np.iinfo(TOKEN_DTYPE).max + 1:
-        raise DataError(f"{meta}: vocab_size must be an integer from 2 to 65536 (tokens are uint16), got {size!r}")
-    return size
+    if dtype not in DTYPES:
+        raise DataError(f"{meta}: dtype must be one of {', '.join(DTYPES)} (the token ids' type), got {dtype!r}")
+    largest = np.iinfo(dtype).max + 1
+    if not isinstance(size, int) or isinstance(size, bool) or not 1 < size <= largest:
+        raise DataError(f"{meta}: vocab_size must be an integer from 2 to {largest} (tokens are {dtype}), "
+                        f"got {size!r}")
+    return size, dtype
 
 
 def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
@@ -91,12 +99,13 @@ def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
     for name in FILES:
         if not (root / name).is_file():
             raise DataError(f"data.path {str(root)!r} has no {name}: {MAKE_THEM}")
+    vocab, dtype = vocabulary(root)
+    for name in FILES:
         size = (root / name).stat().st_size
-        if size % np.dtype(TOKEN_DTYPE).itemsize:
-            raise DataError(f"{root / name} is {size} bytes, not a whole number of uint16 tokens: {MAKE_THEM}")
-    vocab = vocab_size(root)
-    train = TokenWindows(str(root / "train.bin"), context, shift_seed=seed)
-    val = TokenWindows(str(root / "val.bin"), context)
+        if size % np.dtype(dtype).itemsize:
+            raise DataError(f"{root / name} is {size} bytes, not a whole number of {dtype} tokens: {MAKE_THEM}")
+    train = TokenWindows(str(root / "train.bin"), context, shift_seed=seed, dtype=dtype)
+    val = TokenWindows(str(root / "val.bin"), context, dtype=dtype)
     for name, split in zip(FILES, (train, val)):
         if len(split) < 1:
             raise DataError(f"{root / name} holds {split.token_count} tokens, fewer than the {split.min_tokens} "

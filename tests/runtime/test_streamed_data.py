@@ -26,11 +26,12 @@ def write_images(root, classes=("cats", "dogs"), per_class=6, size=(20, 12)):
             Image.fromarray(pixels).save(root / name / f"{i}.png")
 
 
-def write_tokens(root, tokens: np.ndarray, val: np.ndarray | None = None, vocab: int = 256):
+def write_tokens(root, tokens: np.ndarray, val: np.ndarray | None = None, vocab: int = 256, dtype: str | None = None):
+    """Token files as prepare_tokens.py writes them; dtype None: a meta.json that names none (uint16)."""
     root.mkdir(parents=True, exist_ok=True)
-    tokens.astype(np.uint16).tofile(root / "train.bin")
-    (tokens if val is None else val).astype(np.uint16).tofile(root / "val.bin")
-    (root / "meta.json").write_text(json.dumps({"vocab_size": vocab}))
+    tokens.astype(dtype or np.uint16).tofile(root / "train.bin")
+    (tokens if val is None else val).astype(dtype or np.uint16).tofile(root / "val.bin")
+    (root / "meta.json").write_text(json.dumps({"vocab_size": vocab, **({"dtype": dtype} if dtype else {})}))
 
 
 # -- image folders --------------------------------------------------------------------------------
@@ -165,6 +166,15 @@ def test_token_windows_are_inputs_and_the_next_tokens(tmp_path):
         assert y[0, -1] == (ds.train.offset(epoch) + len(ds.train) * 8) % 50
 
 
+def test_a_vocabulary_past_uint16_reads_uint32_tokens(tmp_path):
+    write_tokens(tmp_path, np.arange(100) + 70_000, vocab=70_200, dtype="uint32")
+    ds = load_tokens(tmp_path, context=8)
+    assert ds.num_classes == 70_200 and len(ds.val) == (100 - 1) // 8
+    x, y = ds.val.take(np.array([0]))
+    np.testing.assert_array_equal(x[0], np.arange(8) + 70_000)
+    np.testing.assert_array_equal(y[0], np.arange(1, 9) + 70_000)
+
+
 def test_a_token_split_is_read_through_a_dataloader(tmp_path):
     write_tokens(tmp_path, np.arange(200) % 7, vocab=7)
     val = load_tokens(tmp_path, context=4).val
@@ -183,6 +193,11 @@ def test_a_token_split_is_read_through_a_dataloader(tmp_path):
     (lambda root: write_tokens(root, np.arange(10), vocab=70000), "vocab_size must be an integer from 2 to 65536"),
     (lambda root: write_tokens(root, np.arange(10)) or (root / "val.bin").write_bytes(b"abc"),
      "val.bin is 3 bytes, not a whole number of uint16 tokens"),
+    (lambda root: write_tokens(root, np.arange(10), dtype="uint32") or (root / "val.bin").write_bytes(b"abcdef"),
+     "val.bin is 6 bytes, not a whole number of uint32 tokens"),
+    (lambda root: write_tokens(root, np.arange(10), dtype="int8"), "dtype must be one of uint16, uint32"),
+    (lambda root: write_tokens(root, np.arange(10), vocab=70000, dtype="uint16"),
+     "vocab_size must be an integer from 2 to 65536 (tokens are uint16)"),
     (lambda root: write_tokens(root, np.arange(12)), "train.bin holds 12 tokens, fewer than the 16 one context window "
                                                      "needs (model.context 8): use more text, or lower model.context"),
 ])
