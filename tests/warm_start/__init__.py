@@ -84,6 +84,9 @@ def install() -> Path:
 
 def uninstall(root: Path) -> None:
     """Stop every server this process started and remove the folder."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()   # this process's own (an in-process DataLoader's), forked from a server
     for pid in server_pids():
         try:
             os.kill(pid, signal.SIGKILL)
