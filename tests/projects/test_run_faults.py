@@ -35,7 +35,8 @@ its newest checkpoint, moved to another disk, resumes to the straight run's weig
 last checkpoint failing stops it, with no trained model written.
 
 The pause only gives the test its moment; the faults and their handling are the real ones. The
-ranks start cold (plain_start): the stopped and the killed process must be the rank itself.
+hang, kill and stop tests' ranks start cold (plain_start): the stopped and the killed process
+must be the rank itself, and horovodrun must see it end as it would in a user's job.
 
 Cost: about 350 CPU-s (8% of the suite, 2026-12-06): 20 cold 2-rank jobs for the hang, the kill
 and the stop (a fault's whole point is the restart), and 17 warm ones for the NaN and the full
