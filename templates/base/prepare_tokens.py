@@ -12,9 +12,9 @@ last --val-fraction of the tokens is held out for validation. Folders are read r
 `--tokenizer bytes` (the default) makes one token of each byte: 256 of them, nothing to learn,
 right for a first run. `--tokenizer bpe` learns a byte-level BPE (GPT-2's kind: any text encodes,
 no unknown token) from the same text with Hugging Face `tokenizers`, offline; a token then
-covers about four bytes of English, so a context window sees four times the text. It stops at
---vocab-size or when no pair of tokens is left to merge, ends every file with `<|endoftext|>`,
-and saves itself as OUT/tokenizer.json, to turn ids back into text:
+covers three to four bytes of English or code, so a context window sees that much more text.
+It stops at --vocab-size or when no pair of tokens is left to merge, ends every file with
+`<|endoftext|>`, and saves itself as OUT/tokenizer.json, to turn ids back into text:
 `tokenizers.Tokenizer.from_file("data/tokens/tokenizer.json").decode(ids)`. Another tokenizer
 works too: write the same three files with its ids and its vocabulary size.
 """
