@@ -91,7 +91,7 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
                           desc=f"epoch {state.epoch}", total=usable)
     speed = Throughput(batches.samples_per_step)
     check_every = log_every or preemption.STOP_CHECK_EVERY
-    stopping = False
+    stopping = None   # the signal every rank stops on, once one was asked
     for i, (x, y) in enumerate(batch_iter):
         if i >= usable:
             break
@@ -114,9 +114,9 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
             # Horovod: every rank calls, at the same step: the batch loss averaged over the job (a
             # stage's penalty terms add in, the ranks reporting the data loss count), and how many
             # ranks were asked to stop
-            totals = step.sum_over_ranks(np.array([float(loss), float(step.reports_loss), preemption.asked()]),
+            totals = step.sum_over_ranks(np.array([float(loss), float(step.reports_loss), *preemption.asked()]),
                                          "loop.point")
-            stopping = stopping or totals[2] > 0
+            stopping = stopping or preemption.agreed(totals[2:])
             if log_every and on_log is not None:
                 mean = float(totals[0] / totals[1]) if totals[1] else float("nan")
                 point = {"step_train_loss": mean} | speed.since_last()
@@ -127,7 +127,7 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
             if apply and hook.steps and state.step % hook.steps == 0:
                 hook.action()
         if stopping and apply:
-            stop(state, is_root, on_stop)
+            stop(state, stopping, is_root, on_stop)
     state.epoch += 1
     state.samples_in_epoch = 0
     # Horovod: sample-weighted over every rank's shard, not just this one.
@@ -141,10 +141,9 @@ def skipped_updates(step: Step) -> int:
     return guard.skipped if guard is not None else 0
 
 
-def stop(state, is_root: bool, on_stop: Callable[[], bool] | None) -> None:
-    """End training after this step, every rank alike: its checkpoint (`on_stop()`: whether it was
-    written), then Preempted."""
-    signum = preemption.signal_received()
+def stop(state, signum: int, is_root: bool, on_stop: Callable[[], bool] | None) -> None:
+    """End training after this step on `signum`, every rank alike: its checkpoint (`on_stop()`:
+    whether it was written), then Preempted."""
     watchdog.beat(f"the checkpoint at step {state.step} before stopping", allowance=True)
     written = on_stop() if on_stop is not None else False
     stopped = preemption.Preempted(signum, state.step)

@@ -4,10 +4,11 @@ A pod's eviction, a spot instance's reclaim and a scheduler's warning ahead of i
 send SIGTERM or SIGUSR1; horovodrun, sent SIGTERM or SIGINT itself, sends SIGTERM to every rank.
 The handler only notes the signal. The loop asks at each of its log points (train.log_every
 steps; every STOP_CHECK_EVERY when that is 0), in the one collective it makes there anyway,
-whether any rank was asked: the ranks that were not learn it there, so every rank stops after
-the same optimizer step. The loop then writes a checkpoint at that step and raises Preempted, a
-SystemExit: the tracker ends the MLflow run as KILLED, and the process exits with 128 + the
-signal, as a process the signal had ended would. The next start resumes at that step, exactly.
+whether any rank was asked, and with which signal: the ranks that were not learn it there, so
+every rank stops after the same optimizer step, on the same signal (SIGTERM where any rank got
+it, since it asks for no requeue). The loop then writes a checkpoint at that step and raises
+Preempted, a SystemExit: the tracker ends the MLflow run as KILLED, and every process exits with
+128 + that signal, as a process the signal had ended would. The next start resumes at that step, exactly.
 
 From the signal on, the rank is held to `train.grace_s` (hvd_runtime.watchdog.limit): a step,
 checkpoint or close-out that is not done by then still ends the process, before the sender's
@@ -22,7 +23,7 @@ import threading
 
 from hvd_runtime import watchdog
 
-__all__ = ["SIGNALS", "STOP_CHECK_EVERY", "Preempted", "asked", "install", "signal_received"]
+__all__ = ["SIGNALS", "STOP_CHECK_EVERY", "Preempted", "agreed", "asked", "install"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP_CHECK_EVERY = 10   # steps between the loop's checks when it has no log points
@@ -66,11 +67,16 @@ def install(grace_s: float) -> None:
         signal.signal(sig, note)
 
 
-def asked() -> float:
-    """1.0 once this rank has received a stop signal: what it adds to the loop's check."""
-    return 1.0 if _received else 0.0
+def asked() -> list[float]:
+    """What this rank adds to the loop's check: 1.0 for the stop signal it has received, one entry
+    per SIGNALS, in their order."""
+    return [1.0 if _received[:1] == [sig] else 0.0 for sig in SIGNALS]
 
 
-def signal_received(default: int = signal.SIGTERM) -> int:
-    """The signal this rank received, or `default` for a rank that learnt of the stop from a peer."""
-    return _received[0] if _received else default
+def agreed(counts) -> int | None:
+    """The signal every rank stops on, from asked() summed over the ranks; None while none was asked.
+    SIGTERM where any rank got it: it asks for a stop without a requeue, and wins over SIGUSR1."""
+    for sig, count in zip(SIGNALS, counts):   # SIGTERM first
+        if count > 0:
+            return int(sig)
+    return None
