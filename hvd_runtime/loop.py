@@ -113,7 +113,7 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
         if state.step % check_every == 0:
             # Horovod: every rank calls, at the same step: the batch loss averaged over the job (a
             # stage's penalty terms add in, the ranks reporting the data loss count), and how many
-            # ranks were asked to stop
+            # ranks were asked to stop, by each stop signal
             totals = step.sum_over_ranks(np.array([float(loss), float(step.reports_loss), *preemption.asked()]),
                                          "loop.point")
             stopping = stopping or preemption.agreed(totals[2:])

@@ -8,7 +8,8 @@ whether any rank was asked, and with which signal: the ranks that were not learn
 every rank stops after the same optimizer step, on the same signal (SIGTERM where any rank got
 it, since it asks for no requeue). The loop then writes a checkpoint at that step and raises
 Preempted, a SystemExit: the tracker ends the MLflow run as KILLED, and every process exits with
-128 + that signal, as a process the signal had ended would. The next start resumes at that step, exactly.
+128 + that signal, as a process the signal had ended would. The next start resumes at that step,
+exactly.
 
 From the signal on, the rank is held to `train.grace_s` (hvd_runtime.watchdog.limit): a step,
 checkpoint or close-out that is not done by then still ends the process, before the sender's
