@@ -68,8 +68,7 @@ def kind_of(command: str) -> str:
 def report(log: Path) -> str:
     started: dict[str, tuple[str, str]] = {}
     ended: dict[str, float] = {}
-    warm = collections.Counter()
-    warm_cpu = 0.0
+    warm, warm_cpu = 0, 0.0
     for line in log.read_text(errors="replace").splitlines():
         fields = line.split("\t")
         if len(fields) != 5:
@@ -80,7 +79,7 @@ def report(log: Path) -> str:
         elif what == "end":
             ended[pid] = float(cpu)
         else:
-            warm[test.split("::")[0]] += 1
+            warm += 1
             warm_cpu += float(cpu)
     by_kind, count, unknown = collections.Counter(), collections.Counter(), collections.Counter()
     by_file = collections.Counter()
@@ -93,7 +92,7 @@ def report(log: Path) -> str:
         else:
             unknown[kind] += 1
     lines = [f"cold starts: {len(started)}, {sum(by_kind.values()):.0f} CPU-s (of those that exited); "
-             f"warm processes: {sum(warm.values())}, {warm_cpu:.0f} CPU-s",
+             f"warm processes: {warm}, {warm_cpu:.0f} CPU-s",
              f"{'CPU-s':>8} {'starts':>7} {'killed':>7}  kind"]
     lines += [f"{cpu:8.0f} {count[kind]:7d} {unknown[kind]:7d}  {kind}" for kind, cpu in by_kind.most_common()]
     lines += ["", f"{'CPU-s':>8}  file | kind (the 25 costliest)"]
