@@ -8,20 +8,23 @@ momentum: one; plain SGD: none), plus the activations a step keeps for its backw
 framework's parallelize counts the share on the model before any value is drawn (torch: the meta
 device; Keras: the variables' shapes) and, where it can, the activations of one step (torch: a
 forward on meta tensors, counting what autograd saves). Rank 0 prints the plan in one line; when
-the ranks on this host would need more than its memory (or its container's limit), every rank
-stops with one line before the first tensor is allocated, instead of being killed half-way. It
+the ranks on a host, their plans summed, would need more than its memory (or its container's
+limit), every rank of the job stops with one line before the first tensor is allocated, instead
+of being killed half-way. It
 plans a run's largest part, not every byte: the framework and its libraries, the data loader and
 the messages between stages come on top.
 """
 
 from __future__ import annotations
 
+import importlib
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from hvd_runtime.config import ConfigError
 
-__all__ = ["MemoryPlan", "available_bytes", "optimizer_state_per_parameter", "settle"]
+__all__ = ["MemoryPlan", "available_bytes", "optimizer_state_per_parameter", "settle", "verdict"]
 
 GIB = 2**30
 FP32 = 4
@@ -38,7 +41,7 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo"),
                     limits: tuple[Path, ...] = (Path("/sys/fs/cgroup/memory.max"),
                                                 Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))) -> int | None:
     """The host's memory (MemTotal), or the container's limit where one is set below it; None
-    where neither can be read. The same on every rank of a host, so they all give one verdict."""
+    where neither can be read."""
     total = None
     try:
         for line in meminfo.read_text().splitlines():
@@ -80,27 +83,52 @@ class MemoryPlan:
                 f"{_gib(self.parameters * FP32 * self.optimizer_state)}, {acts}); {self.ranks_on_host} on this host")
 
     def check(self, available: int | None, splits: str) -> None:
-        """Refuse (ConfigError) when this host's ranks would need more than `available` bytes.
-        `splits`: the settings of this strategy that hold less per rank."""
-        needed = self.rank_bytes * self.ranks_on_host
-        if available is None or needed <= available:
-            return
+        """Refuse (ConfigError) when this host's ranks, each holding as much as this one, would need
+        more than `available` bytes. `splits`: the settings of this strategy that hold less per rank."""
+        problem = verdict([("", available, self)] * self.ranks_on_host, splits)
+        if problem is not None:
+            raise ConfigError(problem)
+
+    def refusal(self, needed: int, ranks: int, alike: bool, available: int, splits: str) -> str:
+        """The line that refuses a host whose `ranks` would need `needed` bytes, this plan being the
+        largest of them (`alike`: as large as every other)."""
         fixes = [] if self.recompute or self.activations is None else ["model.recompute blocks (activations)"]
         acts = "activations not counted" if self.activations is None else f"{_gib(self.activations)} of activations"
-        raise ConfigError(f"memory: the {self.ranks_on_host} rank(s) on this host would hold about {_gib(needed)} "
-                          f"({_gib(self.rank_bytes)} each: {_gib(self.state_bytes)} of parameters, gradients and "
-                          f"optimizer state, {acts}), more than the {_gib(available)} of this host: use fewer ranks on "
-                          f"this host, a smaller model, or {', '.join(fixes + [splits])}")
+        return (f"memory: the {ranks} rank(s) on this host would hold about {_gib(needed)} "
+                f"({_gib(self.rank_bytes)} {'each' if alike else 'on the fullest'}: {_gib(self.state_bytes)} of "
+                f"parameters, gradients and optimizer state, {acts}), more than the {_gib(available)} of this host: "
+                f"use fewer ranks on this host, a smaller model, or {', '.join(fixes + [splits])}")
+
+
+def verdict(plans: list[tuple[str, int | None, MemoryPlan]], splits: str) -> str | None:
+    """The refusal of the first host whose ranks' plans together need more than it has; None when
+    every host holds its ranks. `plans`: each rank's (host name, available_bytes there, plan)."""
+    hosts: dict[str, tuple[int | None, list[MemoryPlan]]] = {}
+    for host, available, plan in plans:
+        hosts.setdefault(host, (available, []))[1].append(plan)
+    for available, held in hosts.values():
+        needed = sum(plan.rank_bytes for plan in held)
+        if available is not None and needed > available:
+            fullest = max(held, key=lambda plan: plan.rank_bytes)
+            alike = all(plan.rank_bytes == fullest.rank_bytes for plan in held)
+            return fullest.refusal(needed, len(held), alike, available, splits)
+    return None
 
 
 def settle(parameters: int, activations: int | None, ctx, cfg, splits: str) -> MemoryPlan:
-    """This rank's plan: printed by rank 0, then refused (ConfigError) on every rank where this
-    host's ranks would need more than it has."""
+    """This rank's plan: printed by rank 0; then every rank of the job stops (ConfigError) with
+    one line where any host's ranks would need more than it has. The ranks judge together, from
+    every rank's plan: a pipeline's stages differ, and a rank that stopped alone would have
+    horovodrun end the others before they could say why."""
     plan = MemoryPlan(parameters, optimizer_state_per_parameter(cfg.optim), activations, ctx.local_size,
                       cfg.model.recompute == "blocks")
     if ctx.is_root:
         print(plan.line(), flush=True)
-    plan.check(available_bytes(), splits)
+    hvd = importlib.import_module(ctx.horovod_module)
+    plans = hvd.allgather_object((socket.gethostname(), available_bytes(), plan), name="memory_plan.plans")
+    problem = verdict(plans, splits)
+    if problem is not None:
+        raise ConfigError(problem)
     return plan
 
 

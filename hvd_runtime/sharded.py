@@ -31,12 +31,6 @@ from hvd_runtime.shards import (INDEX, DamagedCheckpoint, ShardReader, index_mis
                                 write_json)
 
 
-def cut_of(module) -> dict | None:
-    """Where a pipeline stage's model was cut (its plan's cut), for the index; None for any other module."""
-    plan = getattr(module, "plan", None)
-    return None if plan is None else plan.cut()
-
-
 class NonFiniteTensor(ValueError):
     """A tensor a rank was about to checkpoint holds NaN or inf: no checkpoint ever does."""
 
@@ -54,7 +48,7 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
     """Every rank calls: the first replica's ranks each `write_shard(folder, write_whole)` (its file's
     description, for the index; `write_whole`: this rank also writes the tensors every rank of its
     tensor-parallel group holds whole), rank 0 the index, last. `rng` is this rank's RNG state,
-    `cut` the pipeline's stages (None elsewhere), `last`: the run's final checkpoint. Returns, on
+    `cut` where a pipeline or model-split cut the model (None elsewhere), `last`: the run's final checkpoint. Returns, on
     every rank alike, whether the checkpoint was written; one that was not goes to the store's
     failure count (hvd_runtime.write_failures), which warns, or stops the run on every rank. A
     rank that cannot find the staging folder cannot see --checkpoint.dir, which no retry mends:

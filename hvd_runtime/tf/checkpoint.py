@@ -146,7 +146,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
         return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.split), write_whole)
 
     return sharded.write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(module),
-                                    sharded.cut_of(module), last)
+                                    parallel.plan.cut() if parallel.plan else None, last)
 
 
 # -- reading ----------------------------------------------------------------------------------------

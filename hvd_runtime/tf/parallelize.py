@@ -27,6 +27,7 @@ from hvd_runtime.config import partition_spec
 from hvd_runtime.nonfinite import nonfinite_guard
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
+from hvd_runtime.pipeline.partition import Partition
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.gradients import GradientSync
 from hvd_runtime.tf.memory_plan import plan_and_check
@@ -57,6 +58,7 @@ class Parallel:
     optimizer: keras.optimizers.Optimizer
     step: TrainStep | PipelineEngine         # what hvd_runtime.loop drives
     split: SplitVariables | None = None      # tensor parallelism: the checkpoints' view of the slices
+    plan: Partition | None = None            # where a pipeline or model-split cut the model, for the index
 
 
 def apply_pipeline(model: keras.Model, dims: PipelineRank, partition, sample, tail=None) -> Stage:
@@ -81,10 +83,10 @@ def timing_sample(dataset, cfg) -> tuple:
     return x, tail
 
 
-def apply_model_split(model: keras.Model, parallel_cfg, sample=None, tail=None) -> ModelSplit:
+def apply_model_split(model: keras.Model, parallel_cfg, partition, sample=None, tail=None) -> ModelSplit:
     """The model's layers over this rank's devices (its GPUs, or logical CPU devices), micro-batched;
-    the split shares the model's variables. `sample` and `tail` as apply_pipeline's."""
-    partition = partition_spec(parallel_cfg.partition)
+    the split shares the model's variables. `partition`: resumed_partition's; `sample` and `tail`
+    as apply_pipeline's."""
     if partition == "time":  # every worker cuts where rank 0 does: one model layout
         partition = plan_timed_on_rank0(model, parallel_cfg.stages, sample, tail, "ms.partition")
     return ModelSplit(model, stages=parallel_cfg.stages, partition=partition, micro_batches=parallel_cfg.micro_batches)
@@ -106,10 +108,11 @@ def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, s
     return optimizer, step
 
 
-def pipeline_partition(model, dims: PipelineRank, ctx: Context, cfg):
-    """cfg.parallel.partition; `time` resumes at the newest checkpoint's cut (partition_to_resume)."""
+def resumed_partition(model, pieces: int, ctx: Context, cfg):
+    """cfg.parallel.partition for a cut into `pieces`; `time` resumes at the newest checkpoint's cut
+    (partition_to_resume), for a pipeline's stages and a model-split's alike."""
     return partition_to_resume(partition_spec(cfg.parallel.partition), [name for name, _ in named_blocks(model)],
-                               dims.stages * dims.chunks, lambda: newest_cut(cfg.checkpoint, ctx))
+                               pieces, lambda: newest_cut(cfg.checkpoint, ctx))
 
 
 def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
@@ -125,7 +128,8 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     # from one start to the next). A model built for real is every rank's own: rank 0's goes to all.
     if not is_meta(model):
         hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
-    stage = apply_pipeline(model, dims, pipeline_partition(model, dims, ctx, cfg), *timing_sample(dataset, cfg))
+    partition = resumed_partition(model, dims.stages * dims.chunks, ctx, cfg)
+    stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg))
     plan_and_check(stage, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT")
     stage = materialize(stage, cfg.seed)
     _recompute(stage, cfg)  # in each micro-batch's backward
@@ -134,7 +138,7 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             clip_norm=cfg.optim.clip_norm, guard=nonfinite_guard(cfg, ctx))
-    return Parallel(stage, optimizer, engine, SplitVariables(stage) if dims.tensor_group else None)
+    return Parallel(stage, optimizer, engine, SplitVariables(stage) if dims.tensor_group else None, stage.plan)
 
 
 def _recompute(model, cfg) -> None:
@@ -177,7 +181,8 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
     _recompute(model, cfg)
     trained = model
     if ctx.stage_devices is not None:
-        trained = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
+        trained = apply_model_split(model, cfg.parallel, resumed_partition(model, cfg.parallel.stages, ctx, cfg),
+                                    *timing_sample(dataset, cfg))
     objective = VocabObjective.of(group, dataset.num_classes)
     optimizer, step = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)
-    return Parallel(model, optimizer, step, split)
+    return Parallel(model, optimizer, step, split, trained.plan if trained is not model else None)

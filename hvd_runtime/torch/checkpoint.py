@@ -36,7 +36,7 @@ from hvd_runtime import sharded
 from hvd_runtime.checkpoint import CheckpointStore, ElasticStart, TrainState, misfit_message, state_fields
 from hvd_runtime.config import ConfigError
 from hvd_runtime.shards import MODEL, OPTIMIZER, Placement, ShardReader, index_misfit, shard_name
-from hvd_runtime.sharded import (NonFiniteTensor, cut_of, newest_on_root, read_held, shard_description,
+from hvd_runtime.sharded import (NonFiniteTensor, newest_on_root, read_held, shard_description,
                                  write_checkpoint)
 from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
@@ -137,7 +137,8 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
     def write_shard(folder: Path, write_whole: bool) -> dict:
         return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole)
 
-    return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(), cut_of(module), last)
+    return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(),
+                            parallel.plan.cut() if parallel.plan else None, last)
 
 
 # -- reading ----------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from hvd_runtime.config import partition_spec
 from hvd_runtime.nonfinite import nonfinite_guard
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
+from hvd_runtime.pipeline.partition import Partition
 from hvd_runtime.torch.checkpoint import newest_cut
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.memory_plan import activations_of, pipeline_in_flight, plan_and_check
@@ -61,6 +62,7 @@ class Parallel:
     optimizer: torch.optim.Optimizer
     step: TrainStep | PipelineEngine         # what hvd_runtime.loop drives
     split: SplitParameters | None = None     # tensor parallelism: the checkpoints' view of the slices
+    plan: Partition | None = None            # where a pipeline or model-split cut the model, for the index
 
 
 def apply_pipeline(model: nn.Module, dims: PipelineRank, partition, sample: torch.Tensor, tail=None) -> nn.Module:
@@ -93,10 +95,10 @@ def timing_sample(dataset, cfg) -> tuple[torch.Tensor, Callable[[torch.Tensor], 
     return x, tail
 
 
-def apply_model_split(model: nn.Module, parallel_cfg, sample: torch.Tensor | None = None, tail=None) -> ModelSplit:
-    """The model's blocks over this rank's devices (its GPUs, or the CPU), micro-batched; `sample`
-    and `tail` as apply_pipeline's."""
-    partition = partition_spec(parallel_cfg.partition)
+def apply_model_split(model: nn.Module, parallel_cfg, partition, sample: torch.Tensor | None = None,
+                      tail=None) -> ModelSplit:
+    """The model's blocks over this rank's devices (its GPUs, or the CPU), micro-batched.
+    `partition`: resumed_partition's; `sample` and `tail` as apply_pipeline's."""
     if partition == "time":
         # the parameters' names (which the allreduce pairs up across workers) follow the cut:
         # every worker cuts where rank 0 does
@@ -116,10 +118,11 @@ def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabOb
     return optimizer, step
 
 
-def pipeline_partition(model, dims: PipelineRank, ctx: Context, cfg):
-    """cfg.parallel.partition; `time` resumes at the newest checkpoint's cut (partition_to_resume)."""
+def resumed_partition(model, pieces: int, ctx: Context, cfg):
+    """cfg.parallel.partition for a cut into `pieces`; `time` resumes at the newest checkpoint's cut
+    (partition_to_resume), for a pipeline's stages and a model-split's alike."""
     return partition_to_resume(partition_spec(cfg.parallel.partition), [name for name, _ in named_blocks(model)],
-                               dims.stages * dims.chunks, lambda: newest_cut(cfg.checkpoint, ctx))
+                               pieces, lambda: newest_cut(cfg.checkpoint, ctx))
 
 
 def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int) -> Parallel:
@@ -127,7 +130,7 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
     by the whole model's norm, summed over the stages."""
     dims = ctx.pipeline
-    partition = pipeline_partition(model, dims, ctx, cfg)
+    partition = resumed_partition(model, dims.stages * dims.chunks, ctx, cfg)
     sample, tail = timing_sample(dataset, cfg)
     per_block = activations_of(model, sample)   # before tp splits the blocks: a micro-batch's
     # The model is on the meta device: this rank draws only its stage (its slices under tp), from
@@ -145,7 +148,7 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule,
                             guard=nonfinite_guard(cfg, ctx))
-    return Parallel(stage, optimizer, engine, SplitParameters(stage) if dims.tensor_group else None)
+    return Parallel(stage, optimizer, engine, SplitParameters(stage) if dims.tensor_group else None, stage.plan)
 
 
 def _recompute(model: nn.Module, cfg) -> None:
@@ -188,10 +191,11 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
     _recompute(model, cfg)   # whole() built the model again
     if ctx.stage_devices is not None:
         # it places each block on its own device
-        model = apply_model_split(model, cfg.parallel, *timing_sample(dataset, cfg))
+        model = apply_model_split(model, cfg.parallel, resumed_partition(model, cfg.parallel.stages, ctx, cfg),
+                                    *timing_sample(dataset, cfg))
     else:
         model = model.to(ctx.device)
     split = SplitParameters(model) if tensor else None
     objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
     optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
-    return Parallel(model, optimizer, step, split)
+    return Parallel(model, optimizer, step, split, model.plan if isinstance(model, ModelSplit) else None)

@@ -8,8 +8,9 @@ model-split: resumed mid-epoch. The uninterrupted run checkpoints every few step
 starts from a copy of one mid-epoch checkpoint of epoch 1 alone, which is what a job stopped at
 that step leaves behind (rank 0 is the only writer), and must end on the same losses, metrics,
 step and final weights. It resumes at another cut (stage 1 from block 3, not the parameter
-balance's 2): a model-split checkpoint holds the model under its own names, so where `time`
-cuts at the next start does not matter.
+balance's 2): a model-split checkpoint holds the model under its own names, so any cut reads it;
+the MLP's numbers do not depend on the cut. (A GPT's may, by rounding: `time` resumes where the
+checkpoint was cut, test_workload_projects.)
 """
 
 import json

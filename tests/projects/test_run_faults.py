@@ -295,11 +295,13 @@ def test_a_stop_signal_checkpoints_where_every_rank_stops_and_the_restart_goes_o
     project, straight_run = straight(framework, strategy)
     tracked = (framework, strategy) == ("torch", "data")
     run_dir, checkpoints, faults = tmp_path / "run", tmp_path / "checkpoints", tmp_path / "faults"
-    training = [*TRAINING, *([] if tracked else UNTRACKED), "--train.grace_s", "20",
+    # log points (where the ranks agree on a stop) every 5 steps and a short hold: the stop fits in
+    # horovodrun's 5 s after SIGTERM also where a loaded machine takes 0.7 s a step
+    training = [*TRAINING, *([] if tracked else UNTRACKED), "--train.grace_s", "20", "--train.log_every", "5",
                 "--run_dir", str(run_dir), "--checkpoint.dir", str(checkpoints)]
     if tracked:
         training += ["--tracking.uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
-    job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path, pause_s=2)), framework,
+    job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path, pause_s=0.5)), framework,
                str(faults), "1", "30", "pause", "train.py", *training], cwd=project)
     try:
         at_start(faults, 1, job)

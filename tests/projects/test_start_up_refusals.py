@@ -13,7 +13,8 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
   the elastic state's first sync, and all stop before anything is written.
 - the ResNet-18 and GPT projects' own data and model problems: an image folder without images,
   an image that is not one, a token file shorter than one context window, a tied GPT head split
-  from its embedding, fp16 on a CPU.
+  from its embedding, fp16 on a CPU, a GPT past this host's memory (whole, and as a pipeline whose
+  second stage would fit: its rank stops on the same line, the host judged by both stages).
 """
 
 from __future__ import annotations
@@ -188,6 +189,11 @@ WORKLOAD_REFUSALS = [
     ("torch", "gpt", "data", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), *HUGE_GPT],
      "memory: the 2 rank(s) on this host would hold about 1254.48 GiB (627.24 GiB each: 576.12 GiB of parameters, "
      "gradients and optimizer state, 51.13 GiB of activations), more than the "),
+    # stage 1 holds the head alone and fits: it stops on stage 0's line, the host judged by both stages
+    ("torch", "gpt", "pipeline",
+     lambda p: [*_tokens_of(p, (p / "README.md").read_text()), *HUGE_GPT, "--parallel.partition", "49"],
+     "memory: the 2 rank(s) on this host would hold about 601.68 GiB (601.62 GiB on the fullest: 576.12 GiB of "
+     "parameters, gradients and optimizer state, 25.50 GiB of activations), more than the "),
     ("tensorflow", "gpt", "data", lambda p: [*_tokens_of(p, (p / "README.md").read_text()), *HUGE_GPT],
      "memory: the 2 rank(s) on this host would hold about 1152.23 GiB (576.12 GiB each: 576.12 GiB of parameters, "
      "gradients and optimizer state, activations not counted), more than the "),
@@ -203,12 +209,14 @@ WORKLOAD_REFUSALS = [
 @pytest.mark.parametrize("framework, model, strategy, make_args, problem", WORKLOAD_REFUSALS,
                          ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu",
                               "tp-not-dividing-np", "tp-not-dividing-heads", "tp-with-dropout",
-                              "model-past-memory", "tf-model-past-memory", "tf-not-an-image", "tf-fp16-on-cpu"])
+                              "model-past-memory", "stage-past-memory", "tf-model-past-memory", "tf-not-an-image",
+                              "tf-fp16-on-cpu"])
 def test_workload_data_and_model_problems_stop_every_rank(tmp_path, framework, model, strategy, make_args, problem):
     project = generate(tmp_path, framework, strategy, model)
     line = refused(project, *make_args(project))
     assert problem in line, line
     if problem.startswith("memory:"):   # the settings that hold less, activations first where they are counted
-        fixes = ("model.recompute blocks (activations), " if framework == "torch" else "") + \
-            "a project that splits the model (hvdgen new --strategy pipeline or tensor)"
+        fixes = ("model.recompute blocks (activations), " if framework == "torch" else "") + (
+            "more parallel.stages, or a larger parallel.tp for a GPT" if strategy == "pipeline" else
+            "a project that splits the model (hvdgen new --strategy pipeline or tensor)")
         assert line.endswith(f" of this host: use fewer ranks on this host, a smaller model, or {fixes}"), line

@@ -13,6 +13,7 @@ fewer than its 4 micro-batches: that batch runs as 2 micro-batches on every stag
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,13 +106,15 @@ def learns_from_disk_and_resumes_exactly(tmp_path: Path, framework: str, model: 
     # checkpoint every 2 steps: resume mid-epoch.
     every = () if pipeline else ("--checkpoint.every_steps", "2", "--checkpoint.keep", "100")
 
-    straight, _ = train(project, tmp_path / "straight", 2, *args, *every, digest=not pipeline)
+    straight, first = train(project, tmp_path / "straight", 2, *args, *every, digest=not pipeline)
     step = straight[0]["step"] if pipeline else 2
     assert pipeline or straight[0]["step"] > 2, "the checkpoint at step 2 must be mid-epoch"
     [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{step:09d}*")
     copy_checkpoint(saved, tmp_path / "resumed" / "rank0" / "checkpoints")
     resumed, out = train(project, tmp_path / "resumed", 2, *args, *every, digest=not pipeline)
     assert f"resuming from checkpoints/{saved.name}: epoch {1 if pipeline else 0}, step {step}" in out
+    if strategy != "data":   # `time` cuts a resumed run where its checkpoint was cut, never timing afresh
+        assert cut(out) == cut(first), (cut(first), cut(out))
     if pipeline:
         assert len(resumed) == 1
         assert_same(resumed[-1], straight[-1], ("train_loss", "train_accuracy", "val_loss", metric))
@@ -124,6 +127,13 @@ def learns_from_disk_and_resumes_exactly(tmp_path: Path, framework: str, model: 
     assert straight[1]["train_loss"] < straight[0]["train_loss"]
     assert straight[1]["train_samples_per_s"] > 0 and straight[1]["train_step_time_ms"] > 0
     assert ("train_tokens_per_s" in straight[1]) == (model == "gpt")
+
+
+def cut(out: str) -> str:
+    """Where rank 0 said the stages were cut (`parallel.partition time: stage 0: a..b (2 blocks, 36
+    ms); ...`), without the costs: a cut taken from a checkpoint is described by parameters."""
+    [line] = [line for line in out.splitlines() if "parallel.partition time: " in line]
+    return re.sub(r"(\d+ blocks?), [^)]*\)", r"\1)", line.split("parallel.partition time: ")[1])
 
 
 def trains_in_bf16(tmp_path: Path, framework: str, model: str, strategy: str) -> None:

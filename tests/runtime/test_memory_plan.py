@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hvd_runtime.config import ConfigError
-from hvd_runtime.memory_plan import GIB, MemoryPlan, available_bytes
+from hvd_runtime.memory_plan import GIB, MemoryPlan, available_bytes, verdict
 from hvd_runtime.torch.memory_plan import block_activations, held_parameters
 from hvd_runtime.torch.meta_init import build_on_meta
 from hvd_runtime.torch.recompute import recompute_blocks
@@ -88,3 +88,19 @@ def test_the_hosts_memory_is_its_total_or_a_lower_container_limit(tmp_path):
     limited.write_text(f"{8 * GIB}\n")
     assert available_bytes(meminfo, (unlimited, limited)) == 8 * GIB
     assert available_bytes(tmp_path / "missing", ()) is None
+
+
+def test_a_host_is_judged_by_its_ranks_plans_summed():
+    """A pipeline's stages hold different shares: the host holds their sum, named by its fullest rank."""
+    big = MemoryPlan(parameters=GIB // 4, optimizer_state=2, activations=None, ranks_on_host=2, recompute=False)
+    small = MemoryPlan(parameters=GIB // 16, optimizer_state=2, activations=None, ranks_on_host=2, recompute=False)
+    assert verdict([("a", 6 * GIB, big), ("a", 6 * GIB, small)], "more parallel.stages") is None   # 4 + 1 GiB
+    assert verdict([("a", 6 * GIB, big), ("b", 6 * GIB, big)], "x") is None                       # a host each
+    assert verdict([("a", None, big), ("a", None, big)], "x") is None      # hosts that do not say: no verdict
+    assert verdict([("a", 4 * GIB, small), ("a", 4 * GIB, big)], "more parallel.stages") == (
+        "memory: the 2 rank(s) on this host would hold about 5.00 GiB (4.00 GiB on the fullest: 4.00 GiB of "
+        "parameters, gradients and optimizer state, activations not counted), more than the 4.00 GiB of this host: "
+        "use fewer ranks on this host, a smaller model, or more parallel.stages")
+    refused = verdict([("a", 9 * GIB, big), ("b", 7 * GIB, big), ("b", 7 * GIB, big)], "more parallel.stages")
+    assert refused.startswith("memory: the 2 rank(s) on this host would hold about 8.00 GiB (4.00 GiB each: ")
+    assert " more than the 7.00 GiB of this host" in refused

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.partition import PartitionError, partition, plan_on_rank0, plan_partition
 
 
@@ -113,3 +114,25 @@ def test_only_rank0_plans_and_every_rank_takes_its_plan_or_its_refusal():
         with pytest.raises(PartitionError, match="cannot split 4 blocks into 5 stages"):
             plan_on_rank0(refused if rank == 0 else plan, rank, broadcast_from(rank))
     assert len(calls) == 1
+
+
+def test_time_resumes_at_the_checkpoints_cut_and_nothing_else_does():
+    """`time` would time afresh and may cut elsewhere, which changes a model-split's rounding:
+    a resumed run cuts where its newest checkpoint did, when that cut these blocks as many ways."""
+    names = ["embed", "block0", "block1", "head"]
+    saved = {"names": names, "bounds": [[0, 3], [3, 4]]}
+    asked = []
+
+    def newest():
+        asked.append(True)
+        return saved
+
+    assert partition_to_resume("time", names, 2, newest) == ["head"]
+    assert partition_to_resume("time", names, 2, lambda: None) == "time"           # a fresh start times
+    assert partition_to_resume("time", names, 3, newest) == "time"                 # another number of stages
+    assert partition_to_resume("time", ["embed", "block0", "head"], 2, newest) == "time"   # another model
+    asked.clear()
+    assert partition_to_resume("params", names, 2, newest) == "params" and not asked   # never read but for time
+    assert partition_to_resume(["block1"], names, 2, newest) == ["block1"] and not asked
+    plan = plan_partition(names, 2, partition_to_resume("time", names, 2, newest), lambda: [1.0] * 4, None)
+    assert plan.cut() == saved
