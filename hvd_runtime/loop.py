@@ -68,7 +68,8 @@ def means_over_ranks(sums: Mapping[str, object], count, sum_over_ranks: Callable
 
 def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0,
                 on_log: Callable[[dict[str, float], int], None] | None = None,
-                every: Sequence[Every] = (), on_stop: Callable[[], object] | None = None) -> dict[str, float]:
+                every: Sequence[Every] = (), on_stop: Callable[[], object] | None = None,
+                utilization=None) -> dict[str, float]:
     """Train the rest of epoch `state.epoch`; return train_loss and train_<metric> over the job, and speed.
 
     `state` (a TrainState or Horovod's elastic state) advances as it goes: `step`, and
@@ -76,7 +77,8 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
     `epoch` moves on and `samples_in_epoch` returns to 0. With k batches per optimizer step the
     epoch is trimmed to a multiple of k, the same on every rank, so no half-accumulated step is
     left over, and `every` hooks run only between optimizer steps. Every `log_every` steps, the
-    batch loss over the job and the throughput since the last point go to `on_log(metrics, step)`.
+    batch loss over the job and the throughput since the last point go to `on_log(metrics, step)`;
+    with rank 0's `utilization` (hvd_runtime.mfu), each rate also comes with its `mfu`.
 
     The same collective (every STOP_CHECK_EVERY steps without log points) says whether any rank
     has been asked to stop (hvd_runtime.preemption); if so, every rank ends after the next
@@ -89,7 +91,7 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
     seen = 0
     batch_iter = progress(batches.batches(state.epoch, state.samples_in_epoch), enabled=is_root,
                           desc=f"epoch {state.epoch}", total=usable)
-    speed = Throughput(batches.samples_per_step)
+    speed = Throughput(batches.samples_per_step, utilization=utilization)
     check_every = log_every or preemption.STOP_CHECK_EVERY
     stopping = None   # the signal every rank stops on, once one was asked
     for i, (x, y) in enumerate(batch_iter):

@@ -1,4 +1,4 @@
-"""Training speed as people quote it: samples (or tokens) per second over the whole job, and step time.
+"""Training speed as people quote it: samples (or tokens) per second over the whole job, step time, MFU.
 
 Framework-free. Rates are measured between log points on this rank's clock and count every
 rank's samples: all ranks step together (each step ends in an allreduce), so one rank's clock
@@ -12,8 +12,11 @@ import time
 
 
 class Throughput:
-    def __init__(self, samples_per_step: int, tokens_per_sample: int = 1):
+    """`utilization` (hvd_runtime.mfu, rank 0's): each rate then comes with its `mfu`."""
+
+    def __init__(self, samples_per_step: int, tokens_per_sample: int = 1, utilization=None):
         self.samples_per_step, self.tokens_per_sample = samples_per_step, tokens_per_sample
+        self.utilization = utilization
         self.restart()
 
     def restart(self) -> None:
@@ -31,6 +34,8 @@ class Throughput:
         rates = {"samples_per_s": samples, "step_time_ms": 1000.0 * seconds / steps}
         if self.tokens_per_sample > 1:  # a language model: the figure people compare is tokens per second
             rates["tokens_per_s"] = samples * self.tokens_per_sample
+        if self.utilization is not None:
+            rates["mfu"] = self.utilization.of(samples)
         return rates
 
     def since_last(self) -> dict[str, float]:

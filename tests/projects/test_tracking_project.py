@@ -36,6 +36,9 @@ def test_generated_project_logs_one_run_to_a_server(tmp_path, strategy):
             history = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             assert history and len(history) == len(set(history)), f"{key} logged more than once per step"
         assert len(client.get_metric_history(run.info.run_id, "epoch")) == 3
+        # MFU beside the throughput at each log point, and the epoch's
+        assert {"mfu", "samples_per_s", "train_mfu"} <= set(run.data.metrics), sorted(run.data.metrics)
+        assert all(0 < m.value < 1 for key in ("mfu", "train_mfu") for m in client.get_metric_history(run.info.run_id, key))
         system = {key for key in run.data.metrics if key.startswith("system/")}
         assert {key.split("/")[1] for key in system} == set(hosts), "every host's readings, in the one run"
         for host in hosts:

@@ -126,6 +126,7 @@ def learns_from_disk_and_resumes_exactly(tmp_path: Path, framework: str, model: 
         assert digests[0] == digests[1], "the resumed run's final weights differ"
     assert straight[1]["train_loss"] < straight[0]["train_loss"]
     assert straight[1]["train_samples_per_s"] > 0 and straight[1]["train_step_time_ms"] > 0
+    assert 0 < straight[1]["train_mfu"] < 1 and f"train_mfu {straight[1]['train_mfu']:.4f}" in first
     assert ("train_tokens_per_s" in straight[1]) == (model == "gpt")
 
 
