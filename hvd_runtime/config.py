@@ -46,6 +46,7 @@ class ModelConfig:
     layers: int = 4                 # gpt: transformer blocks
     heads: int = 4                  # gpt: attention heads (width must divide by it)
     context: int = 128              # gpt: tokens per training window
+    vocab_multiple: int = 1         # gpt: the vocabulary padded to a multiple of this (ids past the data's never occur)
     tie_embeddings: bool = True     # gpt: the output head shares the token embedding
     recompute: str = "none"         # none | blocks: each block runs its forward again in backward, keeping
                                     # only its input (activation memory for a forward's compute)
@@ -223,8 +224,8 @@ POSITIVE = ("train.grace_s", "optim.lr")
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "horovod.backward_passes_per_step", "horovod.elastic_commit_every", "parallel.stages",
                 "parallel.micro_batches", "parallel.virtual_stages", "model.width", "model.layers", "model.heads",
-                "model.context", "data.image_size", "data.synthetic_samples", "data.synthetic_features",
-                "data.synthetic_classes")
+                "model.context", "model.vocab_multiple", "data.image_size", "data.synthetic_samples",
+                "data.synthetic_features", "data.synthetic_classes")
 AT_LEAST_ZERO = ("data.workers", "optim.clip_norm", "optim.weight_decay", "optim.warmup_epochs",
                  "horovod.threads_per_rank", "horovod.cycle_time_ms", "train.log_every", "train.hang_timeout_s",
                  "train.hang_allowance_s", "train.max_skipped", "checkpoint.every_steps", "checkpoint.max_failures")

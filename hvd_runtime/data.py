@@ -150,11 +150,12 @@ def load_image_folder(path: str | Path, image_size: int = 32, val_fraction: floa
     return load(path, image_size, val_fraction, seed)
 
 
-def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
-    """PATH/train.bin and PATH/val.bin (uint16 tokens) with PATH/meta.json, read in context windows."""
+def load_tokens(path: str | Path, context: int, seed: int = 0, vocab_multiple: int = 1) -> Dataset:
+    """PATH/train.bin and PATH/val.bin (token ids) with PATH/meta.json, read in context windows; the
+    vocabulary padded to a multiple of `vocab_multiple` (hvd_runtime.tokens.load_tokens)."""
     from hvd_runtime.tokens import load_tokens as load
 
-    return load(path, context, seed)
+    return load(path, context, seed, vocab_multiple)
 
 
 def make_synthetic(samples: int, features: int, classes: int, val_fraction: float = 0.2, seed: int = 0) -> Dataset:

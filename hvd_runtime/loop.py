@@ -123,7 +123,7 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
                 mean = float(totals[0] / totals[1]) if totals[1] else float("nan")
                 point = {"step_train_loss": mean} | speed.since_last()
                 if hasattr(batch_iter, "set_postfix_str"):
-                    batch_iter.set_postfix_str(f"{point['samples_per_s']:.0f} samples/s", refresh=False)
+                    batch_iter.set_postfix_str(_rates(point), refresh=False)
                 on_log(point, state.step)
         for hook in every:
             if apply and hook.steps and state.step % hook.steps == 0:
@@ -135,6 +135,12 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
     # Horovod: sample-weighted over every rank's shard, not just this one.
     return means_over_ranks({f"train_{key}": value for key, value in sums.items()}, seen, step.sum_over_ranks,
                             "metrics.train") | {f"train_{key}": value for key, value in speed.epoch().items()}
+
+
+def _rates(point: dict[str, float]) -> str:
+    """The progress bar's rates: samples (a language model's tokens) per second, and the MFU."""
+    rate = f"{point['tokens_per_s']:.4g} tokens/s" if "tokens_per_s" in point else f"{point['samples_per_s']:.4g} samples/s"
+    return rate + (f", mfu {point['mfu']:.1%}" if "mfu" in point else "")
 
 
 def skipped_updates(step: Step) -> int:

@@ -90,7 +90,11 @@ def vocabulary(root: Path) -> tuple[int, str]:
     return size, dtype
 
 
-def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
+def load_tokens(path: str | Path, context: int, seed: int = 0, vocab_multiple: int = 1) -> Dataset:
+    """The token folder's train and val windows; the vocabulary (num_classes) padded up to a
+    multiple of `vocab_multiple`, as nanoGPT pads GPT-2's 50,257 ids to 50,304: a model sized by it
+    has matmuls of friendly shapes and a head tensor parallelism can split; the padded ids never
+    occur in the data, so training soon gives them no probability."""
     root = Path(path)
     if not root.is_dir():
         raise DataError(f"data.path {str(root)!r} is not a folder holding {' and '.join(FILES)}: {MAKE_THEM}")
@@ -111,4 +115,4 @@ def load_tokens(path: str | Path, context: int, seed: int = 0) -> Dataset:
             raise DataError(f"{root / name} holds {split.token_count} tokens, fewer than the {split.min_tokens} "
                             f"one context window needs (model.context {context}): use more text, or lower "
                             f"model.context")
-    return Dataset(train, val, num_classes=vocab)
+    return Dataset(train, val, num_classes=-(-vocab // vocab_multiple) * vocab_multiple)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # stdlib only, like this module: `hvdgen doctor` imports the CLI with nothing but click installed
 from hvd_runtime.pipeline.schedule import SCHEDULES as _RUNTIME_SCHEDULES, SPLIT_BACKWARD
@@ -37,6 +37,41 @@ MODELS = {
     "gpt": Model("a GPT-style decoder-only language model over a token file read through memmap", 6,
                  "embedding, 4 transformer layers, head", "add transformer layers (config.yaml model.layers)", heads=4),
 }
+
+
+
+@dataclass(frozen=True)
+class GptSize:
+    """A GPT's shape as config.yaml starts it (`hvdgen new --model gpt --size NAME`)."""
+
+    what: str
+    layers: int
+    heads: int
+    width: int
+    context: int
+    batch_size: int   # per rank
+    lr: float         # for one rank (AdamW)
+    precision: str    # train.precision
+
+
+GPT_SIZES = {
+    "tiny": GptSize("4 layers of width 64, context 64: trains in minutes on a CPU (the default)",
+                    4, 4, 64, 64, 32, 1e-3, "fp32"),
+    "gpt2-small": GptSize("GPT-2 small: 12 layers, 12 heads, width 768, context 1024 (124 M parameters with "
+                          "GPT-2's vocabulary); a GPU's size", 12, 12, 768, 1024, 16, 6e-4, "bf16"),
+}
+DEFAULT_SIZE = "tiny"
+
+
+def model_at(name: str, size: str = DEFAULT_SIZE) -> Model:
+    """MODELS[name] with the blocks and heads of `size` (a GPT's; the other models have one size)."""
+    model = MODELS[name]
+    if name != "gpt":
+        return model
+    shape = GPT_SIZES[size]
+    return replace(model, blocks=shape.layers + 2, block_names=f"embedding, {shape.layers} transformer layers, head",
+                   heads=shape.heads)
+
 
 # The framework release each generated project pins: the one this hvdgen release is tested with.
 # scripts/setup.sh installs the same (a test keeps the two in step).

@@ -92,6 +92,8 @@ ANSWERS = ("framework", "strategy", "model", "stages", "micro_batches", "schedul
               help="The parallel strategy.")
 @click.option("--model", "-m", type=click.Choice(list(catalog.MODELS)), default=None,
               help="The model (see hvdgen list) [mlp; gpt for tensor].")
+@click.option("--size", type=click.Choice(list(catalog.GPT_SIZES)), default=catalog.DEFAULT_SIZE, show_default=True,
+              help="gpt: its shape in config.yaml; gpt2-small is GPT-2's 124 M (12 layers, width 768, context 1024).")
 @click.option("--output", "-o", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Directory in which the project folder NAME is created.")
 @click.option("--stages", type=int, default=None, help="model-split / pipeline: number of stages [2].")
@@ -105,7 +107,7 @@ ANSWERS = ("framework", "strategy", "model", "stages", "micro_batches", "schedul
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
 @click.option("--no-input", is_flag=True, help="Never ask: take the flags and the defaults (as off a terminal).")
 @click.pass_context
-def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str, model: str | None,
+def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str, model: str | None, size: str,
             stages: int | None, micro_batches: int | None, schedule: str | None, tp: int | None, elastic: bool,
             output: Path, dry_run: bool, force: bool, no_input: bool) -> None:
     """Generate a training project NAME.
@@ -146,7 +148,8 @@ def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str,
         from hvdgen import catalog
 
         model = catalog.default_model(strategy) if strategy in catalog.STRATEGIES else "mlp"
-    spec = ProjectSpec(name=name, framework=framework, strategy=strategy, model=model, elastic=elastic, **given)
+    spec = ProjectSpec(name=name, framework=framework, strategy=strategy, model=model, size=size, elastic=elastic,
+                       **given)
     target = output / name
     result = generate(spec, target, force=force, dry_run=dry_run)
     if dry_run:

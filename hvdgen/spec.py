@@ -60,6 +60,7 @@ class ProjectSpec:
     framework: str = "torch"
     strategy: str = "data"
     model: str = "mlp"     # mlp | resnet18 | gpt (catalog.MODELS)
+    size: str = catalog.DEFAULT_SIZE   # a GPT's shape (catalog.GPT_SIZES); the other models have one
     elastic: bool = False  # Horovod elastic: survive lost workers (hvd.elastic.run, host discovery)
     stages: int = 2        # model-split: devices per worker; pipeline: ranks per pipeline
     micro_batches: int = 4
@@ -73,7 +74,7 @@ class ProjectSpec:
         validate_name(self.name)
         if self.tp is None:  # frozen: the default depends on the strategy
             object.__setattr__(self, "tp", 2 if self.strategy == "tensor" else 1)
-        for key in ("framework", "strategy", "model", "schedule", "hvdgen_version"):
+        for key in ("framework", "strategy", "model", "size", "schedule", "hvdgen_version"):
             if not isinstance(getattr(self, key), str):
                 raise HvdgenError(f"{key} must be text, got {getattr(self, key)!r}: e.g. {key}: "
                                   f"{getattr(ProjectSpec, key, None) or __version__}")
@@ -96,7 +97,12 @@ class ProjectSpec:
             raise HvdgenError(f"unknown model {self.model!r}: choose one of {', '.join(catalog.MODELS)}")
         if not _whole(self.stages) or self.stages < 2:
             raise HvdgenError(f"--stages must be an integer of at least 2, got {self.stages!r}: e.g. --stages 2")
-        model = catalog.MODELS[self.model]
+        if self.size not in catalog.GPT_SIZES:
+            raise HvdgenError(f"unknown size {self.size!r}: choose one of {', '.join(catalog.GPT_SIZES)}")
+        if self.size != catalog.DEFAULT_SIZE and self.model != "gpt":
+            raise HvdgenError(f"--size {self.size} is a size of the GPT, and the {self.model} model has one: "
+                              f"use --model gpt, or leave --size out")
+        model = self.model_info
         if self.stages > model.blocks:
             raise HvdgenError(f"--stages {self.stages} is more than the {model.blocks} blocks of the generated "
                               f"{self.model} ({model.block_names}): use --stages {model.blocks} or fewer; for more, "
@@ -150,7 +156,7 @@ class ProjectSpec:
         return 2
 
     def _check_tensor(self) -> None:
-        heads = catalog.MODELS[self.model].heads
+        heads = self.model_info.heads
         least = 2 if self.strategy == "tensor" else 1
         if not _whole(self.tp) or self.tp < least:
             raise HvdgenError(f"--tp must be an integer of at least {least}, got {self.tp!r}: e.g. --tp 2")
@@ -168,6 +174,15 @@ class ProjectSpec:
         return package_name(self.name)
 
     @property
+    def model_info(self) -> catalog.Model:
+        """The model at this project's size: its blocks and attention heads."""
+        return catalog.model_at(self.model, self.size)
+
+    @property
+    def gpt_size(self) -> catalog.GptSize:
+        return catalog.GPT_SIZES[self.size]
+
+    @property
     def model_ranks(self) -> int:
         """Ranks that together hold one copy of the model: a pipeline's stages x tp, a tensor-parallel
         group's tp, else 1. The world (-np) is a multiple of it: model_ranks x replicas."""
@@ -177,7 +192,7 @@ class ProjectSpec:
     def tp_stages(self) -> bool:
         """A pipeline whose stages may be split by tensor parallelism (parallel.tp, 1 by default): a
         pipeline of a model with attention heads. Its train.py splits and gathers them."""
-        return self.strategy == "pipeline" and catalog.MODELS[self.model].heads > 0
+        return self.strategy == "pipeline" and self.model_info.heads > 0
 
     @property
     def cpu_np(self) -> int:

@@ -104,12 +104,35 @@ def test_list_shows_every_combination():
     (["--model", "gpt", "--strategy", "pipeline", "--stages", "7"],
      "--stages 7 is more than the 6 blocks of the generated gpt (embedding, 4 transformer layers, head): use "
      "--stages 6 or fewer; for more, add transformer layers (config.yaml model.layers)"),
+    (["--size", "gpt2-small"], "--size gpt2-small is a size of the GPT, and the mlp model has one: use --model gpt, "
+                               "or leave --size out"),
+    (["--model", "gpt", "--size", "gpt2-small", "--strategy", "pipeline", "--stages", "15"],
+     "--stages 15 is more than the 14 blocks of the generated gpt (embedding, 12 transformer layers, head)"),
+    (["--model", "gpt", "--size", "gpt2-small", "--strategy", "tensor", "--tp", "8"],
+     "--tp 8 does not divide the generated gpt's 12 attention heads"),
+    (["--model", "gpt", "--size", "huge"], "Invalid value for '--size': 'huge' is not one of 'tiny', 'gpt2-small'."),
 ])
 def test_a_model_that_cannot_be_generated_is_refused_in_one_line(tmp_path, args, problem):
     result = run("new", "proj", "--output", str(tmp_path), *args)
     assert result.exit_code != 0
     assert problem in result.output and result.output.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_gpt2_small_size_starts_the_config_at_gpt2_small(tmp_path):
+    """Its parameters are counted in tests/runtime/test_gpt_sizes.py (GPT-2 small's 124,439,808)."""
+    result = run("new", "proj", "--output", str(tmp_path), "--model", "gpt", "--size", "gpt2-small",
+                 "--strategy", "pipeline", "--stages", "14")
+    assert result.exit_code == 0, result.output
+    config = yaml.safe_load((tmp_path / "proj" / "config.yaml").read_text())
+    assert {k: config["model"][k] for k in ("layers", "heads", "width", "context", "vocab_multiple")} == \
+        {"layers": 12, "heads": 12, "width": 768, "context": 1024, "vocab_multiple": 64}
+    assert (config["train"]["batch_size"], config["train"]["precision"], config["optim"]["lr"]) == (16, "bf16", 6e-4)
+    assert ProjectSpec.from_yaml((tmp_path / "proj" / SPEC_FILE).read_text()).size == "gpt2-small"
+    assert "This project starts at **GPT-2 small**" in (tmp_path / "proj" / "README.md").read_text()
+    tiny = run("new", "tiny", "--output", str(tmp_path), "--model", "gpt")
+    assert tiny.exit_code == 0 and yaml.safe_load((tmp_path / "tiny" / "config.yaml").read_text())["model"]["layers"] == 4
+    assert "GPT-2 small**" not in (tmp_path / "tiny" / "README.md").read_text()
 
 
 def test_cli_starts_without_importing_frameworks():

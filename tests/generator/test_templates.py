@@ -24,8 +24,8 @@ def test_renders_and_parses(tmp_path, framework, strategy, model):
 
 # The settings each model reads; a config.yaml lists its own model's and none of the others'.
 MODEL_KEYS = {"mlp": {"model.hidden", "model.dropout", "model.batch_norm"}, "resnet18": {"model.width"},
-              "gpt": {"model.layers", "model.heads", "model.width", "model.context", "model.dropout",
-                      "model.tie_embeddings"}}
+              "gpt": {"model.layers", "model.heads", "model.width", "model.context", "model.vocab_multiple",
+                      "model.dropout", "model.tie_embeddings"}}
 TOKEN_DATA_KEYS = {"data.source", "data.path", "data.workers"}   # a token folder has its own split and sizes
 TORCH_ONLY = {"data.workers"}   # TensorFlow reads in tf.data's threads, sized by AUTOTUNE
 

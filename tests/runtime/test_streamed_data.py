@@ -175,6 +175,18 @@ def test_a_vocabulary_past_uint16_reads_uint32_tokens(tmp_path):
     np.testing.assert_array_equal(y[0], np.arange(1, 9) + 70_000)
 
 
+def test_the_vocabulary_pads_to_a_multiple_and_the_tokens_stay_as_written(tmp_path):
+    """GPT-2's 50,257 ids as nanoGPT pads them: 50,304, a multiple of 64."""
+    write_tokens(tmp_path, np.arange(100) + 50_100, vocab=50_257)
+    assert load_tokens(tmp_path, context=8).num_classes == 50_257
+    padded = load_tokens(tmp_path, context=8, vocab_multiple=64)
+    assert padded.num_classes == 50_304
+    np.testing.assert_array_equal(padded.val.take(np.array([0]))[0][0], np.arange(8) + 50_100)
+    assert load_tokens(tmp_path, context=8, vocab_multiple=1).num_classes == 50_257
+    write_tokens(tmp_path, np.arange(100), vocab=256)
+    assert load_tokens(tmp_path, context=8, vocab_multiple=64).num_classes == 256   # a multiple already
+
+
 def test_a_token_split_is_read_through_a_dataloader(tmp_path):
     write_tokens(tmp_path, np.arange(200) % 7, vocab=7)
     val = load_tokens(tmp_path, context=4).val
