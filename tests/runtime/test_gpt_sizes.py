@@ -7,21 +7,19 @@ embedding), 124,475,904 at the 50,304 the padded vocabulary (model.vocab_multipl
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from hvd_runtime.config import load_config
+from hvdgen.render import render_tree
+from hvdgen.spec import ProjectSpec
 from tp_checks import load_generated_model
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_gpt2_small_has_gpt2_smalls_parameters(tmp_path, framework):
-    subprocess.run([sys.executable, "-m", "hvdgen", "new", "p", "--framework", framework, "--model", "gpt",
-                    "--size", "gpt2-small", "--output", str(tmp_path)], check=True, capture_output=True)
-    cfg = load_config(tmp_path / "p" / "config.yaml", [])
-    build = load_generated_model(tmp_path / "p", f"gpt2_small_{framework}").build_model
+    render_tree(ProjectSpec(name="p", framework=framework, model="gpt", size="gpt2-small"), tmp_path)
+    cfg = load_config(tmp_path / "config.yaml", [])
+    build = load_generated_model(tmp_path, f"gpt2_small_{framework}").build_model
     if framework == "torch":
         from hvd_runtime.torch.memory_plan import held_parameters
         from hvd_runtime.torch.meta_init import build_on_meta

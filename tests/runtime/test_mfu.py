@@ -9,15 +9,14 @@ token by its parameters, against its matmuls and attention counted by hand.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from hvd_runtime.config import ModelConfig, RunConfig
 from hvd_runtime.mfu import Utilization, gpu_peak, precision_column, training_flops
 from hvd_runtime.throughput import Throughput
+from hvdgen.render import render_tree
+from hvdgen.spec import ProjectSpec
 from tp_checks import load_generated_model
 
 MLP = ModelConfig()                                        # hidden 128, 64
@@ -61,9 +60,8 @@ def generated(tmp_path_factory):
     for framework in ("torch", "tensorflow"):
         for kind in ("mlp", "resnet18", "gpt"):
             out = tmp_path_factory.mktemp(f"{framework}-{kind}")
-            subprocess.run([sys.executable, "-m", "hvdgen", "new", "p", "--framework", framework, "--model", kind,
-                            "--output", str(out)], check=True, capture_output=True)
-            found[framework, kind] = load_generated_model(out / "p", f"mfu_{framework}_{kind}").build_model
+            render_tree(ProjectSpec(name="p", framework=framework, model=kind), out)
+            found[framework, kind] = load_generated_model(out, f"mfu_{framework}_{kind}").build_model
     return found
 
 
