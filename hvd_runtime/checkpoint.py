@@ -99,6 +99,11 @@ class CheckpointStore:
                                                                                   and (p / "index.json").is_file()))]
         return [p for *_, p in sorted(found, reverse=True)]
 
+    def newest(self) -> Path | None:
+        """The newest existing checkpoint (paths()'s first), or None."""
+        found = self.paths()
+        return found[0] if found else None
+
     def staging(self, step: int) -> Path:
         """An empty hidden folder for checkpoint `step`'s shards (the writer's; a leftover of an
         interrupted write, of this step or another, is removed first)."""

@@ -77,5 +77,5 @@ def model_file(store: CheckpointStore, build, out: Path, discard: bool = False) 
     """Rank 0: the model of the store's newest checkpoint written to `out` (write_whole_model), as
     the record a tracker logs: the unsplit model `build()` makes, loaded with these weights where
     it is logged (`discard`: `out` is removed once logged)."""
-    weights = str(write_whole_model(store.paths()[0], Path(out), build))
+    weights = str(write_whole_model(store.newest(), Path(out), build))
     return ModelFile(weights, partial(_built_with, build, weights), discard, flavor="tensorflow")

@@ -3,6 +3,7 @@ one token per byte or a byte-level BPE it learns from the same text."""
 
 import json
 import runpy
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -65,4 +66,19 @@ def test_bad_options_are_one_line_and_write_nothing(tmp_path, args, problem):
     with pytest.raises(SystemExit) as stopped:
         main([str(TEXT), "--out", str(out), *args])
     assert str(stopped.value).startswith(problem) and "\n" not in str(stopped.value)
+    assert not out.exists()
+
+
+def test_an_empty_folder_or_a_missing_tokenizers_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    out = tmp_path / "tokens"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        main([str(tmp_path / "empty"), "--out", str(out)])
+    assert str(stopped.value) == ("error: 0 tokens of text is too little to split into training and validation "
+                                  "tokens: give more text")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)   # as where it is not installed
+    with pytest.raises(SystemExit) as stopped:
+        main([str(TEXT), "--out", str(out), "--tokenizer", "bpe"])
+    assert str(stopped.value) == ("error: --tokenizer bpe needs the tokenizers package: pip install tokenizers "
+                                  "(or use --tokenizer bytes)")
     assert not out.exists()
