@@ -25,6 +25,7 @@ def forward_flops(model, sample_shape: tuple[int, ...], dtype) -> float:
     the input never reaches.)"""
     import tensorflow as tf
     from tensorflow.python.framework import ops
+    from tensorflow.python.util import deprecation
     importlib.import_module("tensorflow.python.profiler.internal.flops_registry")   # registers the counts
 
     traced = tf.function(lambda x: model(x, training=False)).get_concrete_function(
@@ -36,12 +37,13 @@ def forward_flops(model, sample_shape: tuple[int, ...], dtype) -> float:
             reached.add(op.name)
             todo.extend(consumer for out in op.outputs for consumer in out.consumers())
     total = 0
-    for name in reached:
-        try:
-            total += ops.get_stats_for_node_def(traced.graph, traced.graph.get_operation_by_name(name).node_def,
-                                                "flops").value or 0
-        except ValueError:   # an op without a count (reshapes, identities)
-            pass
+    with deprecation.silence():   # the counts are TF1's profiler's: they warn of their own helpers
+        for name in reached:
+            try:
+                total += ops.get_stats_for_node_def(traced.graph, traced.graph.get_operation_by_name(name).node_def,
+                                                    "flops").value or 0
+            except ValueError:   # an op without a count (reshapes, identities)
+                pass
     return float(total)
 
 
