@@ -14,6 +14,8 @@
     TensorFlow's MultiWorkerMirroredStrategy;
 (g) the generated pipeline projects of both frameworks at their defaults
     (bench/pipeline_projects_bench.py): bubble against theory and replay, and their timelines.
+(h) train.compile on this CPU (bench/compile_bench.py): the torch MLP and GPT projects compiled
+    and eager at np 1 and np 2, and which `auto` picks.
 Every figure is the median of several rounds, and every ratio is taken within one round (the
 runs it compares ran back to back), so slow phases of a shared machine cancel out.
 """
@@ -163,6 +165,7 @@ def main() -> None:
     parser.add_argument("--workload-rounds", type=int, default=2, help="rounds of (e); 0 skips it")
     parser.add_argument("--tf-workload-rounds", type=int, default=1, help="rounds of (f); 0 skips it")
     parser.add_argument("--pipeline-project-rounds", type=int, default=1, help="rounds of (g); 0 skips it")
+    parser.add_argument("--compile-rounds", type=int, default=1, help="rounds of (h); 0 skips it")
     args = parser.parse_args()
     started = time.monotonic()
     minutes: dict[str, float] = {}  # part -> minutes it took
@@ -224,6 +227,13 @@ def main() -> None:
                         "--rounds", str(args.pipeline_project_rounds)], check=True)
         projects_md = (DOCS / "benchmarks-pipeline-projects.md").read_text()
         mark = took("(g) pipeline projects", mark)
+
+    compile_md = ""
+    if args.compile_rounds > 0:
+        subprocess.run([sys.executable, str(REPO / "bench" / "compile_bench.py"), "--rounds", str(args.compile_rounds)],
+                       check=True)
+        compile_md = (DOCS / "benchmarks-compile.md").read_text()
+        mark = took("(h) compile", mark)
 
     med = statistics.median
     where = []
@@ -290,6 +300,8 @@ def main() -> None:
         projects_md,
         "",
         workloads_md,
+        "",
+        compile_md,
         "",
         f"The whole `python bench/run.py` took {(time.monotonic() - started) / 60:.1f} minutes: "
         + ", ".join(f"{part} {m:.1f}" for part, m in minutes.items()) + ".",

@@ -62,6 +62,7 @@ class TrainConfig:
     hang_timeout_s: float = 300.0   # a step not done in this time ends the rank, stacks dumped (watchdog); 0 = off
     hang_allowance_s: float = 1800.0   # the same for start-up, first steps, evaluations, checkpoints
     grace_s: float = 30.0           # after SIGTERM / SIGUSR1: the time to stop at a step, checkpoint and exit
+    compile: str = "auto"           # auto | on | off: torch.compile of the model (auto: on GPUs)
     on_nonfinite: str = "skip"      # skip | stop | off: an update whose loss or gradients are NaN or inf
     max_skipped: int = 5            # skip: this many non-finite updates in a row are skipped, the next stops the run
 
@@ -219,6 +220,7 @@ CHOICES = {
     "parallel.schedule": tuple(SCHEDULES),
     "tracking.checkpoint_models": ("auto", "every", "final"),
     "model.recompute": ("none", "blocks"),
+    "train.compile": ("auto", "on", "off"),
 }
 POSITIVE = ("train.grace_s", "optim.lr")
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Utilization", "gpt_flops_per_sample", "gpu_peak", "job_utilization", "measured_rate", "precision_column",
-           "training_flops"]
+__all__ = ["Utilization", "counted", "gpt_flops_per_sample", "gpu_peak", "job_utilization", "measured_rate",
+           "precision_column", "training_flops"]
 
 # Dense (no sparsity) peaks in TFLOP/s by the run's arithmetic, from NVIDIA's data sheets; the
 # first pattern that matches the device's name wins (H100 PCIe before H100, A100 before A10).
@@ -89,6 +89,15 @@ def job_utilization(flops_per_sample: float, device_peak: tuple[float, str] | No
         return None
     peak, name = device_peak
     return Utilization(flops_per_sample, peak * devices, f"{devices} x {name}")
+
+
+def counted(model_cfg, language_model: bool, parameters: Callable[[], int], forward: Callable[[], float],
+            device_peak: Callable[[], tuple[float, str] | None], devices: int) -> Utilization | None:
+    """Rank 0's Utilization of the job, printed in one line: training_flops over `devices`, each of
+    `device_peak()`; None where the peak is unknown (a GPU the table lacks)."""
+    found = job_utilization(training_flops(model_cfg, language_model, parameters, forward), device_peak(), devices)
+    print(found.line() if found is not None else "mfu: not reported (no known peak for this device)", flush=True)
+    return found
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from hvd_runtime.config import partition_spec
+from hvd_runtime.config import ConfigError, partition_spec
 from hvd_runtime.nonfinite import nonfinite_guard
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
@@ -160,6 +160,9 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
     as it is. `dataset`: its vocabulary (num_classes) for a split head's loss, and a pipeline's
     sample batch, whose shapes decide where the stages cut. model.py is never edited.
     """
+    if cfg.train.compile == "on":
+        raise ConfigError("train.compile on compiles torch models (torch.compile): a Keras project's step runs as "
+                          "a traced tf.function; set train.compile auto or off")
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     group, split = None, None

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hvd_runtime.mfu import Utilization, gpu_peak, job_utilization, measured_rate, precision_column, training_flops
+from hvd_runtime.mfu import Utilization, counted, gpu_peak, measured_rate, precision_column
 from hvd_runtime.torch.memory_plan import held_parameters
 from hvd_runtime.torch.meta_init import is_meta
 
@@ -47,15 +47,11 @@ def _device_peak(ctx, precision: str) -> tuple[float, str] | None:
 
 
 def count_utilization(model: nn.Module, example: np.ndarray, ctx, cfg, language_model: bool) -> Utilization | None:
-    """Rank 0's Utilization of this job (None on the other ranks, for a model made real already,
-    or a GPU the peak table lacks): the meta `model`'s FLOPs a sample (a GPT's by 6N + attention)
-    over the peak of every device the job trains on, printed in one line. `example`: a batch of
-    the training set's inputs (their shape and dtype)."""
+    """hvd_runtime.mfu.counted for the meta `model` on this rank's devices; None on the other ranks
+    and for a model made real already. `example`: a batch of training inputs (shape, dtype)."""
     if not ctx.is_root or not is_meta(model):
         return None
-    flops = training_flops(cfg.model, language_model, lambda: held_parameters(model),
-                           lambda: forward_flops(model, example.shape[1:], torch.from_numpy(example[:1]).dtype))
     per_rank = ctx.stage_devices if ctx.stage_devices and ctx.device.type == "cuda" else 1
-    found = job_utilization(flops, _device_peak(ctx, cfg.train.precision), ctx.size * per_rank)
-    print(found.line() if found is not None else "mfu: not reported (no known peak for this device)", flush=True)
-    return found
+    return counted(cfg.model, language_model, lambda: held_parameters(model),
+                   lambda: forward_flops(model, example.shape[1:], torch.from_numpy(example[:1]).dtype),
+                   lambda: _device_peak(ctx, cfg.train.precision), ctx.size * per_rank)

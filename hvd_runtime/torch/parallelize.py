@@ -35,6 +35,7 @@ from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.pipeline.partition import Partition
 from hvd_runtime.torch.checkpoint import newest_cut
+from hvd_runtime.torch.compile import compile_model, wanted
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.memory_plan import activations_of, pipeline_in_flight, plan_and_check
 from hvd_runtime.torch.meta_init import materialize, whole
@@ -118,6 +119,23 @@ def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabOb
     return optimizer, step
 
 
+def apply_compile(model: nn.Module, ctx: Context, cfg, dataset, objective: VocabObjective) -> bool:
+    """train.compile: `model` compiled in place (hvd_runtime.torch.compile), warmed up on a training
+    batch's shape under the run's precision; whether it runs compiled."""
+    import horovod.torch as hvd
+
+    x, y = (torch.from_numpy(a).to(ctx.device) for a in dataset.train.examples(cfg.train.batch_size))
+    precision = Precision(cfg.train.precision, ctx.device)
+
+    def warm_up(module: nn.Module) -> torch.Tensor:
+        module.train()
+        with precision.autocast():
+            out = module(x)
+            return objective.cross_entropy(out, y.to(out.device))
+    return compile_model(model, warm_up, lambda problem: hvd.allgather_object(problem, name="compile.verdict"),
+                         ctx.is_root)
+
+
 def resumed_partition(model, pieces: int, ctx: Context, cfg):
     """cfg.parallel.partition for a cut into `pieces`; `time` resumes at the newest checkpoint's cut
     (partition_to_resume), for a pipeline's stages and a model-split's alike."""
@@ -129,6 +147,7 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     """This rank's stage, its optimizer (LR scaled by the replicas: stages add no samples) and its
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
     by the whole model's norm, summed over the stages."""
+    wanted(cfg.train.compile, ctx.device, pipeline=True)   # refuses `on`: a stage runs eager
     dims = ctx.pipeline
     partition = resumed_partition(model, dims.stages * dims.chunks, ctx, cfg)
     sample, tail = timing_sample(dataset, cfg)
@@ -197,5 +216,7 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         model = model.to(ctx.device)
     split = SplitParameters(model) if tensor else None
     objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
+    if wanted(cfg.train.compile, ctx.device):   # before the optimizer's gradient hooks: a warm-up step of its own
+        apply_compile(model, ctx, cfg, dataset, objective)
     optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
     return Parallel(model, optimizer, step, split, model.plan if isinstance(model, ModelSplit) else None)

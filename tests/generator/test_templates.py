@@ -27,7 +27,8 @@ MODEL_KEYS = {"mlp": {"model.hidden", "model.dropout", "model.batch_norm"}, "res
               "gpt": {"model.layers", "model.heads", "model.width", "model.context", "model.vocab_multiple",
                       "model.dropout", "model.tie_embeddings"}}
 TOKEN_DATA_KEYS = {"data.source", "data.path", "data.workers"}   # a token folder has its own split and sizes
-TORCH_ONLY = {"data.workers"}   # TensorFlow reads in tf.data's threads, sized by AUTOTUNE
+TORCH_ONLY = {"data.workers",   # TensorFlow reads in tf.data's threads, sized by AUTOTUNE
+              "train.compile"}  # torch.compile
 
 
 def keys(node: dict, prefix: str = "") -> set[str]:
@@ -45,6 +46,8 @@ def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
         expected.discard("parallel.tp")
     if strategy != "pipeline":   # the chunks per rank of the interleaved pipeline schedule
         expected.discard("parallel.virtual_stages")
+    else:                        # a stage runs eager
+        expected.discard("train.compile")
     if strategy in ("data", "tensor"):
         expected = {k for k in expected if not k.startswith("parallel.") or k == "parallel.tp"}
     # each model's own keys, and what the runtime does with any model's blocks
