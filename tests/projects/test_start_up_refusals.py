@@ -13,7 +13,8 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
   the elastic state's first sync, and all stop before anything is written.
 - the ResNet-18 and GPT projects' own data and model problems: an image folder without images,
   an image that is not one, a token file shorter than one context window, a tied GPT head split
-  from its embedding, fp16 on a CPU, a GPT past this host's memory (whole, and as a pipeline whose
+  from its embedding, fp16 on a CPU, train.compile on where it does not compile (a torch pipeline
+  stage, Keras), a GPT past this host's memory (whole, and as a pipeline whose
   second stage would fit: its rank stops on the same line, the host judged by both stages).
 """
 
@@ -202,6 +203,12 @@ WORKLOAD_REFUSALS = [
     ("tensorflow", "resnet18", "data", lambda p: ["--train.precision", "fp16"],
      "train.precision fp16 needs a GPU (its loss scaling exists for GPU half precision): use bf16 on the CPU, "
      "or fp32"),
+    ("torch", "mlp", "pipeline", lambda p: ["--train.compile", "on"],
+     "train.compile on is for the data, model-split and tensor strategies: a pipeline stage runs eager; set "
+     "train.compile auto or off"),
+    ("tensorflow", "mlp", "data", lambda p: ["--train.compile", "on"],
+     "train.compile on compiles torch models (torch.compile): a Keras project's step runs as a traced "
+     "tf.function; set train.compile auto or off"),
 ]
 
 
@@ -210,7 +217,7 @@ WORKLOAD_REFUSALS = [
                          ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu",
                               "tp-not-dividing-np", "tp-not-dividing-heads", "tp-with-dropout",
                               "model-past-memory", "stage-past-memory", "tf-model-past-memory", "tf-not-an-image",
-                              "tf-fp16-on-cpu"])
+                              "tf-fp16-on-cpu", "compile-on-a-pipeline", "tf-compile-on"])
 def test_workload_data_and_model_problems_stop_every_rank(tmp_path, framework, model, strategy, make_args, problem):
     project = generate(tmp_path, framework, strategy, model)
     line = refused(project, *make_args(project))
