@@ -139,7 +139,8 @@ def train_epoch(step: Step, batches, state, *, is_root: bool, log_every: int = 0
 
 def _rates(point: dict[str, float]) -> str:
     """The progress bar's rates: samples (a language model's tokens) per second, and the MFU."""
-    rate = f"{point['tokens_per_s']:.4g} tokens/s" if "tokens_per_s" in point else f"{point['samples_per_s']:.4g} samples/s"
+    rate = (f"{point['tokens_per_s']:.4g} tokens/s" if "tokens_per_s" in point
+            else f"{point['samples_per_s']:.4g} samples/s")
     return rate + (f", mfu {point['mfu']:.1%}" if "mfu" in point else "")
 
 
