@@ -20,9 +20,11 @@ def held_parameters(module) -> int:
     return sum(math.prod(v.shape) for v in variables.values())
 
 
-def plan_and_check(module, ctx, cfg, splits: str) -> MemoryPlan | None:
+def plan_and_check(module, ctx, cfg, splits: str, meta: bool | None = None) -> MemoryPlan | None:
     """The plan for `module`, this rank's share without values yet, printed by rank 0; refuses
-    (ConfigError) what this host cannot hold."""
-    if not is_meta(module):
+    (ConfigError) what this host cannot hold. Every rank plans or none does (the verdict is a
+    collective): `meta`, whether the whole model has no values yet, decides for a stage, which may
+    hold no variable at all."""
+    if not (is_meta(module) if meta is None else meta):
         return None   # made real already: nothing left to plan
     return settle(held_parameters(module), None, ctx, cfg, splits)

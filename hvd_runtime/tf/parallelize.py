@@ -126,11 +126,12 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     # slices under tp), from the seed and each variable's name in the whole model, so each stage
     # starts from the same model wherever the stages cut (`partition: time` may cut differently
     # from one start to the next). A model built for real is every rank's own: rank 0's goes to all.
-    if not is_meta(model):
+    meta = is_meta(model)   # the whole model's: a stage may hold no variable
+    if not meta:
         hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
     partition = resumed_partition(model, dims.stages * dims.chunks, ctx, cfg)
     stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg))
-    plan_and_check(stage, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT")
+    plan_and_check(stage, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT", meta=meta)
     stage = materialize(stage, cfg.seed)
     _recompute(stage, cfg)  # in each micro-batch's backward
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)

@@ -67,11 +67,14 @@ def activations_of(model: nn.Module, sample: torch.Tensor) -> dict[str, int] | N
 
 
 def plan_and_check(module: nn.Module, per_block: dict[str, int] | None, ctx, cfg, splits: str,
-                   blocks: list[str] | None = None, scale: float = 1.0) -> MemoryPlan | None:
+                   blocks: list[str] | None = None, scale: float = 1.0,
+                   meta: bool | None = None) -> MemoryPlan | None:
     """The plan for `module`, this rank's share on the meta device, printed by rank 0; refuses
     (ConfigError) what this host cannot hold. Its activations: `per_block`'s of `blocks` (all by
-    default), times `scale` (the micro-batches a stage holds at once; 1/tp of a split block's)."""
-    if not is_meta(module):
+    default), times `scale` (the micro-batches a stage holds at once; 1/tp of a split block's).
+    Every rank plans or none does (the verdict is a collective): `meta`, whether the whole model is
+    still on the meta device, decides for a stage, which may hold no parameter at all."""
+    if not (is_meta(module) if meta is None else meta):
         return None   # made real already: nothing left to plan
     activations = None if per_block is None else \
         round(scale * sum(v for name, v in per_block.items() if blocks is None or name in blocks))

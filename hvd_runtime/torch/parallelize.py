@@ -38,7 +38,7 @@ from hvd_runtime.torch.checkpoint import newest_cut
 from hvd_runtime.torch.compile import compile_model, wanted
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.memory_plan import activations_of, pipeline_in_flight, plan_and_check
-from hvd_runtime.torch.meta_init import materialize, whole
+from hvd_runtime.torch.meta_init import is_meta, materialize, whole
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
@@ -155,10 +155,11 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     # The model is on the meta device: this rank draws only its stage (its slices under tp), from
     # the seed and each tensor's name in the whole model, so each stage starts from the same model
     # wherever the stages cut (`partition: time` may cut differently from one start to the next).
+    meta = is_meta(model)   # the whole model's: a stage may hold no parameter
     stage = apply_pipeline(model, dims, partition, sample, tail)
     plan_and_check(stage, per_block, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT",
                    blocks=[name for names in stage.chunk_names for name in names],
-                   scale=pipeline_in_flight(cfg, dims) / dims.dims.tp)
+                   scale=pipeline_in_flight(cfg, dims) / dims.dims.tp, meta=meta)
     stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
