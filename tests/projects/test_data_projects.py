@@ -74,8 +74,8 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     (["--optim.name", "lamb"], "config error: optim.name is 'lamb': choose one of sgd, adam, adamw"),
-    (["--train.epoch", "3"], "config error: unknown config key train.epoch: valid keys are batch_size, epochs, "
-                             "eval_batch_size, grace_s, hang_allowance_s, hang_timeout_s, log_every, "
+    (["--train.epoch", "3"], "config error: unknown config key train.epoch: valid keys are batch_size, compile, "
+                             "epochs, eval_batch_size, grace_s, hang_allowance_s, hang_timeout_s, log_every, "
                              "max_skipped, on_nonfinite, precision"),
     (["--horovod.threads_per_rank", "-2"], "config error: horovod.threads_per_rank must be 0 or more, got -2"),
 ])
