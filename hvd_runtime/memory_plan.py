@@ -18,6 +18,7 @@ the messages between stages come on top.
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,11 @@ def settle(parameters: int, activations: int | None, ctx, cfg, splits: str) -> M
                       cfg.model.recompute == "blocks")
     if ctx.is_root:
         print(plan.line(), flush=True)
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        # a worker that joins later starts alone, outside any collective of the others; every rank
+        # of an elastic job holds the whole model, so each judges its host alike by itself
+        plan.check(available_bytes(), splits)
+        return plan
     hvd = importlib.import_module(ctx.horovod_module)
     plans = hvd.allgather_object((socket.gethostname(), available_bytes(), plan), name="memory_plan.plans")
     problem = verdict(plans, splits)

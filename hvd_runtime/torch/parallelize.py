@@ -23,6 +23,7 @@ ones where tensor parallelism leaves the logits split (hvd_runtime.torch.vocab_p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -132,6 +133,8 @@ def apply_compile(model: nn.Module, ctx: Context, cfg, dataset, objective: Vocab
         with precision.autocast():
             out = module(x)
             return objective.cross_entropy(out, y.to(out.device))
+    if os.environ.get("HOROVOD_ELASTIC") == "1":   # a worker joining later starts outside the others' collectives
+        return compile_model(model, warm_up, lambda problem: [problem], ctx.is_root)
     return compile_model(model, warm_up, lambda problem: hvd.allgather_object(problem, name="compile.verdict"),
                          ctx.is_root)
 
