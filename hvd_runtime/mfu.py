@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Utilization", "counted", "gpt_flops_per_sample", "gpu_peak", "job_utilization", "measured_rate",
-           "precision_column", "training_flops"]
+__all__ = ["Utilization", "counted", "gpt_flops_per_sample", "gpu_peak", "measured_rate", "precision_column",
+           "training_flops"]
 
 # Dense (no sparsity) peaks in TFLOP/s by the run's arithmetic, from NVIDIA's data sheets; the
 # first pattern that matches the device's name wins (H100 PCIe before H100, A100 before A10).
@@ -82,21 +82,16 @@ def training_flops(model_cfg, language_model: bool, parameters: Callable[[], int
     return 3.0 * forward()
 
 
-def job_utilization(flops_per_sample: float, device_peak: tuple[float, str] | None, devices: int) -> Utilization | None:
-    """The job's Utilization over `devices` alike, each of `device_peak` (FLOP/s, its name); None
-    where the peak is unknown or nothing was counted."""
-    if device_peak is None or not flops_per_sample:
-        return None
-    peak, name = device_peak
-    return Utilization(flops_per_sample, peak * devices, f"{devices} x {name}")
-
-
 def counted(model_cfg, language_model: bool, parameters: Callable[[], int], forward: Callable[[], float],
             device_peak: Callable[[], tuple[float, str] | None], devices: int) -> Utilization | None:
     """Rank 0's Utilization of the job, printed in one line: training_flops over `devices`, each of
     `device_peak()`; None where the peak is unknown (a GPU the table lacks)."""
-    found = job_utilization(training_flops(model_cfg, language_model, parameters, forward), device_peak(), devices)
-    print(found.line() if found is not None else "mfu: not reported (no known peak for this device)", flush=True)
+    flops, peak = training_flops(model_cfg, language_model, parameters, forward), device_peak()
+    if peak is None or not flops:
+        print("mfu: not reported (no known peak for this device)", flush=True)
+        return None
+    found = Utilization(flops, peak[0] * devices, f"{devices} x {peak[1]}")
+    print(found.line(), flush=True)
     return found
 
 
