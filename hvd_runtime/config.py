@@ -87,6 +87,7 @@ class HorovodConfig:
     threads_per_rank: int = 0       # CPU threads per rank; 0 = cores / local ranks
     cycle_time_ms: float = 0.0      # Horovod background-loop period; 0 = by device (scaling.set_cycle_time)
     elastic_commit_every: int = 20  # elastic jobs: steps between commits (what a lost worker rolls back to)
+    zero: int = 0                   # shard over the replicas: 1 optimizer state, 2 also gradients, 3 also parameters
 
 
 @dataclass
@@ -221,6 +222,7 @@ CHOICES = {
     "tracking.checkpoint_models": ("auto", "every", "final"),
     "model.recompute": ("none", "blocks"),
     "train.compile": ("auto", "on", "off"),
+    "horovod.zero": (0, 1, 2, 3),
 }
 POSITIVE = ("train.grace_s", "optim.lr")
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
@@ -238,7 +240,7 @@ def check_values(config) -> None:
     flat = flatten(config)
     for key, allowed in CHOICES.items():
         if key in flat and flat[key] not in allowed:
-            raise ConfigError(f"{key} is {flat[key]!r}: choose one of {', '.join(allowed)}")
+            raise ConfigError(f"{key} is {flat[key]!r}: choose one of {', '.join(map(str, allowed))}")
     for key in AT_LEAST_ONE:
         if key in flat and flat[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {flat[key]}")

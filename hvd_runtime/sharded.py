@@ -44,11 +44,13 @@ def shard_description(path: Path, tensors: dict, values: dict) -> dict:
 
 
 def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Callable[[Path, bool], dict], rng,
-                     cut: dict | None, last: bool = False) -> bool:
+                     cut: dict | None, last: bool = False, every_replica: bool = False) -> bool:
     """Every rank calls: the first replica's ranks each `write_shard(folder, write_whole)` (its file's
     description, for the index; `write_whole`: this rank also writes the tensors every rank of its
     tensor-parallel group holds whole), rank 0 the index, last. `rng` is this rank's RNG state,
-    `cut` where a pipeline or model-split cut the model (None elsewhere), `last`: the run's final checkpoint. Returns, on
+    `cut` where a pipeline or model-split cut the model (None elsewhere), `last`: the run's final
+    checkpoint; `every_replica`: every replica writes (ZeRO: each holds its own rows), the first
+    one the whole tensors. Returns, on
     every rank alike, whether the checkpoint was written; one that was not goes to the store's
     failure count (hvd_runtime.write_failures), which warns, or stops the run on every rank. A
     rank that cannot find the staging folder cannot see --checkpoint.dir, which no retry mends:
@@ -65,14 +67,14 @@ def write_checkpoint(hvd, store: CheckpointStore, ctx, state, write_shard: Calla
     if isinstance(staging, Exception):
         return _failed(store, str(staging), state.step, last)
     description = None
-    if ctx.data_rank == 0:
+    if ctx.data_rank == 0 or every_replica:
         coords = ctx.coords
         try:
             if not Path(staging).is_dir():   # rank 0 made it: this rank sees another file system
                 description = {"error": f"rank {ctx.rank} cannot see {staging}, which rank 0 made: every rank "
                                         "must see --checkpoint.dir (a shared volume)", "lasting": True}
             else:
-                description = write_shard(Path(staging), coords is None or coords.tp == 0)
+                description = write_shard(Path(staging), ctx.data_rank == 0 and (coords is None or coords.tp == 0))
         except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
             description = {"error": f"rank {ctx.rank} could not write its shard in {staging} ({exc})"}
         except NonFiniteTensor as exc:

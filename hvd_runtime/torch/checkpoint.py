@@ -7,7 +7,8 @@
 A checkpoint is a folder of shards (hvd_runtime.shards): the ranks of the first replica each
 write their model's and optimizer's tensors (a pipeline stage's, a tensor-parallel slice's) under
 their names in the whole model, with where each slice sits in the whole tensor; rank 0 writes
-the index last. No rank gathers another's tensors, and a checkpoint resumes at any layout: each
+the index last. Under ZeRO (horovod.zero) every replica writes its rows of the optimizer state
+(and under ZeRO 3 of the parameters), the first the tensors every replica holds whole. No rank gathers another's tensors, and a checkpoint resumes at any layout: each
 rank reads from the shards only the rows of the tensors it holds now, so a job saved at pp 2 x
 tp 2 resumes unsplit, at another tp, cut elsewhere, and back.
 
@@ -16,8 +17,8 @@ the replicas), optimizer slots, the position in the epoch (in samples, so a resi
 on too), and each rank's RNG state, handed back to the same rank when the job has the same size.
 The LR schedule is a function of the step, so it needs no state of its own.
 
-Where every rank holds the whole model (data parallelism, model-split) rank 0 alone reads and
-broadcasts what it read, as the start of a data-parallel job always has: the ranks then begin
+Where every rank holds the whole model and its optimizer (data parallelism, model-split) rank 0
+alone reads and broadcasts what it read, as the start of a data-parallel job always has: the ranks then begin
 bit-identical, and only rank 0 needs to see the checkpoint folder. Elsewhere every rank reads
 its own slices, so the folder must be one every rank mounts (a ReadWriteMany volume, a shared
 file system). Checkpoints written before shards (one `ckpt-<step>.pt`) still resume
@@ -42,17 +43,24 @@ from hvd_runtime.torch.buffers import average_buffers
 from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.legacy_checkpoint import legacy_payload, restore_legacy
 from hvd_runtime.torch.rng import rng_state, set_rng_state
+from hvd_runtime.torch.zero import ZeroOptimizer, rows_by_parameter
 
 # -- what this rank holds, by whole-model name ----------------------------------------------------
 
 def _model_placements(module: nn.Module, split) -> dict[str, Placement]:
-    """Where each of the module's state_dict entries sits in the whole model's."""
+    """Where each of the module's state_dict entries sits in the whole model's (a tensor-parallel
+    slice, ZeRO 3's rows, or whole)."""
     placements = {}
     shapes = split.saved_shapes() if split is not None else None
-    for name, t in module.state_dict().items():
+    rows = rows_by_parameter(module)
+    for name, t in module.state_dict(keep_vars=True).items():
         cut = split.by_name.get(name) if split is not None else None
-        placements[name] = (Placement.slice(shapes[name], cut.dim, cut.index.tolist()) if cut is not None
-                            else Placement.whole(t.shape))
+        if cut is not None:
+            placements[name] = Placement.slice(shapes[name], cut.dim, cut.index.tolist())
+        elif id(t) in rows:
+            placements[name] = Placement.slice(rows[id(t)].shape, 0, range(*rows[id(t)].rows))
+        else:
+            placements[name] = Placement.whole(t.shape)
     return placements
 
 
@@ -62,13 +70,17 @@ def _slot_placement(param_at: Placement, shape, like_param: bool) -> Placement:
     return param_at if like_param and len(shape) > 0 else Placement.whole(shape)
 
 
-def _parameters(module: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
-    """The optimizer's parameters in its own order, with their names in the whole model: the
-    module's state_dict keys (a model-split's are the unsplit model's, not its attributes')."""
+def _parameters(module: nn.Module, optimizer, placements: dict[str, Placement]
+                ) -> list[tuple[str, torch.Tensor, Placement]]:
+    """The tensors the optimizer steps in its own order, with their names in the whole model (the
+    module's state_dict keys: a model-split's are the unsplit model's, not its attributes') and
+    where they sit there (ZeRO's: this rank's rows of a parameter the model holds whole)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.named_shards()
     names: dict[int, str] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         names.setdefault(id(t), name)   # a tied parameter: its first name
-    return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
+    return [(names[id(p)], p, placements[names[id(p)]]) for group in optimizer.param_groups for p in group["params"]]
 
 
 def held_tensors(module: nn.Module, optimizer, split=None) -> dict[str, tuple[object, Placement | None]]:
@@ -79,9 +91,9 @@ def held_tensors(module: nn.Module, optimizer, split=None) -> dict[str, tuple[ob
         MODEL + name: (t, placements[name]) for name, t in module.state_dict().items()}
     if optimizer is None:
         return held
-    for name, param in _parameters(module, optimizer):
+    for name, param, param_at in _parameters(module, optimizer, placements):
         for slot, value in optimizer.state.get(param, {}).items():
-            at = (_slot_placement(placements[name], value.shape, value.shape == param.shape)
+            at = (_slot_placement(param_at, value.shape, value.shape == param.shape)
                   if isinstance(value, torch.Tensor) else None)
             held[f"{OPTIMIZER}{name}/{slot}"] = (value, at)
     return held
@@ -138,7 +150,8 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
         return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole)
 
     return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(),
-                            parallel.plan.cut() if parallel.plan else None, last)
+                            parallel.plan.cut() if parallel.plan else None, last,
+                            every_replica=isinstance(optimizer, ZeroOptimizer))
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -156,14 +169,13 @@ def _load_held(reader: ShardReader, module: nn.Module, optimizer, split=None) ->
         return
     tensors, values = reader.index["tensors"], reader.index["values"]
     state = {}
-    for i, (name, _) in enumerate(_parameters(module, optimizer)):
+    for i, (name, _, param_at) in enumerate(_parameters(module, optimizer, placements)):
         prefix = f"{OPTIMIZER}{name}/"
         slots = {entry[len(prefix):]: value for entry, value in values.items() if entry.startswith(prefix)}
         for entry, saved in tensors.items():
             if entry.startswith(prefix):
-                like_param = tuple(saved["shape"]) == placements[name].shape
-                slots[entry[len(prefix):]] = reader.read(entry, _slot_placement(placements[name], saved["shape"],
-                                                                                like_param))
+                like_param = tuple(saved["shape"]) == param_at.shape
+                slots[entry[len(prefix):]] = reader.read(entry, _slot_placement(param_at, saved["shape"], like_param))
         if slots:
             state[i] = slots
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
@@ -194,7 +206,7 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     import horovod.torch as hvd
 
     found = _newest_on_root(store, ctx, resume)
-    if ctx.coords is None:
+    if ctx.coords is None and not isinstance(parallel.optimizer, ZeroOptimizer):
         return _restore_whole(found, parallel, ctx)
     return read_held(hvd, found, ctx, "pt", lambda: wanted_shapes(parallel.module, parallel.split),
                      lambda reader: _load_held(reader, parallel.module, parallel.optimizer, parallel.split),

@@ -26,12 +26,15 @@ from hvd_runtime.config import ConfigError
 __all__ = ["compile_model", "wanted"]
 
 
-def wanted(mode: str, device: torch.device, pipeline: bool = False) -> bool:
-    """Whether train.compile `mode` compiles on `device`; `on` with pipeline stages is refused."""
-    if pipeline:
+def wanted(mode: str, device: torch.device, pipeline: bool = False, zero3: bool = False) -> bool:
+    """Whether train.compile `mode` compiles on `device`; `on` with pipeline stages or ZeRO 3 (whose
+    blocks gather their parameters as they run: collectives inside the graph) is refused."""
+    if pipeline or zero3:
         if mode == "on":
             raise ConfigError("train.compile on is for the data, model-split and tensor strategies: a pipeline "
-                              "stage runs eager; set train.compile auto or off")
+                              "stage runs eager; set train.compile auto or off" if pipeline else
+                              "train.compile on does not work with horovod.zero 3 (its blocks gather their "
+                              "parameters as they run): set train.compile auto or off, or horovod.zero 2")
         return False
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 

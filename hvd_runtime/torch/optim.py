@@ -11,6 +11,7 @@ from torch import nn
 from hvd_runtime.adasum import check_adasum
 from hvd_runtime.scaling import lr_scaler, warmup_factor
 from hvd_runtime.torch.context import Context
+from hvd_runtime.torch.zero import ZeroOptimizer
 
 OPTIMIZERS = {
     "sgd": lambda params, cfg, lr: torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
@@ -100,6 +101,8 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
 
     Under tensor parallelism (ctx.tensor) gradients are averaged over the data-parallel process
     set only, and with a single replica the optimizer is left unwrapped: nothing to average.
+    horovod.zero 1-3: the optimizer steps this rank's rows of each parameter, its state and (2, 3)
+    its gradients sharded over the replicas (hvd_runtime.torch.zero).
 
     Raises ConfigError for horovod.adasum on a job without Adasum (Gloo): at start-up, not as
     a HorovodInternalError at the first step.
@@ -110,7 +113,12 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
         raise ValueError("horovod.backward_passes_per_step must be at least 1")
     check_adasum(hvd_cfg.adasum, hvd)
     schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch)
-    optimizer = plain_optimizer(model.parameters(), optim_cfg, schedule.lr(0, ctx.data_size, ctx.local_size))
+    lr = schedule.lr(0, ctx.data_size, ctx.local_size)
+    if hvd_cfg.zero:
+        # Horovod: gradients reduce-scattered over the replicas, each rank steps its rows, rows all-gathered
+        return ZeroOptimizer(model, lambda tensors: plain_optimizer(tensors, optim_cfg, lr), hvd_cfg.zero,
+                             ctx.dp_set, ctx.data_rank, ctx.data_size), schedule
+    optimizer = plain_optimizer(model.parameters(), optim_cfg, lr)
     if ctx.dp_set is None:  # a lone tensor-parallel replica: nothing to average
         return optimizer, schedule
     # Horovod: average gradients across ranks with ring-allreduce, one fused allreduce per step.

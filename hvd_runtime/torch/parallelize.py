@@ -12,9 +12,11 @@ function with explicit arguments, so that a strategy is a path through them, not
     apply_pipeline       pipeline: this rank's stage of the model, then its slices of it (tp)
     apply_model_split    model-split: the model's blocks over this rank's devices
     recompute_blocks     model.recompute: blocks: each block's activations recomputed in backward
+    shard_parameters     horovod.zero 3: each replica holds its rows of every parameter
     apply_data_parallel  the Horovod optimizer averaging gradients over the replicas (the dp set),
-                         the LR scaled by their number, and the step the loop drives; a pipeline's
-                         step is its engine, which averages each stage over its replicas
+                         or ZeRO's sharding them (horovod.zero), the LR scaled by their number,
+                         and the step the loop drives; a pipeline's step is its engine, which
+                         averages each stage over its replicas
 
 The rank grid comes from the Context (`ctx.tensor`, `ctx.pipeline`: hvd_runtime.parallel.dims),
 made at start-up; the loss and accuracy are the model's plain ones, or the vocabulary-parallel
@@ -30,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hvd_runtime.config import partition_spec
+from hvd_runtime.config import ConfigError, partition_spec
 from hvd_runtime.nonfinite import nonfinite_guard
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
@@ -51,6 +53,7 @@ from hvd_runtime.torch.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.torch.tensor_parallel import apply_tp
 from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
+from hvd_runtime.torch.zero import ZeroOptimizer, shard_parameters
 
 __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
@@ -110,11 +113,13 @@ def apply_model_split(model: nn.Module, parallel_cfg, partition, sample: torch.T
 
 def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
                         split: SplitParameters | None = None) -> tuple[torch.optim.Optimizer, TrainStep]:
-    """Horovod's DistributedOptimizer over the replicas (ctx.dp_set), LR scaled by their number with
-    warmup, and the TrainStep: fp16 loss scaling and clipping (by the whole model's norm, `split`'s
-    under tensor parallelism) wait for the allreduced gradients."""
-    precision = Precision(cfg.train.precision, ctx.device, cfg.optim.clip_norm, split.grad_norm if split else None)
+    """Horovod's DistributedOptimizer over the replicas (ctx.dp_set), or ZeRO's (horovod.zero), LR
+    scaled by their number with warmup, and the TrainStep: fp16 loss scaling and clipping (by the
+    whole model's norm: `split`'s under tensor parallelism, the rows' summed under ZeRO) wait for
+    the averaged gradients."""
     optimizer, schedule = make_optimizer(module, cfg.optim, cfg.horovod, ctx, steps_per_epoch)
+    norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else split.grad_norm if split else None
+    precision = Precision(cfg.train.precision, ctx.device, cfg.optim.clip_norm, norm)
     step = TrainStep(module, optimizer, schedule, objective.cross_entropy, ctx, cfg.horovod.backward_passes_per_step,
                      precision, accuracy_fn=objective.accuracy_sum, guard=nonfinite_guard(cfg, ctx))
     return optimizer, step
@@ -137,6 +142,24 @@ def apply_compile(model: nn.Module, ctx: Context, cfg, dataset, objective: Vocab
         return compile_model(model, warm_up, lambda problem: [problem], ctx.is_root)
     return compile_model(model, warm_up, lambda problem: hvd.allgather_object(problem, name="compile.verdict"),
                          ctx.is_root)
+
+
+def refuse_zero_misfits(cfg, ctx: Context) -> None:
+    """horovod.zero with what it cannot serve: one line each (ConfigError), before anything is made."""
+    hvd = cfg.horovod
+    misfits = [
+        (ctx.pipeline is not None, "pipeline stages: use --strategy data"),
+        (ctx.tensor is not None, "tensor parallelism (parallel.tp): use horovod.zero 0 there, or --strategy data"),
+        (ctx.stage_devices is not None, "model-split: use --strategy data"),
+        (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its shard with it): "
+                                                  "run without --min-np/--max-np, or set horovod.zero 0"),
+        (hvd.adasum, "horovod.adasum (Adasum reduces whole gradients): set one of them off"),
+        (hvd.fp16_compression, "horovod.fp16_compression (reduce-scatter sends the gradients as they are): "
+                               "set it false"),
+    ]
+    for misfit, fix in misfits:
+        if misfit:
+            raise ConfigError(f"horovod.zero {hvd.zero} does not work with {fix}")
 
 
 def resumed_partition(model, pieces: int, ctx: Context, cfg):
@@ -197,6 +220,9 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
     # Recomputed blocks (a class swap: a stage, tp's copies and split layers keep it) on the meta model
     # already, so the memory plan counts what they keep; a stage recomputes in each micro-batch's backward.
     _recompute(model, cfg)
+    zero = cfg.horovod.zero
+    if zero:
+        refuse_zero_misfits(cfg, ctx)
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     tensor = ctx.tensor is not None
@@ -205,10 +231,14 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         model = apply_tp(model, ctx.tensor.group)
         plan_and_check(model, per_block, ctx, cfg, "a larger parallel.tp", scale=1 / ctx.tensor.group.size)
         model = materialize(model, cfg.seed, ctx.device)
-    else:        # every rank holds the whole model: built for real, under the seed
+    else:        # every rank holds the whole model (ZeRO 3: its rows of each parameter)
         plan_and_check(model, per_block, ctx, cfg, "a project that splits the model (hvdgen new --strategy pipeline "
                                                    "or tensor)")
-        model = whole(model, cfg.seed)
+        if zero == 3:   # drawn from the recipes, a rank its rows only, so any layout starts from one model
+            model = materialize(shard_parameters(model, ctx.dp_set, ctx.data_rank, ctx.data_size), cfg.seed,
+                                ctx.device)
+        else:           # built for real, under the seed
+            model = whole(model, cfg.seed)
     if cfg.horovod.sync_batchnorm:
         model = use_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     _recompute(model, cfg)   # whole() built the model again
@@ -220,7 +250,7 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         model = model.to(ctx.device)
     split = SplitParameters(model) if tensor else None
     objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
-    if wanted(cfg.train.compile, ctx.device):   # before the optimizer's gradient hooks: a warm-up step of its own
+    if wanted(cfg.train.compile, ctx.device, zero3=zero == 3):   # before the optimizer's gradient hooks: a warm-up step of its own
         apply_compile(model, ctx, cfg, dataset, objective)
     optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
     return Parallel(model, optimizer, step, split, model.plan if isinstance(model, ModelSplit) else None)

@@ -51,8 +51,9 @@ class Precision:
         return guard is not None and guard.checks and self.scaler is None
 
     def step(self, optimizer, parameters, guard: Guard | None = None, step: int = 0) -> bool:
-        """Apply the averaged gradients (optimizer: Horovod's DistributedOptimizer) unless `guard`
-        finds them not finite at update `step`; whether they were applied."""
+        """Apply the averaged gradients (optimizer: Horovod's DistributedOptimizer, or ZeRO's) unless
+        `guard` finds them not finite at update `step`; whether they were applied. `parameters`: the
+        tensors the optimizer steps (ZeRO: this rank's rows), whose gradients are clipped."""
         checking = self.checks(guard)
         if self.scaler is None and not self.clip_norm and not checking:
             optimizer.step()  # Horovod: waits for the allreduced gradients, then applies them
@@ -62,6 +63,8 @@ class Precision:
             optimizer.synchronize()  # Horovod: the averaged gradients, before touching them
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+            if hasattr(optimizer, "agree_on_overflow"):   # ZeRO: each rank unscaled only its rows
+                optimizer.agree_on_overflow(self.scaler)
         if self.clip_norm or checking:
             parameters = list(parameters)
             norm = (torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hvd_runtime.torch.stage import named_blocks
 
-__all__ = ["is_recomputed", "recompute_blocks"]
+__all__ = ["is_recomputed", "recompute_blocks", "swap_class_beneath"]
 
 
 def recompute_blocks(model: nn.Module) -> nn.Module:
@@ -54,6 +54,15 @@ def _recomputed_class(cls: type) -> type:
     recomputed = type(cls.__name__, (_Recomputed, cls), {"forward": forward, "__module__": cls.__module__,
                                                           "__qualname__": cls.__qualname__})
     return recomputed
+
+
+def swap_class_beneath(block: nn.Module, make_class) -> None:
+    """Give `block` the class `make_class(its class)`, beneath recomputation where the block has it,
+    so that a recomputed forward runs that class's forward again."""
+    if is_recomputed(block):
+        block.__class__ = _recomputed_class(make_class(type(block).__bases__[1]))
+    else:
+        block.__class__ = make_class(type(block))
 
 
 def _contexts(block: nn.Module):

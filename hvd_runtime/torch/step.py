@@ -28,6 +28,11 @@ def sum_over_ranks(values: np.ndarray, name: str) -> np.ndarray:
     return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum, name=name).numpy()
 
 
+def stepped(optimizer) -> list[torch.Tensor]:
+    """The tensors `optimizer` steps: the model's parameters, or under ZeRO this rank's rows of them."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 class TrainStep:
     """`train_batch(x, y, apply, step)` trains on one batch; returns its mean loss and number correct.
 
@@ -65,7 +70,7 @@ class TrainStep:
         if apply:
             self.schedule.apply(self.optimizer, step // k, self.ctx.data_size, self.ctx.local_size)
             # Horovod: waits for the allreduced gradients, then applies them if they are finite.
-            self.precision.step(self.optimizer, self.model.parameters(), self.guard, step + 1)
+            self.precision.step(self.optimizer, stepped(self.optimizer), self.guard, step + 1)
             self.optimizer.zero_grad()
         # Totals stay tensors on the output's device: no host sync per step.
         return loss.detach().float(), {"accuracy": self.accuracy_fn(out.detach(), y)}
