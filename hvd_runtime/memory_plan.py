@@ -4,7 +4,8 @@ ranks of one host would need more than it has.
 A rank holds its share of the model (all of it under data parallelism and model-split, its slices
 under tensor parallelism, its stage in a pipeline) three times over in float32: the parameters,
 their gradients, and the optimizer's state per parameter (Adam and AdamW: two moments; SGD with
-momentum: one; plain SGD: none), plus the activations a step keeps for its backward pass. The
+momentum: one; plain SGD: none), ZeRO holding 1/replicas of the optimizer state (horovod.zero 1),
+of the gradients too (2), of the parameters too (3); plus the activations a step keeps for its backward pass. The
 framework's parallelize counts the share on the model before any value is drawn (torch: the meta
 device; Keras: the variables' shapes) and, where it can, the activations of one step (torch: a
 forward on meta tensors, counting what autograd saves). Rank 0 prints the plan in one line; when
@@ -61,16 +62,34 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo"),
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    parameters: int        # elements this rank holds of the model (a tied tensor once)
+    parameters: int        # elements of the model this rank's share is cut from (a tied tensor once)
     optimizer_state: int   # float32 values per parameter
     activations: int | None   # bytes a step keeps for backward; None: not estimated
     ranks_on_host: int
     recompute: bool
+    zero: int = 0          # horovod.zero: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too
+    replicas: int = 1      # the data-parallel ranks ZeRO shards over
+
+    def _held(self, stage: int) -> float:
+        """The share a rank holds of a part that ZeRO shards from `stage` on."""
+        return 1 / self.replicas if self.zero >= stage else 1.0
+
+    @property
+    def parameter_bytes(self) -> int:
+        return round(self.parameters * FP32 * self._held(3))
+
+    @property
+    def gradient_bytes(self) -> int:
+        return round(self.parameters * FP32 * self._held(2))
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return round(self.parameters * FP32 * self.optimizer_state * self._held(1))
 
     @property
     def state_bytes(self) -> int:
-        """Parameters, gradients and optimizer state, float32."""
-        return self.parameters * FP32 * (2 + self.optimizer_state)
+        """Parameters, gradients and optimizer state, float32 (ZeRO: the rank's share of each)."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
     @property
     def rank_bytes(self) -> int:
@@ -79,9 +98,10 @@ class MemoryPlan:
     def line(self) -> str:
         acts = ("activations not estimated" if self.activations is None else
                 f"activations {_gib(self.activations)}{' (blocks recomputed)' if self.recompute else ''}")
-        return (f"memory: each rank holds about {_gib(self.rank_bytes)} ({self.parameters:,} parameters: "
-                f"{_gib(self.parameters * FP32)} and as much in gradients, optimizer state "
-                f"{_gib(self.parameters * FP32 * self.optimizer_state)}, {acts}); {self.ranks_on_host} on this host")
+        sharded = f" under ZeRO {self.zero} over {self.replicas} replicas" if self.zero else ""
+        return (f"memory: each rank holds about {_gib(self.rank_bytes)} ({self.parameters:,} parameters{sharded}: "
+                f"{_gib(self.parameter_bytes)}, gradients {_gib(self.gradient_bytes)}, optimizer state "
+                f"{_gib(self.optimizer_bytes)}, {acts}); {self.ranks_on_host} on this host")
 
     def check(self, available: int | None, splits: str) -> None:
         """Refuse (ConfigError) when this host's ranks, each holding as much as this one, would need
@@ -122,7 +142,7 @@ def settle(parameters: int, activations: int | None, ctx, cfg, splits: str) -> M
     every rank's plan: a pipeline's stages differ, and a rank that stopped alone would have
     horovodrun end the others before they could say why."""
     plan = MemoryPlan(parameters, optimizer_state_per_parameter(cfg.optim), activations, ctx.local_size,
-                      cfg.model.recompute == "blocks")
+                      cfg.model.recompute == "blocks", cfg.horovod.zero, ctx.data_size)
     if ctx.is_root:
         print(plan.line(), flush=True)
     if os.environ.get("HOROVOD_ELASTIC") == "1":

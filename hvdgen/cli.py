@@ -103,13 +103,16 @@ ANSWERS = ("framework", "strategy", "model", "stages", "micro_batches", "schedul
 @click.option("--tp", type=int, default=None,
               help="tensor: ranks per tensor-parallel group [2]; pipeline: each stage split over tp ranks [1].")
 @click.option("--elastic", is_flag=True, help="Elastic training: survive lost workers, rescale to the hosts found.")
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="data (torch): ZeRO over the ranks: 1 shards the optimizer state, 2 the gradients too, "
+                   "3 the parameters too.")
 @click.option("--dry-run", is_flag=True, help="Show the files that would be written; write nothing.")
 @click.option("--force", is_flag=True, help="Write into an existing non-empty directory, overwriting generated files.")
 @click.option("--no-input", is_flag=True, help="Never ask: take the flags and the defaults (as off a terminal).")
 @click.pass_context
 def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str, model: str | None, size: str,
             stages: int | None, micro_batches: int | None, schedule: str | None, tp: int | None, elastic: bool,
-            output: Path, dry_run: bool, force: bool, no_input: bool) -> None:
+            zero: int, output: Path, dry_run: bool, force: bool, no_input: bool) -> None:
     """Generate a training project NAME.
 
     In a terminal with none of the options that answer a question (framework to elastic), it asks
@@ -149,7 +152,7 @@ def new_cmd(ctx: click.Context, name: str | None, framework: str, strategy: str,
 
         model = catalog.default_model(strategy) if strategy in catalog.STRATEGIES else "mlp"
     spec = ProjectSpec(name=name, framework=framework, strategy=strategy, model=model, size=size, elastic=elastic,
-                       **given)
+                       zero=zero, **given)
     target = output / name
     result = generate(spec, target, force=force, dry_run=dry_run)
     if dry_run:

@@ -66,6 +66,7 @@ class ProjectSpec:
     micro_batches: int = 4
     schedule: str = "1f1b"
     tp: int | None = None  # tensor (default 2) and pipeline (default 1: stages unsplit): ranks per tensor-parallel group
+    zero: int = 0          # data (torch): horovod.zero, the ZeRO stage (1 optimizer state, 2 gradients, 3 parameters)
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
     slurm: dict = field(default_factory=dict)  # answers of `hvdgen slurm`; see hvdgen/slurm/options.py
@@ -125,11 +126,22 @@ class ProjectSpec:
             lost = "a stage" if self.strategy == "pipeline" else "a slice of every layer"
             raise HvdgenError(f"--elastic works with the data and model-split strategies: a {self.strategy} job cannot "
                               f"lose {lost}; drop --elastic or use --strategy data")
+        self._check_zero()
         if self.strategy == "tensor" or (self.strategy == "pipeline" and self.tp != 1):
             self._check_tensor()
         elif self.tp != 1:
             raise HvdgenError(f"tp {self.tp!r} applies to the tensor and pipeline strategies, not {self.strategy}: "
                               "drop it (tp: 1), or use --strategy tensor")
+
+    def _check_zero(self) -> None:
+        if not _whole(self.zero) or not 0 <= self.zero <= 3:
+            raise HvdgenError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}: e.g. --zero 2")
+        if self.zero and (self.framework, self.strategy) != ("torch", "data"):
+            raise HvdgenError(f"--zero {self.zero} shards a torch data-parallel job, not {self.framework}/"
+                              f"{self.strategy}: drop --zero, or use --framework torch --strategy data")
+        if self.zero and self.elastic:
+            raise HvdgenError(f"--zero {self.zero} with --elastic: a lost worker would take its shard with it; "
+                              "drop one of them")
 
     def _check_interleaved(self, model) -> None:
         """Interleaved 1F1B cuts the model into stages x virtual_stages pieces and sends micro-batches

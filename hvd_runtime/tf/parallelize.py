@@ -164,6 +164,10 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
     if cfg.train.compile == "on":
         raise ConfigError("train.compile on compiles torch models (torch.compile): a Keras project's step runs as "
                           "a traced tf.function; set train.compile auto or off")
+    if cfg.horovod.zero:
+        raise ConfigError(f"horovod.zero {cfg.horovod.zero} shards a torch project's training: a Keras project "
+                          "holds the whole model on each replica; set horovod.zero 0 (or split the model: "
+                          "--strategy pipeline or tensor)")
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     group, split = None, None

@@ -232,8 +232,10 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         plan_and_check(model, per_block, ctx, cfg, "a larger parallel.tp", scale=1 / ctx.tensor.group.size)
         model = materialize(model, cfg.seed, ctx.device)
     else:        # every rank holds the whole model (ZeRO 3: its rows of each parameter)
-        plan_and_check(model, per_block, ctx, cfg, "a project that splits the model (hvdgen new --strategy pipeline "
-                                                   "or tensor)")
+        shards = "horovod.zero 3 (each replica holds 1/replicas of the model), " if zero < 3 and \
+            ctx.data_size > 1 and ctx.stage_devices is None else ""
+        plan_and_check(model, per_block, ctx, cfg, f"{shards}a project that splits the model (hvdgen new --strategy "
+                                                   "pipeline or tensor)")
         if zero == 3:   # drawn from the recipes, a rank its rows only, so any layout starts from one model
             model = materialize(shard_parameters(model, ctx.dp_set, ctx.data_rank, ctx.data_size), cfg.seed,
                                 ctx.device)

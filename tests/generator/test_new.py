@@ -111,6 +111,12 @@ def test_list_shows_every_combination():
     (["--model", "gpt", "--size", "gpt2-small", "--strategy", "tensor", "--tp", "8"],
      "--tp 8 does not divide the generated gpt's 12 attention heads"),
     (["--model", "gpt", "--size", "huge"], "Invalid value for '--size': 'huge' is not one of 'tiny', 'gpt2-small'."),
+    (["--zero", "4"], "Invalid value for '--zero': 4 is not in the range 0<=x<=3."),
+    (["--zero", "1", "--strategy", "pipeline"], "--zero 1 shards a torch data-parallel job, not torch/pipeline: drop "
+                                                "--zero, or use --framework torch --strategy data"),
+    (["--zero", "2", "--framework", "tensorflow"], "--zero 2 shards a torch data-parallel job, not tensorflow/data"),
+    (["--zero", "3", "--elastic"], "--zero 3 with --elastic: a lost worker would take its shard with it; drop one "
+                                   "of them"),
 ])
 def test_a_model_that_cannot_be_generated_is_refused_in_one_line(tmp_path, args, problem):
     result = run("new", "proj", "--output", str(tmp_path), *args)
@@ -133,6 +139,14 @@ def test_the_gpt2_small_size_starts_the_config_at_gpt2_small(tmp_path):
     tiny = run("new", "tiny", "--output", str(tmp_path), "--model", "gpt")
     assert tiny.exit_code == 0 and yaml.safe_load((tmp_path / "tiny" / "config.yaml").read_text())["model"]["layers"] == 4
     assert "GPT-2 small**" not in (tmp_path / "tiny" / "README.md").read_text()
+
+
+def test_zero_is_written_to_the_config_and_the_spec(tmp_path):
+    result = run("new", "proj", "--output", str(tmp_path), "--model", "gpt", "--zero", "3")
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((tmp_path / "proj" / "config.yaml").read_text())["horovod"]["zero"] == 3
+    assert ProjectSpec.from_yaml((tmp_path / "proj" / SPEC_FILE).read_text()).zero == 3
+    assert "Memory for ranks: `horovod.zero` (ZeRO)" in (tmp_path / "proj" / "README.md").read_text()
 
 
 def test_cli_starts_without_importing_frameworks():

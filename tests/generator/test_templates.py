@@ -48,6 +48,8 @@ def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
         expected.discard("parallel.virtual_stages")
     else:                        # a stage runs eager
         expected.discard("train.compile")
+    if not (framework == "torch" and strategy == "data"):   # ZeRO shards a torch data-parallel job
+        expected.discard("horovod.zero")
     if strategy in ("data", "tensor"):
         expected = {k for k in expected if not k.startswith("parallel.") or k == "parallel.tp"}
     # each model's own keys, and what the runtime does with any model's blocks

@@ -14,7 +14,7 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
 - the ResNet-18 and GPT projects' own data and model problems: an image folder without images,
   an image that is not one, a token file shorter than one context window, a tied GPT head split
   from its embedding, fp16 on a CPU, train.compile on where it does not compile (a torch pipeline
-  stage, Keras), a GPT past this host's memory (whole, and as a pipeline whose
+  stage, Keras, ZeRO 3), horovod.zero where it does not shard (a pipeline, Keras), a GPT past this host's memory (whole, and as a pipeline whose
   second stage would fit: its rank stops on the same line, the host judged by both stages).
 """
 
@@ -209,6 +209,14 @@ WORKLOAD_REFUSALS = [
     ("tensorflow", "mlp", "data", lambda p: ["--train.compile", "on"],
      "train.compile on compiles torch models (torch.compile): a Keras project's step runs as a traced "
      "tf.function; set train.compile auto or off"),
+    ("torch", "mlp", "pipeline", lambda p: ["--horovod.zero", "1"],
+     "horovod.zero 1 does not work with pipeline stages: use --strategy data"),
+    ("torch", "mlp", "data", lambda p: ["--horovod.zero", "3", "--train.compile", "on"],
+     "train.compile on does not work with horovod.zero 3 (its blocks gather their parameters as they run): set "
+     "train.compile auto or off, or horovod.zero 2"),
+    ("tensorflow", "mlp", "data", lambda p: ["--horovod.zero", "2"],
+     "horovod.zero 2 shards a torch project's training: a Keras project holds the whole model on each replica; "
+     "set horovod.zero 0 (or split the model: --strategy pipeline or tensor)"),
 ]
 
 
@@ -217,7 +225,8 @@ WORKLOAD_REFUSALS = [
                          ids=["no-images", "not-an-image", "short-tokens", "tied-head-split", "fp16-on-cpu",
                               "tp-not-dividing-np", "tp-not-dividing-heads", "tp-with-dropout",
                               "model-past-memory", "stage-past-memory", "tf-model-past-memory", "tf-not-an-image",
-                              "tf-fp16-on-cpu", "compile-on-a-pipeline", "tf-compile-on"])
+                              "tf-fp16-on-cpu", "compile-on-a-pipeline", "tf-compile-on", "zero-on-a-pipeline",
+                              "compile-on-zero3", "tf-zero"])
 def test_workload_data_and_model_problems_stop_every_rank(tmp_path, framework, model, strategy, make_args, problem):
     project = generate(tmp_path, framework, strategy, model)
     line = refused(project, *make_args(project))
@@ -225,5 +234,6 @@ def test_workload_data_and_model_problems_stop_every_rank(tmp_path, framework, m
     if problem.startswith("memory:"):   # the settings that hold less, activations first where they are counted
         fixes = ("model.recompute blocks (activations), " if framework == "torch" else "") + (
             "more parallel.stages, or a larger parallel.tp for a GPT" if strategy == "pipeline" else
+            ("horovod.zero 3 (each replica holds 1/replicas of the model), " if framework == "torch" else "") +
             "a project that splits the model (hvdgen new --strategy pipeline or tensor)")
         assert line.endswith(f" of this host: use fewer ranks on this host, a smaller model, or {fixes}"), line

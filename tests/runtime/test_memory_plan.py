@@ -67,8 +67,8 @@ def test_a_tied_parameter_counts_once():
 def test_the_plan_refuses_what_the_host_cannot_hold():
     plan = MemoryPlan(parameters=GIB // 4, optimizer_state=2, activations=GIB, ranks_on_host=4, recompute=False)
     assert plan.rank_bytes == 4 * GIB + GIB   # parameters, gradients and Adam's two moments, float32
-    assert plan.line().startswith("memory: each rank holds about 5.00 GiB (268,435,456 parameters: 1.00 GiB and as "
-                                  "much in gradients, optimizer state 2.00 GiB, activations 1.00 GiB); 4 on this host")
+    assert plan.line().startswith("memory: each rank holds about 5.00 GiB (268,435,456 parameters: 1.00 GiB, "
+                                  "gradients 1.00 GiB, optimizer state 2.00 GiB, activations 1.00 GiB); 4 on this host")
     plan.check(20 * GIB, "more parallel.stages")   # fits: 4 x 5 GiB
     with pytest.raises(ConfigError) as refused:
         plan.check(19 * GIB, "more parallel.stages")
@@ -77,6 +77,16 @@ def test_the_plan_refuses_what_the_host_cannot_hold():
         "gradients and optimizer state, 1.00 GiB of activations), more than the 19.00 GiB of this host: use fewer "
         "ranks on this host, a smaller model, or model.recompute blocks (activations), more parallel.stages")
     plan.check(None, "more parallel.stages")   # a host that does not say: no verdict
+
+
+@pytest.mark.parametrize("zero, per_parameter", [(0, 16), (1, 8 + 8 / 4), (2, 4 + 12 / 4), (3, 16 / 4)])
+def test_zero_holds_the_papers_bytes_a_parameter(zero, per_parameter):
+    """fp32 Adam: 16 bytes a parameter; ZeRO over N = 4 replicas: 8 + 8/N, 4 + 12/N, 16/N."""
+    plan = MemoryPlan(parameters=2**20, optimizer_state=2, activations=0, ranks_on_host=4, recompute=False,
+                      zero=zero, replicas=4)
+    assert plan.state_bytes == per_parameter * 2**20
+    if zero:
+        assert f"(1,048,576 parameters under ZeRO {zero} over 4 replicas: " in plan.line()
 
 
 def test_the_hosts_memory_is_its_total_or_a_lower_container_limit(tmp_path):
