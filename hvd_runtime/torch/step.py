@@ -19,6 +19,7 @@ from hvd_runtime.torch.context import Context
 from hvd_runtime.torch.objective import accuracy_sum
 from hvd_runtime.torch.optim import WarmupSchedule
 from hvd_runtime.torch.precision import Precision
+from hvd_runtime.torch.zero import in_lockstep
 
 
 def sum_over_ranks(values: np.ndarray, name: str) -> np.ndarray:
@@ -89,5 +90,8 @@ class TrainStep:
                 out = self.model(x)
             y = y.to(out.device, non_blocking=True)
             return self.loss_fn(out, y).float() * len(y), {"accuracy": self.accuracy_fn(out, y)}
+
+        if getattr(self.optimizer, "stage", 0) == 3:   # ZeRO 3: each forward gathers over every replica
+            batches = in_lockstep(batches, lambda x: self.model(x.to(self.ctx.device)))
 
         return evaluate_batches(totals, batches, self.sum_over_ranks, self.metric_names)

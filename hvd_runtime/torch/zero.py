@@ -41,7 +41,7 @@ from hvd_runtime.torch.meta_init import take
 from hvd_runtime.torch.recompute import is_recomputed, swap_class_beneath
 from hvd_runtime.torch.stage import named_blocks
 
-__all__ = ["STAGES", "ZeroOptimizer", "row_range", "rows_by_parameter", "shard_parameters"]
+__all__ = ["STAGES", "ZeroOptimizer", "in_lockstep", "row_range", "rows_by_parameter", "shard_parameters"]
 
 STAGES = (0, 1, 2, 3)
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024   # Horovod's fusion buffer, HOROVOD_FUSION_THRESHOLD
@@ -216,6 +216,25 @@ def _run_gathered(module: nn.Module, forward, args, kwargs):
     finally:
         for owner, key, p in rows:
             owner._parameters[key] = p
+
+
+def in_lockstep(batches, idle_forward):
+    """Stage 3's evaluation: every forward is a collective of the replicas, but a rank's share of the
+    validation set may hold a batch fewer than another's (or none). Yields this rank's batches;
+    while any other rank still has one, a rank out of batches runs `idle_forward(x)` on one
+    sample of another rank's, whose output it drops. (ZeRO shards over every rank of the job.)"""
+    import horovod.torch as hvd
+
+    batches = iter(batches)
+    while True:
+        batch = next(batches, None)
+        said = hvd.allgather_object(None if batch is None else batch[0][:1].cpu(), name="zero3.eval.lockstep")
+        if all(sample is None for sample in said):
+            return
+        if batch is None:
+            idle_forward(next(sample for sample in said if sample is not None))
+        else:
+            yield batch
 
 
 # -- the optimizer: every stage steps this rank's rows -------------------------------------------

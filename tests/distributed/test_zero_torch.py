@@ -82,7 +82,8 @@ def worst(errors: dict[str, float]) -> tuple[str, float]:
 def test_zero_steps_match_the_unsplit_model(reports, name, np_):
     """Two updates (parameters and optimizer slots), then a third (parameters), equal the unsplit
     model's within 1e-5 on every rank; each rank holds about 1/np of the optimizer state and, under
-    ZeRO 3, of the parameters; under ZeRO 2 no whole gradient outlives a backward pass."""
+    ZeRO 3, of the parameters; under ZeRO 2 no whole gradient outlives a backward pass. The
+    validation loss over batches dealt unevenly (rank 0 one more) equals the reference's."""
     ranks = reports[(np_, name)]
     assert sorted(r["rank"] for r in ranks) == list(range(np_))
     for r in ranks:
@@ -92,6 +93,7 @@ def test_zero_steps_match_the_unsplit_model(reports, name, np_):
         assert abs(r["optimizer_share"] - 1 / np_) < 0.1, r["optimizer_share"]
         assert r["parameter_share"] == (pytest.approx(r["optimizer_share"]) if r["zero"] == 3 else 1.0)
         assert not r["whole_grads_kept"]
+        assert r["eval_error"] < TOL, f"rank {r['rank']}: validation loss off by {r['eval_error']:.2e}"
     assert sum(r["optimizer_share"] for r in ranks) >= 1.0   # every row is someone's (whole tensors: everyone's)
 
 

@@ -124,6 +124,18 @@ def param_errors(model, reference, optimizer=None, ref_optimizer=None) -> dict[s
     return errors
 
 
+def eval_error(step, reference, batch, n: int, r: int) -> float:
+    """The step's validation loss over n + 1 batches dealt round-robin (rank 0 gets two, the others
+    one: ZeRO 3's ranks must gather in lockstep though their shares differ) against the reference's
+    over all of them; relative."""
+    g = torch.Generator().manual_seed(23)
+    batches = [batch(g, 3) for _ in range(n + 1)]
+    loss, _ = step.evaluate([b for i, b in enumerate(batches) if i % n == r])
+    with torch.no_grad():
+        want = sum(step.loss_fn(reference.model(x), y).item() * len(y) for x, y in batches) / (3 * (n + 1))
+    return abs(loss - want) / abs(want)
+
+
 def run_case(case, ctx):
     build, classes, batch = workload(case)
     objective = VocabObjective.of(None, classes)
@@ -167,6 +179,7 @@ def run_case(case, ctx):
             save_checkpoint(checkpoint_store(CheckpointConfig(dir=case["save"]), ctx), parallel,
                             TrainState(step=case["steps"] * k, epoch=0), ctx)
     report["errors"] = param_errors(model, reference.model, optimizer, reference.optimizer)
+    report["eval_error"] = eval_error(step, reference, batch, n, r)
     train(case["steps"])
     report["after_one_more"] = param_errors(model, reference.model)
     if isinstance(optimizer, ZeroOptimizer):
