@@ -16,10 +16,11 @@ than ranks (a bias of a narrow layer) is not cut: every rank keeps it whole, its
   whole gradients are dropped: a rank keeps only its rows, summed over backward_passes_per_step.
 - stage 3: the parameters too. A rank holds only its rows; each block (hvd_runtime.torch.stage's
   blocks, and the model's own parameters outside them) all-gathers its parameters just before its
-  forward, through an autograd function whose backward reduce-scatters the gradient back to the
-  rows. The gathered tensors autograd saves for backward are not kept: it saves a marker and
-  gathers again when backward needs them (or the block's recomputation does, under
-  `model.recompute: blocks`). The model's classes and state_dict names are unchanged.
+  forward, in one grouped collective, through an autograd function whose backward reduce-scatters
+  the block's gradients back to the rows, again in one. The gathered tensors autograd saves for
+  backward are not kept: it saves markers and gathers the block again when backward first needs
+  one (or the block's recomputation does, under `model.recompute: blocks`). The model's classes
+  and state_dict names are unchanged.
 
 The global gradient norm (clipping, the non-finite check) sums each rank's rows over the set, the
 whole tensors counted once; fp16's overflow verdict is the set's. Checkpoints write each rank's
@@ -132,26 +133,32 @@ def rows_by_parameter(model: nn.Module) -> dict[int, _Rows]:
 
 
 class _Gather(torch.autograd.Function):
-    """rows -> the whole tensor (all-gather over the set); backward: the whole gradient -> this
-    rank's rows of its average over the set (reduce-scatter)."""
+    """A block's rows -> its whole tensors (one grouped all-gather over the set); backward: their
+    whole gradients -> this rank's rows of their average over the set (one grouped reduce-scatter),
+    once autograd has every one of them: at the end of the block's backward."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, dp_set, name: str):
-        ctx.dp_set, ctx.name = dp_set, name
-        return _allgather(rows, dp_set, name)
+    def forward(ctx, how: tuple, *rows: torch.Tensor):
+        dp_set, name = how
+        gathered = _allgather(rows, dp_set, name)
+        ctx.how, ctx.shapes, ctx.device = how, [t.shape for t in gathered], rows[0].device
+        return tuple(gathered)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor):
         import horovod.torch as hvd
 
-        return hvd.reducescatter(grad.contiguous(), op=hvd.Average, process_set=ctx.dp_set,
-                                 name=f"{ctx.name}.grad"), None, None
+        dp_set, name = ctx.how
+        grads = [torch.zeros(shape, device=ctx.device) if g is None else g.contiguous()
+                 for g, shape in zip(grads, ctx.shapes)]
+        return (None, *hvd.grouped_reducescatter(grads, op=hvd.Average, process_set=dp_set, name=f"{name}.grad"))
 
 
-def _allgather(rows: torch.Tensor, dp_set, name: str) -> torch.Tensor:
+def _allgather(rows, dp_set, name: str) -> list[torch.Tensor]:
+    """The whole tensors of `rows` (one grouped all-gather)."""
     import horovod.torch as hvd
 
-    return hvd.allgather(rows.detach().contiguous(), process_set=dp_set, name=name)
+    return hvd.grouped_allgather([t.detach().contiguous() for t in rows], process_set=dp_set, name=name)
 
 
 class _Gathering:
@@ -178,39 +185,48 @@ def _gathering_class(cls: type) -> type:
 
 
 def _run_gathered(module: nn.Module, forward, args, kwargs):
-    """`forward` (the module's own) with its stage-3 parameters gathered whole in their places.
-    Collectives are named by the whole model's names, alike on every rank."""
+    """`forward` (the module's own) with its stage-3 parameters gathered whole in their places, in
+    one collective named by the module's first parameter's whole-model name (alike on every rank)."""
     dp_set = module._hvd_zero_set
     skip = {id(m) for _, block in named_blocks(module) for m in block.modules()} if module._hvd_zero_own else set()
     sharded = _held_rows(module, skip)
+    if not sharded:
+        return forward(*args, **kwargs)
     grad = torch.is_grad_enabled()
-    full = {}
-    for owner, key, held in sharded:
-        p = owner._parameters[key]
-        if id(p) not in full:
-            full[id(p)] = (p, _Gather.apply(p, dp_set, f"zero3.{held.name}") if grad
-                           else _allgather(p, dp_set, f"zero3.{held.name}"), held.name)
-    # Autograd would keep each gathered tensor it saves until backward: a marker instead, gathered again then.
-    storages = {t.untyped_storage().data_ptr(): (p, t.dtype, name) for p, t, name in full.values()}
+    params = list({id(owner._parameters[key]): owner._parameters[key] for owner, key, _ in sharded}.values())
+    name = f"zero3.{sharded[0][2].name}"
+    gathered = _Gather.apply((dp_set, name), *params) if grad else _allgather(params, dp_set, name)
+    full = {id(p): t for p, t in zip(params, gathered)}
+    # Autograd would keep each gathered tensor it saves until backward: a marker instead, and the
+    # block gathered again when backward first needs one, dropped once the last marker is read.
+    index = {t.untyped_storage().data_ptr(): (i, t.dtype) for i, t in enumerate(gathered)}
+    again = {"tensors": None, "markers": 0}
 
     def pack(t: torch.Tensor):
-        found = storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        found = index.get(t.untyped_storage().data_ptr()) if t.numel() else None
         if found is None or t.dtype != found[1]:
             return t
-        return (found[0], found[2], tuple(t.shape), t.stride(), t.storage_offset())
+        again["markers"] += 1
+        return (found[0], tuple(t.shape), t.stride(), t.storage_offset())
 
     def unpack(saved):
         if isinstance(saved, torch.Tensor):
             return saved
-        p, name, shape, stride, offset = saved
-        return _allgather(p, dp_set, f"zero3.{name}.again").as_strided(shape, stride, offset)
+        if again["tensors"] is None:
+            again["tensors"] = _allgather(params, dp_set, f"{name}.again")
+        i, shape, stride, offset = saved
+        t = again["tensors"][i].as_strided(shape, stride, offset)
+        again["markers"] -= 1
+        if not again["markers"]:
+            again["tensors"] = None
+        return t
 
     hooks = (torch.autograd.graph.saved_tensors_hooks(pack, unpack) if grad and not is_recomputed(module)
              else contextlib.nullcontext())   # a recomputed block's checkpoint keeps only its input
     rows = [(owner, key, owner._parameters[key]) for owner, key, _ in sharded]
     try:
         for owner, key, p in rows:
-            owner._parameters[key] = full[id(p)][1]
+            owner._parameters[key] = full[id(p)]
         with hooks:
             return forward(*args, **kwargs)
     finally:
