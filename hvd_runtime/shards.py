@@ -10,8 +10,10 @@ A checkpoint is a folder `ckpt-<step>/` of one safetensors file per writing rank
 Every tensor keeps its name in the whole model (`model/<name>`, `optimizer/<parameter>/<slot>`), and
 each piece its Placement: the whole tensor's shape and, for a slice, the dimension it was cut
 along and the whole positions it holds, as runs. A rank resuming in another layout (another tp,
-another pipeline cut, unsplit) reads from each file only the rows it will hold (plan_reads):
-safetensors reads a slice without reading the tensor.
+another pipeline cut, unsplit) reads from each file only the rows it will hold (plan_reads), or
+the part of each piece its slice crosses where the pieces were cut along another dimension (ZeRO's
+rows read as tensor parallelism's columns: cut_across): safetensors reads a slice without reading
+the tensor.
 
 The folder is written under a hidden name and renamed into place once the index is in it
 (CheckpointStore.publish), so a job killed in the middle leaves the previous checkpoint the newest
@@ -143,6 +145,16 @@ def plan_reads(name: str, want: Placement, entry: dict) -> list[Copy]:
     return copies
 
 
+def cut_across(want: Placement, saved: dict) -> int | None:
+    """The dimension a tensor was saved cut along, where `want` is a slice along another one (and
+    no piece holds it whole); None where plan_reads' copies along one dimension serve."""
+    pieces = saved["pieces"]
+    if want.dim is None or any(piece["dim"] is None for piece in pieces):
+        return None
+    dims = {piece["dim"] for piece in pieces}
+    return dims.pop() if len(dims) == 1 and want.dim not in dims else None
+
+
 class ShardReader:
     """The files of one checkpoint folder, each opened once (memory-mapped); fills tensors placed as
     this rank holds them. `framework`: safetensors' "pt" (torch tensors) or "np" (NumPy arrays)."""
@@ -164,7 +176,11 @@ class ShardReader:
 
     def read(self, entry: str, want: Placement):
         """The tensor `entry` as `want` places it, assembled from the rows of the pieces holding them."""
-        copies = plan_reads(entry, want, self.index["tensors"][entry])
+        saved = self.index["tensors"][entry]
+        across = cut_across(want, saved)
+        if across is not None:
+            return self._read_across(entry, want, saved, across)
+        copies = plan_reads(entry, want, saved)
         if len(copies) == 1 and copies[0].dim is None:
             return self.file(copies[0].file).get_tensor(copies[0].key)
         out = None
@@ -174,6 +190,34 @@ class ShardReader:
                 out = piece.new_empty(want.local_shape) if self.framework == "pt" else \
                     np.empty(want.local_shape, dtype=piece.dtype)
             out[(slice(None),) * copy.dim + (slice(*copy.dst),)] = piece
+        return out
+
+    def _read_across(self, entry: str, want: Placement, saved: dict, dim: int):
+        """`want`'s slice along want.dim of a tensor saved in pieces cut along `dim` (ZeRO's rows
+        read as a tensor-parallel slice of columns, and back): each piece's part of the slice."""
+        if tuple(saved["shape"]) != want.shape:
+            raise ValueError(f"{entry}: {tuple(saved['shape'])} saved, {want.shape} now")
+        out, covered, ndim = None, 0, len(want.shape)
+        for piece in saved["pieces"]:
+            sliced = self.file(piece["file"]).get_slice(piece["key"])
+            offset = 0
+            for a, b in (tuple(r) for r in piece["runs"]):
+                start = 0
+                for wa, wb in want.runs:
+                    index = [slice(None)] * ndim
+                    index[dim], index[want.dim] = slice(offset, offset + b - a), slice(wa, wb)
+                    part = sliced[tuple(index)]
+                    if out is None:
+                        out = part.new_empty(want.local_shape) if self.framework == "pt" else \
+                            np.empty(want.local_shape, dtype=part.dtype)
+                    index[dim], index[want.dim] = slice(a, b), slice(start, start + wb - wa)
+                    out[tuple(index)] = part
+                    start += wb - wa
+                covered += b - a
+                offset += b - a
+        if covered != want.shape[dim]:
+            raise DamagedCheckpoint(f"the checkpoint holds {covered} of the {want.shape[dim]} rows {entry} needs "
+                                    f"along dimension {dim}")
         return out
 
     def _piece(self, copy: Copy):

@@ -395,11 +395,12 @@ class ZeroOptimizer:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        """Reduce-scatter bucket `b`'s gradients (a pass's earlier ones collected first) and drop
-        the whole gradients: Horovod holds them until the reduction is done."""
+        """Reduce-scatter bucket `b`'s gradients and drop the whole ones (Horovod holds them until the
+        reduction is done); then collect the buckets launched before it, so that one bucket of whole
+        gradients at most is in flight while backward goes on."""
         import horovod.torch as hvd
 
-        if b in self._pending:
+        if b in self._pending:   # the previous backward pass's, under backward_passes_per_step
             self._collect(b)
         bucket = self._buckets[b]
         self._pending[b] = hvd.grouped_reducescatter_async([self._grad(s) for s in bucket], op=hvd.Average,
@@ -407,6 +408,8 @@ class ZeroOptimizer:
         self._arrived[b] = 0
         for s in bucket:
             s.param.grad = None
+        for earlier in [c for c in self._pending if c != b]:
+            self._collect(earlier)
 
     def _collect(self, b: int) -> None:
         import horovod.torch as hvd

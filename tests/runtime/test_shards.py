@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from hvd_runtime.checkpoint import CheckpointStore
-from hvd_runtime.shards import (DamagedCheckpoint, Placement, index_misfit, merge_index, plan_reads, read_index,
-                                runs_of, write_json)
+from hvd_runtime.shards import (DamagedCheckpoint, Placement, ShardReader, index_misfit, merge_index, plan_reads,
+                                read_index, runs_of, write_json)
 
 
 def test_positions_become_runs_in_their_own_order():
@@ -65,6 +65,28 @@ def test_any_slice_is_read_from_any_other_slices_or_the_whole(want_dim):
             assert np.array_equal(got, np.take(whole, positions, axis=want_dim)), (name, positions)
         want = Placement.whole(whole.shape)
         assert np.array_equal(apply(plan_reads("t", want, entry), saved, want), whole), name
+
+
+@pytest.mark.parametrize("saved_dim, want_dim", [(0, 1), (1, 0)])
+def test_a_slice_is_read_across_pieces_cut_along_another_dimension(tmp_path, saved_dim, want_dim):
+    """ZeRO's rows (dim 0, uneven) resumed as a row-parallel layer's columns (dim 1), and back: each
+    piece gives the part of the slice it crosses; a piece missing is named."""
+    from safetensors.numpy import save_file
+
+    whole = np.arange(7 * 6, dtype=np.float32).reshape(7, 6)
+    n = whole.shape[saved_dim]
+    cuts = [range(0, (n + 2) // 3), range((n + 2) // 3, 2 * ((n + 2) // 3)), range(2 * ((n + 2) // 3), n)]
+    pieces = {f"r{i}.safetensors": Placement.slice(whole.shape, saved_dim, cut) for i, cut in enumerate(cuts)}
+    for f, at in pieces.items():
+        save_file({"t": np.ascontiguousarray(np.take(whole, list(range(*at.runs[0])), axis=saved_dim))}, tmp_path / f)
+    reader = ShardReader(tmp_path, {"tensors": {"t": entry_of(pieces, whole.shape)}}, "np")
+    m = whole.shape[want_dim]
+    for positions in ([0, 1, m - 1], list(range(m // 2, m)), list(range(m))):
+        got = reader.read("t", Placement.slice(whole.shape, want_dim, positions))
+        assert np.array_equal(got, np.take(whole, positions, axis=want_dim)), positions
+    short = ShardReader(tmp_path, {"tensors": {"t": entry_of(dict(list(pieces.items())[:2]), whole.shape)}}, "np")
+    with pytest.raises(DamagedCheckpoint, match=f"rows t needs along dimension {saved_dim}"):
+        short.read("t", Placement.slice(whole.shape, want_dim, [0]))
 
 
 def test_pieces_that_fall_short_are_named():
