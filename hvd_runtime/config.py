@@ -8,6 +8,7 @@ typo in a key or a wrong type stops the run at start-up with one line naming the
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -136,12 +137,18 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _check_type(key: str, value, annotation):
     """Coerce ints to floats where a float is wanted, and to text where text is wanted (YAML and the
-    command line read `--parallel.partition 3` as the number 3); reject anything else of the wrong type."""
+    command line read `--parallel.partition 3` as the number 3), and a number YAML left as text
+    (`3e-4`) to a float; reject anything else of the wrong type."""
     origin = typing.get_origin(annotation)
     if annotation in (float, str) and isinstance(value, int) and not isinstance(value, bool):
         return annotation(value)
+    if annotation is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)   # YAML 1.1 reads 3e-4 (no dot) as text
     if origin is list:
         (item_type,) = typing.get_args(annotation)
         if not isinstance(value, list):

@@ -19,6 +19,16 @@ def test_ints_are_accepted_for_floats_and_lists_are_typed():
     assert cfg.model.hidden == [32, 16]
 
 
+def test_a_float_without_a_dot_is_a_float(tmp_path):
+    """YAML 1.1 reads 3e-4 as text: on the command line and in a file it is still the learning rate."""
+    assert load_config(None, ["--optim.lr", "3e-4"]).optim.lr == 3e-4
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 6E-4\n  clip_norm: +1e0\n")
+    assert (load_config(path).optim.lr, load_config(path).optim.clip_norm) == (6e-4, 1.0)
+    with pytest.raises(ConfigError, match=r"^optim.lr must be float, got 'fast'$"):
+        load_config(None, ["--optim.lr", "fast"])
+
+
 def test_a_number_is_accepted_where_text_is_wanted(tmp_path):
     """`--parallel.partition 3` (where stage 2 starts), as the config's comment shows it, in a file too."""
     assert load_config(None, ["--parallel.partition", "3"]).parallel.partition == "3"
