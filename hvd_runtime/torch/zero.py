@@ -42,9 +42,8 @@ from hvd_runtime.torch.meta_init import take
 from hvd_runtime.torch.recompute import is_recomputed, swap_class_beneath
 from hvd_runtime.torch.stage import named_blocks
 
-__all__ = ["STAGES", "ZeroOptimizer", "in_lockstep", "row_range", "rows_by_parameter", "shard_parameters"]
+__all__ = ["ZeroOptimizer", "in_lockstep", "row_range", "rows_by_parameter", "shard_parameters"]
 
-STAGES = (0, 1, 2, 3)
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024   # Horovod's fusion buffer, HOROVOD_FUSION_THRESHOLD
 
 
@@ -75,11 +74,6 @@ class Shard:
     def placement(self) -> Placement:
         return Placement.whole(self.shape) if self.rows is None else \
             Placement.slice(self.shape, 0, range(*self.rows))
-
-
-def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The model's parameters with their first name (a tied one once)."""
-    return list(model.named_parameters())
 
 
 # -- stage 3: each rank holds its rows; blocks gather before they run -----------------------------
@@ -266,7 +260,7 @@ class ZeroOptimizer:
         self.stage, self.dp_set, self.dp_size = stage, dp_set, dp_size
         self.shards: list[Shard] = []
         held_rows = rows_by_parameter(model) if stage == 3 else {}
-        for name, p in _named_parameters(model):
+        for name, p in model.named_parameters():   # a tied parameter once, by its first name
             if stage == 3:
                 held = held_rows.get(id(p))
                 self.shards.append(Shard(name, p, tuple(p.shape) if held is None else held.shape,
@@ -277,14 +271,15 @@ class ZeroOptimizer:
             else:
                 self.shards.append(Shard(name, p, tuple(p.shape), None, p))
         self.inner = make_optimizer([s.stepped for s in self.shards])
+        self.bucket_bytes = bucket_bytes or int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_BUCKET_BYTES)) \
+            or DEFAULT_BUCKET_BYTES
         self._synchronized = False
         self._skip = False
         self._buckets: list[list[Shard]] = []
         self._pending: dict[int, object] = {}
         self._arrived: dict[int, int] = {}
         if stage == 2:
-            self._hook_buckets(bucket_bytes or int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_BUCKET_BYTES))
-                               or DEFAULT_BUCKET_BYTES)
+            self._hook_buckets()
 
     # the optimizer's face
     @property
@@ -357,7 +352,9 @@ class ZeroOptimizer:
         g = shard.param.grad
         return torch.zeros_like(shard.param) if g is None else g.contiguous()
 
-    def _by_bytes(self, shards: list[Shard], limit: int = DEFAULT_BUCKET_BYTES) -> list[list[Shard]]:
+    def _by_bytes(self, shards: list[Shard]) -> list[list[Shard]]:
+        """`shards` in order, in buckets of at most one fusion buffer's bytes (one if larger)."""
+        limit = self.bucket_bytes
         buckets: list[list[Shard]] = [[]]
         size = 0
         for s in shards:
@@ -382,9 +379,9 @@ class ZeroOptimizer:
                     s.param.copy_(w)
 
     # stage 2: gradients reduce-scattered as backward produces them
-    def _hook_buckets(self, limit: int) -> None:
+    def _hook_buckets(self) -> None:
         cut = [s for s in reversed(self.shards) if s.rows is not None]   # backward's order, about
-        self._buckets = self._by_bytes(cut, limit)
+        self._buckets = self._by_bytes(cut)
         for b, bucket in enumerate(self._buckets):
             for s in bucket:
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._arrive, b))
