@@ -8,9 +8,10 @@ A checkpoint is a folder of shards (hvd_runtime.shards): the ranks of the first 
 write their model's and optimizer's tensors (a pipeline stage's, a tensor-parallel slice's) under
 their names in the whole model, with where each slice sits in the whole tensor; rank 0 writes
 the index last. Under ZeRO (horovod.zero) every replica writes its rows of the optimizer state
-(and under ZeRO 3 of the parameters), the first the tensors every replica holds whole. No rank gathers another's tensors, and a checkpoint resumes at any layout: each
-rank reads from the shards only the rows of the tensors it holds now, so a job saved at pp 2 x
-tp 2 resumes unsplit, at another tp, cut elsewhere, and back.
+(and under ZeRO 3 of the parameters), the first the tensors every replica holds whole. No rank
+gathers another's tensors, and a checkpoint resumes at any layout: each rank reads from the
+shards only the rows of the tensors it holds now, so a job saved at pp 2 x tp 2 resumes unsplit,
+at another tp, cut elsewhere, and back.
 
 A checkpoint holds what an exact resume needs: model (BatchNorm statistics first averaged over
 the replicas), optimizer slots, the position in the epoch (in samples, so a resized job carries
@@ -18,8 +19,8 @@ on too), and each rank's RNG state, handed back to the same rank when the job ha
 The LR schedule is a function of the step, so it needs no state of its own.
 
 Where every rank holds the whole model and its optimizer (data parallelism, model-split) rank 0
-alone reads and broadcasts what it read, as the start of a data-parallel job always has: the ranks then begin
-bit-identical, and only rank 0 needs to see the checkpoint folder. Elsewhere every rank reads
+alone reads and broadcasts what it read, as the start of a data-parallel job always has: the
+ranks then begin bit-identical, and only rank 0 needs to see the checkpoint folder. Elsewhere every rank reads
 its own slices, so the folder must be one every rank mounts (a ReadWriteMany volume, a shared
 file system). Checkpoints written before shards (one `ckpt-<step>.pt`) still resume
 (hvd_runtime.torch.legacy_checkpoint); every new one is a folder.

@@ -252,7 +252,8 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         model = model.to(ctx.device)
     split = SplitParameters(model) if tensor else None
     objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
-    if wanted(cfg.train.compile, ctx.device, zero3=zero == 3):   # before the optimizer's gradient hooks: a warm-up step of its own
+    # before the optimizer's gradient hooks: a warm-up step of its own
+    if wanted(cfg.train.compile, ctx.device, zero3=zero == 3):
         apply_compile(model, ctx, cfg, dataset, objective)
     optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
     return Parallel(model, optimizer, step, split, model.plan if isinstance(model, ModelSplit) else None)
