@@ -11,6 +11,7 @@ from torch import nn
 from hvd_runtime.adasum import check_adasum
 from hvd_runtime.scaling import lr_scaler, warmup_factor
 from hvd_runtime.torch.context import Context
+from hvd_runtime.torch.fusion import in_fusion_buffers
 from hvd_runtime.torch.zero import ZeroOptimizer
 
 OPTIMIZERS = {
@@ -64,10 +65,6 @@ def plain_optimizer(params, optim_cfg, lr: float):
     return OPTIMIZERS[optim_cfg.name](params, optim_cfg, lr)
 
 
-# Horovod's fusion buffer, HOROVOD_FUSION_THRESHOLD (bytes): a group larger than it would not fuse.
-DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
-
-
 def gradient_groups(model: nn.Module, device: torch.device, adasum: bool) -> list[list[torch.Tensor]] | None:
     """On CPU ranks, the step's gradients as a few grouped allreduces; elsewhere None (one each).
 
@@ -83,17 +80,8 @@ def gradient_groups(model: nn.Module, device: torch.device, adasum: bool) -> lis
     """
     if device.type != "cpu" or adasum or os.environ.get("HOROVOD_ELASTIC") == "1":
         return None
-    limit = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)) or DEFAULT_FUSION_THRESHOLD
-    groups: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for param in (p for p in model.parameters() if p.requires_grad):
-        nbytes = param.numel() * param.element_size()
-        if groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(param)
-        size += nbytes
-    return groups if groups[0] else None
+    return in_fusion_buffers([p for p in model.parameters() if p.requires_grad],
+                             lambda p: p.numel() * p.element_size()) or None
 
 
 def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int):

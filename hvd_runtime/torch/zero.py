@@ -31,20 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hvd_runtime.shards import Placement
+from hvd_runtime.torch.fusion import in_fusion_buffers
 from hvd_runtime.torch.meta_init import take
 from hvd_runtime.torch.recompute import is_recomputed, swap_class_beneath
 from hvd_runtime.torch.stage import named_blocks
 
 __all__ = ["ZeroOptimizer", "in_lockstep", "row_range", "rows_by_parameter", "shard_parameters"]
-
-DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024   # Horovod's fusion buffer, HOROVOD_FUSION_THRESHOLD
 
 
 def row_range(rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -254,10 +252,9 @@ class ZeroOptimizer:
     around its step. What hvd_runtime.torch.step and precision drive, as they drive Horovod's
     DistributedOptimizer: zero_grad, synchronize, skip_synchronize, step, param_groups, state."""
 
-    def __init__(self, model: nn.Module, make_optimizer, stage: int, dp_set, dp_rank: int, dp_size: int,
-                 bucket_bytes: int | None = None):
+    def __init__(self, model: nn.Module, make_optimizer, stage: int, dp_set, dp_rank: int, dp_size: int):
         """`make_optimizer(tensors)`: the framework optimizer over the tensors to step."""
-        self.stage, self.dp_set, self.dp_size = stage, dp_set, dp_size
+        self.stage, self.dp_set = stage, dp_set
         self.shards: list[Shard] = []
         held_rows = rows_by_parameter(model) if stage == 3 else {}
         for name, p in model.named_parameters():   # a tied parameter once, by its first name
@@ -271,8 +268,6 @@ class ZeroOptimizer:
             else:
                 self.shards.append(Shard(name, p, tuple(p.shape), None, p))
         self.inner = make_optimizer([s.stepped for s in self.shards])
-        self.bucket_bytes = bucket_bytes or int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_BUCKET_BYTES)) \
-            or DEFAULT_BUCKET_BYTES
         self._synchronized = False
         self._skip = False
         self._buckets: list[list[Shard]] = []
@@ -352,19 +347,10 @@ class ZeroOptimizer:
         g = shard.param.grad
         return torch.zeros_like(shard.param) if g is None else g.contiguous()
 
-    def _by_bytes(self, shards: list[Shard]) -> list[list[Shard]]:
-        """`shards` in order, in buckets of at most one fusion buffer's bytes (one if larger)."""
-        limit = self.bucket_bytes
-        buckets: list[list[Shard]] = [[]]
-        size = 0
-        for s in shards:
-            nbytes = s.param.numel() * s.param.element_size()
-            if buckets[-1] and size + nbytes > limit:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(s)
-            size += nbytes
-        return buckets if buckets[0] else []
+    @staticmethod
+    def _by_bytes(shards: list[Shard]) -> list[list[Shard]]:
+        """`shards` in order, a fusion buffer's bytes of their parameters a group."""
+        return in_fusion_buffers(shards, lambda s: s.param.numel() * s.param.element_size())
 
     def _gather_updated(self) -> None:
         """Stages 1 and 2: every rank's updated rows all-gathered into the whole parameters."""

@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hvd_runtime.torch.optim import DEFAULT_FUSION_THRESHOLD, gradient_groups  # noqa: E402
+from hvd_runtime.torch.fusion import DEFAULT_FUSION_THRESHOLD  # noqa: E402
+from hvd_runtime.torch.optim import gradient_groups  # noqa: E402
 
 CPU = torch.device("cpu")
 
