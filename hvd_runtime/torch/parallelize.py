@@ -148,8 +148,10 @@ def refuse_zero_misfits(cfg, ctx: Context) -> None:
     """horovod.zero with what it cannot serve: one line each (ConfigError), before anything is made."""
     hvd = cfg.horovod
     misfits = [
-        (ctx.pipeline is not None, "pipeline stages: use --strategy data"),
-        (ctx.tensor is not None, "tensor parallelism (parallel.tp): use horovod.zero 0 there, or --strategy data"),
+        (ctx.pipeline is not None and hvd.zero > 1, "pipeline stages (every micro-batch's backward would "
+                                                   "reduce-scatter again): use horovod.zero 1"),
+        (ctx.tensor is not None or ctx.pipeline is not None and ctx.pipeline.dims.tp > 1,
+         "tensor parallelism (parallel.tp): use horovod.zero 0 there, or parallel.tp 1"),
         (ctx.stage_devices is not None, "model-split: use --strategy data"),
         (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its shard with it): "
                                                   "run without --min-np/--max-np, or set horovod.zero 0"),
@@ -189,7 +191,13 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
-    optimizer = plain_optimizer(stage.parameters(), cfg.optim, schedule.lr(0, ctx.data_size))
+    lr = schedule.lr(0, ctx.data_size)
+    if cfg.horovod.zero and ctx.dp_set is not None:
+        # Horovod: the engine reduce-scatters the stage's gradients over its replicas, each steps its rows
+        optimizer = ZeroOptimizer(stage, lambda tensors: plain_optimizer(tensors, cfg.optim, lr), cfg.horovod.zero,
+                                  ctx.dp_set, ctx.data_rank, ctx.data_size)
+    else:        # a lone replica: nothing to shard
+        optimizer = plain_optimizer(stage.parameters(), cfg.optim, lr)
     engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule,

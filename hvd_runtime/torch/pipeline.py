@@ -38,6 +38,7 @@ from hvd_runtime.torch.split_backward import SplitBackward, WeightWork
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
+from hvd_runtime.torch.zero import ZeroOptimizer
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "chunks_per_rank",
            "init_pipeline",
@@ -95,6 +96,7 @@ class PipelineEngine(PipelineEngineBase):
         self.clip_norm, self.lr_schedule = clip_norm, lr_schedule
         # Tensor-parallel stages: the parameters held as slices, found once (the clip norm counts them apart)
         self._split_ids = set(SplitParameters(stage).by_param) if dims.dims.tp > 1 else set()
+        self.sharded = isinstance(optimizer, ZeroOptimizer)   # horovod.zero 1: the replicas' rows
         self._saved: dict[tuple, tuple] = {}   # (chunk, micro-batch) -> (input, output to backpropagate, module calls)
         self.split_backward = SplitBackward(stage) if schedule in SPLIT_BACKWARD else None
         self._weight_work: dict[tuple, object] = {}   # zero-bubble: (chunk, micro-batch) -> its weight gradients, still to do
@@ -166,7 +168,10 @@ class PipelineEngine(PipelineEngineBase):
     def _finish_step(self):
         params = [p for p in self.stage.parameters() if p.requires_grad]
         # every replica of a weight-free stage agrees: nothing to average
-        if self.dims.dp_set is not None and params:
+        if self.sharded:
+            # Horovod: this stage's gradients reduce-scattered over its replicas, each keeps its rows
+            self.optimizer.synchronize()
+        elif self.dims.dp_set is not None and params:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -179,28 +184,36 @@ class PipelineEngine(PipelineEngineBase):
                 return   # the gradients are zeroed as the next step begins
             if self.clip_norm:
                 self._clip_gradients(norm)
-        self.optimizer.step()
+        self.optimizer.step()   # ZeRO: each replica steps its rows, then all-gathers them
+
+    def _stepped(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """(parameter, the tensor the optimizer steps, whether every replica holds that tensor's
+        gradient): the parameter itself, or under ZeRO this replica's rows of it."""
+        if self.sharded:
+            return [(s.param, s.stepped, s.rows is None) for s in self.optimizer.shards]
+        return [(p, p, True) for p in self.stage.parameters()]
 
     def _grad_norm(self) -> float:
-        """The whole model's gradient norm, not the stage's: squared norms summed over all ranks
-        (every replica holds the same averaged gradients, so the sum is divided by the replicas),
-        what torch.nn.utils.clip_grad_norm_ computes on the unsplit model. The same on every rank."""
-        params = [p for p in self.stage.parameters() if p.grad is not None]
-        # With tensor parallelism a whole (unsplit) parameter is held by each of the tp ranks of its
-        # stage: its square counts 1/tp from each, a split one's slice counts once.
-        squares = sum((p.grad.detach().double().pow(2).sum() / (1 if id(p) in self._split_ids else self.dims.dims.tp)
-                       for p in params), torch.zeros((), dtype=torch.float64))
+        """The whole model's gradient norm, not the stage's: squared norms summed over all ranks,
+        each gradient divided by the ranks holding the same one, what torch.nn.utils.clip_grad_norm_
+        computes on the unsplit model. The same on every rank."""
+        # A gradient averaged over the replicas is held by each of them (ZeRO: its rows by one); a
+        # parameter kept whole under tensor parallelism by each of the tp ranks of its stage.
+        terms = [stepped.grad.detach().double().pow(2).sum()
+                 / ((1 if id(param) in self._split_ids else self.dims.dims.tp)
+                    * (self.dims.replicas if every_replica else 1))
+                 for param, stepped, every_replica in self._stepped() if stepped.grad is not None]
+        squares = torch.stack(terms).sum().cpu() if terms else torch.zeros((), dtype=torch.float64)
         # Horovod: every rank's share of the squared norm, summed over the whole job
-        total = self.hvd.allreduce(squares.cpu(), op=self.hvd.Sum, name="pp.grad_norm") / self.dims.replicas
-        return float(total.sqrt())
+        return float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm").sqrt())
 
     def _clip_gradients(self, norm: float) -> None:
         """Scale every stage's gradients so that the whole model's gradient norm is at most clip_norm."""
         scale = self.clip_norm / (norm + 1e-6)
         if scale < 1.0:
-            for p in self.stage.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            for _, stepped, _ in self._stepped():
+                if stepped.grad is not None:
+                    stepped.grad.mul_(scale)
 
     def _before_step(self, step):
         if self.lr_schedule is not None:  # the LR for this step, scaled by the replicas (stages add no samples)

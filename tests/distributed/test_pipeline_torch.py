@@ -233,6 +233,28 @@ def test_recomputed_blocks_match_the_unsplit_model(pipeline_jobs, model, np_, st
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 
+# horovod.zero 1 over each stage's replicas, SGD with momentum (a state to shard), each on the grid
+# of a case above: (model, np, stages, schedule, micro-batches, p2p, clip, what)
+ZERO_CASES = [
+    ("mlp", 4, 2, "1f1b", 2, "torch", 0.0, "pp=2 dp=2 ZeRO 1: each replica steps its rows of the stage"),
+    ("gpt", 4, 2, "1f1b", 2, "torch", 0.1, "GPT pp=2 dp=2 ZeRO 1, clipped by the norm of every rank's rows"),
+    ("mlp", 4, 2, "1f1b-batched-w", 3, "socket", 0.0, "pp=2 dp=2 ZeRO 1, batched weight gradients"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model,np_,stages,schedule,m,p2p,clip,what", ZERO_CASES, ids=[c[-1] for c in ZERO_CASES])
+def test_zero_pipeline_stages_match_the_unsplit_model(pipeline_jobs, model, np_, stages, schedule, m, p2p, clip, what):
+    """Two steps of pipeline stages whose replicas each hold half of the stage's optimizer state
+    (momentum) equal the unsplit model's, momentum and all."""
+    results, _ = pipeline_jobs(what)
+    check_against_reference(results, np_, stages, schedule, m, ALL_BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model])
+    assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
+    for r in results:
+        assert abs(r["optimizer_share"] - 1 / (np_ // stages)) < 0.05, (r["rank"], r["optimizer_share"])
+
+
 INTERLEAVED_CASES = [
     # (np, stages, chunks, micro-batches, p2p, model, clip norm, what it covers)
     (2, 2, 2, 4, "socket", "mlp", 0.0, "pp=2, 2 chunks a rank: two socket links between the same pair, one each way round"),
@@ -341,11 +363,14 @@ for np_, stages, chunks, m, p2p, model, clip, what in INTERLEAVED_CASES:
     JOB_CASES[what] = grid(np_, stages, p2p, chunks=chunks), {
         "schedule": "interleaved-1f1b", "micro_batches": m, "clip_norm": clip,
         **({} if model == "mlp" else {"model": model, "batch": 8})}
+for model, np_, stages, schedule, m, p2p, clip, what in ZERO_CASES:
+    JOB_CASES[what] = grid(np_, stages, p2p), {"schedule": schedule, "micro_batches": m, "clip_norm": clip, "zero": 1,
+                                               "momentum": 0.9, **({} if model == "mlp" else {"model": model, "batch": 8})}
 for schedule in TIMELINES:
     JOB_CASES[f"timeline: {schedule}"] = grid(2, 2, chunks=timeline_chunks(schedule)), {
         "schedule": schedule, "micro_batches": 4, "steps": 3, "partition": TIMELINE_SPLITS[schedule], "run_dir": True}
 assert len(JOB_CASES) == (len(PIPELINE_CASES) + len(WORKLOAD_CASES) + len(RECOMPUTE_CASES) + len(INTERLEAVED_CASES)
-                          + len(TIMELINES))
+                          + len(ZERO_CASES) + len(TIMELINES))
 
 
 @pytest.fixture(scope="module")

@@ -112,9 +112,15 @@ def test_list_shows_every_combination():
      "--tp 8 does not divide the generated gpt's 12 attention heads"),
     (["--model", "gpt", "--size", "huge"], "Invalid value for '--size': 'huge' is not one of 'tiny', 'gpt2-small'."),
     (["--zero", "4"], "Invalid value for '--zero': 4 is not in the range 0<=x<=3."),
-    (["--zero", "1", "--strategy", "pipeline"], "--zero 1 shards a torch data-parallel job, not torch/pipeline: drop "
-                                                "--zero, or use --framework torch --strategy data"),
-    (["--zero", "2", "--framework", "tensorflow"], "--zero 2 shards a torch data-parallel job, not tensorflow/data"),
+    (["--zero", "1", "--strategy", "tensor", "--model", "gpt"],
+     "--zero 1 shards a torch data-parallel or pipeline job, not torch/tensor: drop --zero, or use --framework "
+     "torch --strategy data"),
+    (["--zero", "2", "--framework", "tensorflow"],
+     "--zero 2 shards a torch data-parallel or pipeline job, not tensorflow/data"),
+    (["--zero", "2", "--strategy", "pipeline"], "--zero 2 with --strategy pipeline: every micro-batch's backward "
+                                                "would reduce-scatter again; use --zero 1"),
+    (["--zero", "1", "--strategy", "pipeline", "--model", "gpt", "--tp", "2"],
+     "--zero 1 with --tp 2: ZeRO shards the stages of a pipeline without tensor parallelism; drop one of them"),
     (["--zero", "3", "--elastic"], "--zero 3 with --elastic: a lost worker would take its shard with it; drop one "
                                    "of them"),
 ])

@@ -32,10 +32,10 @@ def generate(tmp_path: Path, framework: str, strategy: str) -> Path:
     return tmp_path / "proj"
 
 
-def train(project: Path, ranks: Path, epochs: int, *overrides: str, env=None) -> tuple[list[dict], str]:
+def train(project: Path, ranks: Path, epochs: int, *overrides: str, env=None, np_: int = 2) -> tuple[list[dict], str]:
     """Untracked: MLflow never changes what is trained, and tracked pipelines are
     test_tracking_project's (torch) and test_staged_projects' (TensorFlow)."""
-    proc = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
+    proc = run_horovod(np_, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
                            "--train.epochs", str(epochs), "--tracking.enabled", "false", *overrides],
                        cwd=project, env=env, timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
@@ -70,6 +70,27 @@ def test_pipeline_resumes_exactly(tmp_path, framework, schedule):
         assert "epoch   3" in other.stdout
     assert resumed[-1]["epoch"] == 2
     assert_same(resumed[-1], straight[-1], ("train_loss", "val_loss", "val_accuracy"))
+
+
+def test_a_zero_pipeline_resumes_exactly_and_without_replicas(tmp_path):
+    """horovod.zero 1 on 2 stages x 2 replicas: each rank writes its rows of its stage's optimizer
+    state, and reads them back; the resumed epoch 2 equals the straight run's. The same checkpoint
+    resumes on 2 ranks (no replicas, no ZeRO), each reading its stage's whole state from both
+    replicas' rows."""
+    project = generate(tmp_path, "torch", "pipeline")
+    skip_digest = {"SKIP_DIGEST": "1"}      # pipeline ranks hold different stages
+    zero = ["--horovod.zero", "1"]          # the MLP's SGD keeps momentum: a state to shard
+    straight, out = train(project, tmp_path / "straight", 2, *zero, env=skip_digest, np_=4)
+    assert "pipeline of 2 stages x 2 replica(s)" in out and "under ZeRO 1 over 2 replicas" in out
+    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{straight[0]['step']:09d}")
+    assert len(list(saved.glob("rank-*.safetensors"))) == 4   # every replica wrote its rows
+    resumed = {}
+    for ranks, np_ in (("resumed", 4), ("unreplicated", 2)):
+        copy_checkpoint(saved, tmp_path / ranks / "rank0" / "checkpoints")
+        resumed[np_], out = train(project, tmp_path / ranks, 2, *(zero if np_ == 4 else []), env=skip_digest, np_=np_)
+        assert "resuming from checkpoints/ckpt-" in out and "from epoch 1" in out, out[-3000:]
+        assert [r["epoch"] for r in resumed[np_]] == [2]
+    assert_same(resumed[4][-1], straight[-1], ("train_loss", "val_loss", "val_accuracy"))
 
 
 @pytest.mark.plain_start   # model-split's ranks start as users start them, a cold interpreter each

@@ -14,7 +14,7 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
 - the ResNet-18 and GPT projects' own data and model problems: an image folder without images,
   an image that is not one, a token file shorter than one context window, a tied GPT head split
   from its embedding, fp16 on a CPU, train.compile on where it does not compile (a torch pipeline
-  stage, Keras, ZeRO 3), horovod.zero where it does not shard (a pipeline, Keras), a GPT past this host's memory (whole, and as a pipeline whose
+  stage, Keras, ZeRO 3), horovod.zero where it does not shard (2 on a pipeline, Keras), a GPT past this host's memory (whole, and as a pipeline whose
   second stage would fit: its rank stops on the same line, the host judged by both stages).
 """
 
@@ -209,8 +209,9 @@ WORKLOAD_REFUSALS = [
     ("tensorflow", "mlp", "data", lambda p: ["--train.compile", "on"],
      "train.compile on compiles torch models (torch.compile): a Keras project's step runs as a traced "
      "tf.function; set train.compile auto or off"),
-    ("torch", "mlp", "pipeline", lambda p: ["--horovod.zero", "1"],
-     "horovod.zero 1 does not work with pipeline stages: use --strategy data"),
+    ("torch", "mlp", "pipeline", lambda p: ["--horovod.zero", "2"],
+     "horovod.zero 2 does not work with pipeline stages (every micro-batch's backward would reduce-scatter "
+     "again): use horovod.zero 1"),
     ("torch", "mlp", "data", lambda p: ["--horovod.zero", "3", "--train.compile", "on"],
      "train.compile on does not work with horovod.zero 3 (its blocks gather their parameters as they run): set "
      "train.compile auto or off, or horovod.zero 2"),

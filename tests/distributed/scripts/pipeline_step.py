@@ -8,7 +8,8 @@ since BatchNorm's statistics are a micro-batch's) and compares its own stage's p
 the steps, and the reported losses and accuracies, with it. Rank 0 writes all ranks' results as JSON.
 `--model resnet18|gpt --project DIR` splits a generated project's model instead of the MLP here;
 `--recompute` makes the stage's blocks recompute their activations in backward (the reference
-does not).
+does not); `--zero 1` shards the stage's optimizer state over its replicas (horovod.zero 1), with
+`--momentum` giving it a state (both optimizers' SGD momentum).
 
 `--cases FILE`: a JSON list of cases, each a dict of flags (dest names: schedule, micro_batches,
 model, project, clip_norm, batch, partition, steps, run_dir, out) over the command line's, run one
@@ -30,6 +31,7 @@ from hvd_runtime.torch.recompute import recompute_blocks
 from hvd_runtime.torch.tensor_parallel import split_model
 from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
+from hvd_runtime.torch.zero import ZeroOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_driver import drive_pipeline, each_case, parse_args, write_results  # noqa: E402
@@ -99,7 +101,7 @@ def run_case(args, dims) -> dict:
     # the single-process reference
     ref = work.build()
     before = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=args.lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=args.lr, momentum=args.momentum)
     ref_losses, ref_accs, clipped = [], [], []
     for x, y in zip(xs, ys):
         loss, acc, was_clipped = reference_step(ref, ref_opt, x, y, args.micro_batches if work.batch_norm else None,
@@ -120,7 +122,11 @@ def run_case(args, dims) -> dict:
     # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
     objective = VocabObjective.of(dims.tensor_group, VOCAB)
     weights = list(stage.parameters()) or [{"params": []}]  # a weight-free stage, as plain_optimizer does
-    engine = PipelineEngine(stage, dims, loss_fn=objective.cross_entropy, optimizer=torch.optim.SGD(weights, lr=args.lr),
+    optimizer = ZeroOptimizer(stage, lambda tensors: torch.optim.SGD(tensors or [{"params": []}], lr=args.lr,
+                                                                     momentum=args.momentum),
+                              args.zero, dims.dp_set, dims.replica, dims.replicas) if args.zero else \
+        torch.optim.SGD(weights, lr=args.lr, momentum=args.momentum)
+    engine = PipelineEngine(stage, dims, loss_fn=objective.cross_entropy, optimizer=optimizer,
                             schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=objective.accuracy,
                             timeline=args.run_dir is not None, clip_norm=args.clip_norm)
     run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
@@ -144,6 +150,10 @@ def run_case(args, dims) -> dict:
               "weights_put_off": engine.split_backward.weights_put_off if engine.split_backward else None,
               "linears": sum(1 for m in stage.modules() if type(m) is torch.nn.Linear),
               "linears_batched": engine.linears_batched, **run}
+    if args.momentum:   # the optimizer state this rank holds, as a share of its stage's parameters
+        held = sum(v.numel() for state in optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor))
+        result["optimizer_share"] = held / max(1, sum(p.numel() for p in stage.parameters()))
     return result
 
 

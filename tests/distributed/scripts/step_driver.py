@@ -30,6 +30,8 @@ def parse_args(pipeline: bool, p2p: str = "torch", cases: bool = False) -> argpa
                     help="the split model's blocks recompute their activations in backward; the reference does not")
     if pipeline:
         ap.add_argument("--stages", type=int, default=2)
+        ap.add_argument("--zero", type=int, default=0, help="horovod.zero 1: each replica steps its rows")
+        ap.add_argument("--momentum", type=float, default=0.0, help="SGD momentum, pipeline and reference alike")
         ap.add_argument("--tp", type=int, default=1, help="split each stage over this many ranks (tensor parallelism)")
         ap.add_argument("--schedule", default="1f1b")
         ap.add_argument("--chunks", type=int, default=1, help="the model's chunks per rank (interleaved-1f1b)")
