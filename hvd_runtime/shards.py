@@ -79,6 +79,15 @@ class Placement:
         shape[self.dim] = sum(b - a for a, b in self.runs)
         return tuple(shape)
 
+    def part(self, dim: int, start: int, stop: int) -> "Placement":
+        """The placement of positions [start, stop) along `dim` of a tensor placed as this one (ZeRO's
+        rows of a tensor-parallel slice): one dimension cut, so `dim` must be the one cut already."""
+        if self.dim is None:
+            return Placement.slice(self.shape, dim, range(start, stop))
+        if dim != self.dim:
+            raise ValueError(f"a part along dimension {dim} of a slice along {self.dim} is cut along two")
+        return Placement.slice(self.shape, dim, [p for a, b in self.runs for p in range(a, b)][start:stop])
+
     def along(self, dim: int) -> tuple[tuple[int, int], ...]:
         """Its runs along `dim`: all of it, for a whole tensor."""
         if self.dim is None:
@@ -227,15 +236,19 @@ class ShardReader:
 
 def merge_index(shards: list[dict], **fields) -> dict:
     """The index rank 0 writes, from every writer's description of its file (what write_shard
-    returned) and the checkpoint's other fields (train state, RNG states, pipeline cut)."""
+    returned) and the checkpoint's other fields (train state, RNG states, pipeline cut). A part
+    several writers hold alike is listed once, from the first: pieces never overlap."""
     tensors: dict[str, dict] = {}
     values: dict[str, object] = {}
     files = {}
     for shard in shards:
         files[shard["file"]] = {"bytes": shard["bytes"]}
         for name, entry in shard["tensors"].items():
-            tensors.setdefault(name, {"shape": entry["shape"], "pieces": []})["pieces"].append(
-                {"file": shard["file"], "key": entry["key"], "dim": entry["dim"], "runs": entry["runs"]})
+            pieces = tensors.setdefault(name, {"shape": entry["shape"], "pieces": []})["pieces"]
+            if not any(p["dim"] == entry["dim"] and p["runs"] == entry["runs"] for p in pieces):
+                # the same part held by several ranks (ZeRO's rows of a tensor tp keeps whole) listed once
+                pieces.append({"file": shard["file"], "key": entry["key"], "dim": entry["dim"],
+                               "runs": entry["runs"]})
         values.update(shard["values"])
     return {"format": FORMAT, **fields, "files": files, "tensors": tensors, "values": values}
 

@@ -52,16 +52,17 @@ def _model_placements(module: nn.Module, split) -> dict[str, Placement]:
     """Where each of the module's state_dict entries sits in the whole model's (a tensor-parallel
     slice, ZeRO 3's rows, or whole)."""
     placements = {}
-    shapes = split.saved_shapes() if split is not None else None
     rows = rows_by_parameter(module)
     for name, t in module.state_dict(keep_vars=True).items():
+        held = rows.get(id(t))
+        shape = list(t.shape if held is None else held.shape)   # as tensor parallelism holds it
         cut = split.by_name.get(name) if split is not None else None
         if cut is not None:
-            placements[name] = Placement.slice(shapes[name], cut.dim, cut.index.tolist())
-        elif id(t) in rows:
-            placements[name] = Placement.slice(rows[id(t)].shape, 0, range(*rows[id(t)].rows))
+            shape[cut.dim] = cut.size
+            at = Placement.slice(shape, cut.dim, cut.index.tolist())
         else:
-            placements[name] = Placement.whole(t.shape)
+            at = Placement.whole(shape)
+        placements[name] = at if held is None else at.part(held.dim, *held.rows)
     return placements
 
 
@@ -76,8 +77,9 @@ def _parameters(module: nn.Module, optimizer, placements: dict[str, Placement]
     """The tensors the optimizer steps in its own order, with their names in the whole model (the
     module's state_dict keys: a model-split's are the unsplit model's, not its attributes') and
     where they sit there (ZeRO's: this rank's rows of a parameter the model holds whole)."""
-    if isinstance(optimizer, ZeroOptimizer):
-        return optimizer.named_shards()
+    if isinstance(optimizer, ZeroOptimizer):   # stages 1 and 2 step rows of a parameter held whole
+        return [(s.name, s.stepped, placements[s.name] if s.stepped is s.param or s.rows is None
+                 else placements[s.name].part(s.dim, *s.rows)) for s in optimizer.shards]
     names: dict[int, str] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         names.setdefault(id(t), name)   # a tied parameter: its first name
@@ -102,9 +104,11 @@ def held_tensors(module: nn.Module, optimizer, split=None) -> dict[str, tuple[ob
 
 # -- writing ----------------------------------------------------------------------------------------
 
-def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool) -> dict:
+def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool, model: bool = True) -> dict:
     """Write this rank's file; return its description for the index. Whole tensors are written by
-    one rank of a tensor-parallel group (`write_whole`); tensors sharing storage (tied weights) once."""
+    one rank of a tensor-parallel group (`write_whole`); tensors sharing storage (tied weights) once;
+    the model's only where `model` (a ZeRO 1 or 2 replica past the first writes its rows of the
+    optimizer state alone)."""
     from safetensors.torch import save_file
 
     tensors, described, values, keys = {}, {}, {}, {}
@@ -112,7 +116,7 @@ def _write_shard(folder: Path, rank: int, held: dict, write_whole: bool) -> dict
         if at is None:
             values[entry] = value
             continue
-        if at.dim is None and not write_whole:
+        if at.dim is None and not write_whole or entry.startswith(MODEL) and not model:
             continue
         t = value.detach()
         same = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -147,8 +151,11 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
     if ctx.dp_set is not None:
         average_buffers(module, process_set=ctx.dp_set, name="checkpoint.buffers")
 
+    zero = optimizer.stage if isinstance(optimizer, ZeroOptimizer) else 0
+
     def write_shard(folder: Path, write_whole: bool) -> dict:
-        return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole)
+        return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole,
+                            model=zero not in (1, 2) or ctx.data_rank == 0)
 
     return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(),
                             parallel.plan.cut() if parallel.plan else None, last,

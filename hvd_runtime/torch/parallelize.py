@@ -12,7 +12,8 @@ function with explicit arguments, so that a strategy is a path through them, not
     apply_pipeline       pipeline: this rank's stage of the model, then its slices of it (tp)
     apply_model_split    model-split: the model's blocks over this rank's devices
     recompute_blocks     model.recompute: blocks: each block's activations recomputed in backward
-    shard_parameters     horovod.zero 3: each replica holds its rows of every parameter
+    shard_parameters     horovod.zero 3: each replica holds its rows of every parameter (of its
+                         slice under tensor parallelism)
     apply_data_parallel  the Horovod optimizer averaging gradients over the replicas (the dp set),
                          or ZeRO's sharding them (horovod.zero), the LR scaled by their number,
                          and the step the loop drives; a pipeline's step is its engine, which
@@ -117,7 +118,7 @@ def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabOb
     scaled by their number with warmup, and the TrainStep: fp16 loss scaling and clipping (by the
     whole model's norm: `split`'s under tensor parallelism, the rows' summed under ZeRO) wait for
     the averaged gradients."""
-    optimizer, schedule = make_optimizer(module, cfg.optim, cfg.horovod, ctx, steps_per_epoch)
+    optimizer, schedule = make_optimizer(module, cfg.optim, cfg.horovod, ctx, steps_per_epoch, split)
     norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else split.grad_norm if split else None
     precision = Precision(cfg.train.precision, ctx.device, cfg.optim.clip_norm, norm)
     step = TrainStep(module, optimizer, schedule, objective.cross_entropy, ctx, cfg.horovod.backward_passes_per_step,
@@ -150,8 +151,8 @@ def refuse_zero_misfits(cfg, ctx: Context) -> None:
     misfits = [
         (ctx.pipeline is not None and hvd.zero > 1, "pipeline stages (every micro-batch's backward would "
                                                    "reduce-scatter again): use horovod.zero 1"),
-        (ctx.tensor is not None or ctx.pipeline is not None and ctx.pipeline.dims.tp > 1,
-         "tensor parallelism (parallel.tp): use horovod.zero 0 there, or parallel.tp 1"),
+        (ctx.pipeline is not None and ctx.pipeline.dims.tp > 1,
+         "a pipeline's tensor parallelism (parallel.tp): use horovod.zero 0 there, or parallel.tp 1"),
         (ctx.stage_devices is not None, "model-split: use --strategy data"),
         (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its shard with it): "
                                                   "run without --min-np/--max-np, or set horovod.zero 0"),
@@ -235,9 +236,14 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     tensor = ctx.tensor is not None
     per_block = activations_of(model, batch_sample(dataset, cfg))
-    if tensor:   # this rank draws only its slices (and the tensors kept whole)
+    if tensor:   # this rank draws only its slices (and the tensors kept whole; ZeRO 3: its rows of each)
         model = apply_tp(model, ctx.tensor.group)
-        plan_and_check(model, per_block, ctx, cfg, "a larger parallel.tp", scale=1 / ctx.tensor.group.size)
+        shards = "horovod.zero 3 (each replica holds 1/replicas of its slices), " if zero < 3 and \
+            ctx.data_size > 1 else ""
+        plan_and_check(model, per_block, ctx, cfg, f"{shards}a larger parallel.tp", scale=1 / ctx.tensor.group.size)
+        if zero == 3 and ctx.dp_set is not None:   # each slice cut where tensor parallelism cut it
+            cut_dims = {name: cut.dim for name, cut in SplitParameters(model).by_name.items()}
+            model = shard_parameters(model, ctx.dp_set, ctx.data_rank, ctx.data_size, cut_dims)
         model = materialize(model, cfg.seed, ctx.device)
     else:        # every rank holds the whole model (ZeRO 3: its rows of each parameter)
         shards = "horovod.zero 3 (each replica holds 1/replicas of the model), " if zero < 3 and \

@@ -111,6 +111,7 @@ class ColumnParallelLinear(nn.Module):
                                        for c in range(chunks)])
         self.group = group
         self.in_features, self.out_features = linear.in_features, len(self.source_index)
+        self.source_size = linear.out_features   # the whole layer's rows
         self.weight = take(linear.weight, rows=self.source_index)
         self.bias = take(linear.bias, rows=self.source_index) if linear.bias is not None else None
 
@@ -129,6 +130,7 @@ class RowParallelLinear(nn.Module):
         self.name = name  # names this layer's allreduces: unique per layer
         part = split_range(linear.in_features, group.size, group.rank, f"row-parallel {linear}")
         self.source_index = torch.arange(part.start, part.stop)  # the original input features (columns) held
+        self.source_size = linear.in_features   # the whole layer's columns
         self.group = group
         self.in_features, self.out_features = part.stop - part.start, linear.out_features
         self.weight = take(linear.weight, cols=part)
@@ -155,6 +157,7 @@ class VocabParallelEmbedding(nn.Module):
         part = vocab_range(embedding.num_embeddings, group.size, group.rank)
         self.start, self.stop = part.start, part.stop
         self.source_index = torch.arange(part.start, part.stop)  # the original rows (token ids) held
+        self.source_size = embedding.num_embeddings   # the whole vocabulary
         self.weight = take(embedding.weight, rows=part)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Which parameters of a tensor-parallel model are split, and how: for checkpoints and clipping.
 
     split = SplitParameters(model)                       # after apply_tp
-    split.by_name["blocks.0.attn.qkv.weight"]            # Split(dim, whole positions held, group)
+    split.by_name["blocks.0.attn.qkv.weight"]            # Split(dim, whole positions held, group, whole size)
 
 apply_tp keeps the unsplit model's parameter names and order, so the slices' names are the
 unsplit model's: checkpoints (hvd_runtime.torch.checkpoint) write each slice under its name with
@@ -29,11 +29,13 @@ from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelL
 
 @dataclass(frozen=True)
 class Split:
-    """How one parameter is split: along `dim`, this rank holding the original positions `index`."""
+    """How one parameter is split: along `dim`, this rank holding the original positions `index`
+    of the whole tensor's `size` there (a vocabulary need not split evenly)."""
 
     dim: int
     index: torch.Tensor
     group: TensorGroup
+    size: int
 
 
 def _splits(model: nn.Module) -> dict[str, Split]:
@@ -41,11 +43,11 @@ def _splits(model: nn.Module) -> dict[str, Split]:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-            splits[prefix + "weight"] = Split(0, module.source_index, module.group)
+            splits[prefix + "weight"] = Split(0, module.source_index, module.group, module.source_size)
             if getattr(module, "bias", None) is not None:
-                splits[prefix + "bias"] = Split(0, module.source_index, module.group)
+                splits[prefix + "bias"] = Split(0, module.source_index, module.group, module.source_size)
         elif isinstance(module, RowParallelLinear):
-            splits[prefix + "weight"] = Split(1, module.source_index, module.group)
+            splits[prefix + "weight"] = Split(1, module.source_index, module.group, module.source_size)
     return splits
 
 
@@ -71,7 +73,7 @@ class SplitParameters:
         for name, t in self.model.state_dict().items():
             shape = list(t.shape)
             if name in self.by_name:
-                shape[self.by_name[name].dim] *= self.by_name[name].group.size
+                shape[self.by_name[name].dim] = self.by_name[name].size
             shapes[name] = tuple(shape)
         return shapes
 

@@ -7,6 +7,9 @@ Each of N data-parallel ranks owns a 1/N part of every parameter: its rows (dim 
 Horovod's reduce-scatter cuts a tensor (the first `rows % N` ranks one row more), so that the
 averaged gradient rows a reduce-scatter hands a rank are the rows it steps. A tensor of fewer rows
 than ranks (a bias of a narrow layer) is not cut: every rank keeps it whole, its gradient allreduced.
+Under tensor parallelism a slice is cut along the dimension tensor parallelism cut it (a
+row-parallel layer's columns: `cut_dims`, its collectives on the transpose), so that what a rank
+holds is one run of the whole tensor's positions along one dimension, as checkpoints describe it.
 
 - stage 1: the optimizer state is sharded. Backward leaves the whole gradient on every rank; the
   step reduce-scatters it (averaged), each rank's optimizer steps its rows of each parameter (a
@@ -22,9 +25,10 @@ than ranks (a bias of a narrow layer) is not cut: every rank keeps it whole, its
   one (or the block's recomputation does, under `model.recompute: blocks`). The model's classes
   and state_dict names are unchanged.
 
-The global gradient norm (clipping, the non-finite check) sums each rank's rows over the set, the
-whole tensors counted once; fp16's overflow verdict is the set's. Checkpoints write each rank's
-rows under their whole-model names (hvd_runtime.torch.checkpoint), so any layout resumes them.
+The global gradient norm (clipping, the non-finite check) sums each rank's rows over the job,
+each gradient counted once however many ranks hold it; fp16's overflow verdict is the set's.
+Checkpoints write each rank's rows under their whole-model names (hvd_runtime.torch.checkpoint),
+so any layout resumes them.
 """
 
 from __future__ import annotations
@@ -36,52 +40,49 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hvd_runtime.shards import Placement
 from hvd_runtime.torch.fusion import in_fusion_buffers
 from hvd_runtime.torch.meta_init import take
 from hvd_runtime.torch.recompute import is_recomputed, swap_class_beneath
 from hvd_runtime.torch.stage import named_blocks
+from hvd_runtime.zero_rows import is_cut, row_range
 
-__all__ = ["ZeroOptimizer", "in_lockstep", "row_range", "rows_by_parameter", "shard_parameters"]
-
-
-def row_range(rows: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, stop) of `rank`'s rows of `rows`, as Horovod's reduce-scatter deals them out."""
-    base, extra = divmod(rows, size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+__all__ = ["ZeroOptimizer", "in_lockstep", "rows_by_parameter", "shard_parameters"]
 
 
-def _cut(shape, size: int) -> bool:
-    """Whether a tensor of `shape` is cut into rows over `size` ranks (each must get one)."""
-    return size > 1 and len(shape) > 0 and shape[0] >= size
+def _along(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`t` with `dim` first, contiguous: what Horovod's reduce-scatter and all-gather cut (dim 0)."""
+    return t.contiguous() if dim == 0 else t.transpose(0, dim).contiguous()
+
+
+def _back(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`_along`'s inverse (a view)."""
+    return t if dim == 0 else t.transpose(0, dim)
 
 
 @dataclass
 class Shard:
-    """One parameter under ZeRO: its name in the whole model, whole shape, this rank's rows of it
-    (None: held whole) and the tensor the optimizer steps (the rows, or the parameter when whole)."""
+    """One parameter under ZeRO: its name in the whole model, the shape this rank's model has it in
+    without ZeRO, this rank's rows of it along `dim` (None: held whole) and the tensor the
+    optimizer steps (the rows, or the parameter when whole)."""
 
     name: str
     param: nn.Parameter
     shape: tuple[int, ...]
     rows: tuple[int, int] | None
     stepped: torch.Tensor
-
-    @property
-    def placement(self) -> Placement:
-        return Placement.whole(self.shape) if self.rows is None else \
-            Placement.slice(self.shape, 0, range(*self.rows))
+    dim: int = 0
 
 
 # -- stage 3: each rank holds its rows; blocks gather before they run -----------------------------
 
-def shard_parameters(model: nn.Module, dp_set, dp_rank: int, dp_size: int) -> nn.Module:
+def shard_parameters(model: nn.Module, dp_set, dp_rank: int, dp_size: int,
+                     cut_dims: dict[str, int] | None = None) -> nn.Module:
     """Stage 3, on the meta `model` (hvd_runtime.torch.meta_init): each parameter cut into rows is
     replaced by this rank's rows of it (still meta: materialize draws only them), and every block
-    made to gather its parameters before it runs. Tied parameters stay one. Each module records
-    which of its parameters are rows of which (`_hvd_zero_rows`): materialize makes new tensors,
-    so the record is the module's, not the tensor's. Returns `model`."""
+    made to gather its parameters before it runs. Tied parameters stay one. `cut_dims`: the
+    dimension to cut a parameter along, by name (tensor parallelism's; 0 for any other, and 0 or 1
+    only). Each module records which of its parameters are rows of which (`_hvd_zero_rows`):
+    materialize makes new tensors, so the record is the module's, not the tensor's. Returns `model`."""
     names = {id(p): name for name, p in model.named_parameters()}
     replaced: dict[int, tuple[nn.Parameter, _Rows | None]] = {}
     for owner in model.modules():
@@ -90,10 +91,11 @@ def shard_parameters(model: nn.Module, dp_set, dp_rank: int, dp_size: int) -> nn
             if p is None:
                 continue
             if id(p) not in replaced:
-                shape = tuple(p.shape)
-                held = _Rows(names[id(p)], shape, row_range(shape[0], dp_rank, dp_size)) \
-                    if _cut(shape, dp_size) else None
-                replaced[id(p)] = (p if held is None else take(p, rows=slice(*held.rows)), held)
+                shape, dim = tuple(p.shape), (cut_dims or {}).get(names[id(p)], 0)
+                held = _Rows(names[id(p)], shape, row_range(shape[dim], dp_rank, dp_size), dim) \
+                    if is_cut(shape, dp_size, dim) else None
+                cut = None if held is None else slice(*held.rows)
+                replaced[id(p)] = (p if held is None else take(p, rows=cut) if dim == 0 else take(p, cols=cut), held)
             owner._parameters[key], held = replaced[id(p)]
             if held is not None:
                 owner._hvd_zero_rows[key] = held
@@ -105,11 +107,13 @@ def shard_parameters(model: nn.Module, dp_set, dp_rank: int, dp_size: int) -> nn
 
 @dataclass(frozen=True)
 class _Rows:
-    """What a stage-3 parameter holds: rows [start, stop) of the whole model's `name`, of `shape`."""
+    """What a stage-3 parameter holds: rows [start, stop) along `dim` of the model's `name`, of
+    `shape` (tensor parallelism's slice of it, where it has one)."""
 
     name: str
     shape: tuple[int, ...]
     rows: tuple[int, int]
+    dim: int = 0
 
 
 def _held_rows(module: nn.Module, skip: set[int] = frozenset()) -> list[tuple[nn.Module, str, _Rows]]:
@@ -131,26 +135,45 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, how: tuple, *rows: torch.Tensor):
-        dp_set, name = how
-        gathered = _allgather(rows, dp_set, name)
+        dp_set, name, dims = how
+        gathered = _allgather(rows, dims, dp_set, name)
         ctx.how, ctx.shapes, ctx.device = how, [t.shape for t in gathered], rows[0].device
         return tuple(gathered)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        import horovod.torch as hvd
-
-        dp_set, name = ctx.how
-        grads = [torch.zeros(shape, device=ctx.device) if g is None else g.contiguous()
-                 for g, shape in zip(grads, ctx.shapes)]
-        return (None, *hvd.grouped_reducescatter(grads, op=hvd.Average, process_set=dp_set, name=f"{name}.grad"))
+        dp_set, name, dims = ctx.how
+        grads = [torch.zeros(shape, device=ctx.device) if g is None else g for g, shape in zip(grads, ctx.shapes)]
+        return (None, *_reducescatter(grads, dims, dp_set, f"{name}.grad"))
 
 
-def _allgather(rows, dp_set, name: str) -> list[torch.Tensor]:
-    """The whole tensors of `rows` (one grouped all-gather)."""
+def _allgather(rows, dims, dp_set, name: str) -> list[torch.Tensor]:
+    """The whole tensors of `rows`, each cut along its dimension in `dims` (one grouped all-gather)."""
     import horovod.torch as hvd
 
-    return hvd.grouped_allgather([t.detach().contiguous() for t in rows], process_set=dp_set, name=name)
+    gathered = hvd.grouped_allgather([_along(t.detach(), d) for t, d in zip(rows, dims)], process_set=dp_set,
+                                     name=name)
+    return [_back(t, d) for t, d in zip(gathered, dims)]
+
+
+def _reducescatter(tensors, dims, dp_set, name: str, handle: bool = False):
+    """This rank's rows of the average of `tensors` over the set, each cut along its dimension in
+    `dims` (one grouped reduce-scatter); `handle`: started, to be finished by `_rows_of`."""
+    import horovod.torch as hvd
+
+    along = [_along(t, d) for t, d in zip(tensors, dims)]
+    if handle:
+        return hvd.grouped_reducescatter_async(along, op=hvd.Average, process_set=dp_set, name=name), dims
+    return [_back(t, d) for t, d in zip(hvd.grouped_reducescatter(along, op=hvd.Average, process_set=dp_set,
+                                                                  name=name), dims)]
+
+
+def _rows_of(started) -> list[torch.Tensor]:
+    """The rows a `_reducescatter(..., handle=True)` hands this rank, once it is done."""
+    import horovod.torch as hvd
+
+    handle, dims = started
+    return [_back(t, d) for t, d in zip(hvd.synchronize(handle), dims)]
 
 
 class _Gathering:
@@ -185,9 +208,10 @@ def _run_gathered(module: nn.Module, forward, args, kwargs):
     if not sharded:
         return forward(*args, **kwargs)
     grad = torch.is_grad_enabled()
-    params = list({id(owner._parameters[key]): owner._parameters[key] for owner, key, _ in sharded}.values())
+    held = {id(owner._parameters[key]): (owner._parameters[key], rows.dim) for owner, key, rows in sharded}
+    params, dims = [p for p, _ in held.values()], tuple(d for _, d in held.values())
     name = f"zero3.{sharded[0][2].name}"
-    gathered = _Gather.apply((dp_set, name), *params) if grad else _allgather(params, dp_set, name)
+    gathered = _Gather.apply((dp_set, name, dims), *params) if grad else _allgather(params, dims, dp_set, name)
     full = {id(p): t for p, t in zip(params, gathered)}
     # Autograd would keep each gathered tensor it saves until backward: a marker instead, and the
     # block gathered again when backward first needs one, dropped once the last marker is read.
@@ -205,7 +229,7 @@ def _run_gathered(module: nn.Module, forward, args, kwargs):
         if isinstance(saved, torch.Tensor):
             return saved
         if again["tensors"] is None:
-            again["tensors"] = _allgather(params, dp_set, f"{name}.again")
+            again["tensors"] = _allgather(params, dims, dp_set, f"{name}.again")
         i, shape, stride, offset = saved
         t = again["tensors"][i].as_strided(shape, stride, offset)
         again["markers"] -= 1
@@ -252,19 +276,27 @@ class ZeroOptimizer:
     around its step. What hvd_runtime.torch.step and precision drive, as they drive Horovod's
     DistributedOptimizer: zero_grad, synchronize, skip_synchronize, step, param_groups, state."""
 
-    def __init__(self, model: nn.Module, make_optimizer, stage: int, dp_set, dp_rank: int, dp_size: int):
-        """`make_optimizer(tensors)`: the framework optimizer over the tensors to step."""
-        self.stage, self.dp_set = stage, dp_set
+    def __init__(self, model: nn.Module, make_optimizer, stage: int, dp_set, dp_rank: int, dp_size: int,
+                 split=None):
+        """`make_optimizer(tensors)`: the framework optimizer over the tensors to step. `split`:
+        tensor parallelism's SplitParameters of `model`, whose slices are cut along the dimension
+        it cut them (stage 3: as shard_parameters cut them) and counted once by the norm."""
+        self.stage, self.dp_set, self.dp_size = stage, dp_set, dp_size
+        self.tp_split = {} if split is None else {pid: cut.group.size for pid, cut in split.by_param.items()}
+        self.tp = max(self.tp_split.values(), default=1)
         self.shards: list[Shard] = []
         held_rows = rows_by_parameter(model) if stage == 3 else {}
         for name, p in model.named_parameters():   # a tied parameter once, by its first name
             if stage == 3:
                 held = held_rows.get(id(p))
-                self.shards.append(Shard(name, p, tuple(p.shape) if held is None else held.shape,
-                                         None if held is None else held.rows, p))
-            elif _cut(p.shape, dp_size):
-                rows = row_range(p.shape[0], dp_rank, dp_size)
-                self.shards.append(Shard(name, p, tuple(p.shape), rows, p.detach()[rows[0]:rows[1]]))
+                self.shards.append(Shard(name, p, tuple(p.shape), None, p) if held is None else
+                                   Shard(name, p, held.shape, held.rows, p, held.dim))
+                continue
+            dim = split.by_param[id(p)].dim if split is not None and id(p) in split.by_param else 0
+            if is_cut(p.shape, dp_size, dim):
+                rows = row_range(p.shape[dim], dp_rank, dp_size)
+                self.shards.append(Shard(name, p, tuple(p.shape), rows, p.detach().narrow(dim, rows[0], rows[1] - rows[0]),
+                                         dim))
             else:
                 self.shards.append(Shard(name, p, tuple(p.shape), None, p))
         self.inner = make_optimizer([s.stepped for s in self.shards])
@@ -325,8 +357,8 @@ class ZeroOptimizer:
         if self.stage == 1:
             cut = [s for s in self.shards if s.rows is not None]
             for i, bucket in enumerate(self._by_bytes(cut)):
-                rows = hvd.grouped_reducescatter([self._grad(s) for s in bucket], op=hvd.Average,
-                                                 process_set=self.dp_set, name=f"zero.grads.{i}")
+                rows = _reducescatter([self._grad(s) for s in bucket], [s.dim for s in bucket], self.dp_set,
+                                      f"zero.grads.{i}")
                 for s, g in zip(bucket, rows):
                     s.stepped.grad = g
                     s.param.grad = None
@@ -337,7 +369,7 @@ class ZeroOptimizer:
             self._drain(keep=True)
         whole = [s for s in self.shards if s.rows is None]
         if whole:
-            averaged = hvd.grouped_allreduce([self._grad(s) for s in whole], op=hvd.Average,
+            averaged = hvd.grouped_allreduce([self._grad(s).contiguous() for s in whole], op=hvd.Average,
                                              process_set=self.dp_set, name="zero.whole_grads")
             for s, g in zip(whole, averaged):
                 s.param.grad = g
@@ -345,7 +377,7 @@ class ZeroOptimizer:
 
     def _grad(self, shard: Shard) -> torch.Tensor:
         g = shard.param.grad
-        return torch.zeros_like(shard.param) if g is None else g.contiguous()
+        return torch.zeros_like(shard.param) if g is None else g
 
     @staticmethod
     def _by_bytes(shards: list[Shard]) -> list[list[Shard]]:
@@ -354,13 +386,11 @@ class ZeroOptimizer:
 
     def _gather_updated(self) -> None:
         """Stages 1 and 2: every rank's updated rows all-gathered into the whole parameters."""
-        import horovod.torch as hvd
-
         cut = [s for s in self.shards if s.rows is not None]
         with torch.no_grad():
             for i, bucket in enumerate(self._by_bytes(cut)):
-                whole = hvd.grouped_allgather([s.stepped.contiguous() for s in bucket], process_set=self.dp_set,
-                                              name=f"zero.params.{i}")
+                whole = _allgather([s.stepped for s in bucket], [s.dim for s in bucket], self.dp_set,
+                                   f"zero.params.{i}")
                 for s, w in zip(bucket, whole):
                     s.param.copy_(w)
 
@@ -381,13 +411,11 @@ class ZeroOptimizer:
         """Reduce-scatter bucket `b`'s gradients and drop the whole ones (Horovod holds them until the
         reduction is done); then collect the buckets launched before it, so that one bucket of whole
         gradients at most is in flight while backward goes on."""
-        import horovod.torch as hvd
-
         if b in self._pending:   # the previous backward pass's, under backward_passes_per_step
             self._collect(b)
         bucket = self._buckets[b]
-        self._pending[b] = hvd.grouped_reducescatter_async([self._grad(s) for s in bucket], op=hvd.Average,
-                                                           process_set=self.dp_set, name=f"zero.grads.{b}")
+        self._pending[b] = _reducescatter([self._grad(s) for s in bucket], [s.dim for s in bucket], self.dp_set,
+                                          f"zero.grads.{b}", handle=True)
         self._arrived[b] = 0
         for s in bucket:
             s.param.grad = None
@@ -395,9 +423,7 @@ class ZeroOptimizer:
             self._collect(earlier)
 
     def _collect(self, b: int) -> None:
-        import horovod.torch as hvd
-
-        for s, g in zip(self._buckets[b], hvd.synchronize(self._pending.pop(b))):
+        for s, g in zip(self._buckets[b], _rows_of(self._pending.pop(b))):
             s.stepped.grad = g if s.stepped.grad is None else s.stepped.grad.add_(g)
 
     def _drain(self, keep: bool) -> None:
@@ -408,31 +434,28 @@ class ZeroOptimizer:
             if keep:
                 self._collect(b)
             else:
-                hvd.synchronize(self._pending.pop(b))
+                hvd.synchronize(self._pending.pop(b)[0])
         self._arrived.clear()
 
     # what clipping, the non-finite check and fp16 read
     def grad_norm(self, parameters=None) -> torch.Tensor:
-        """The whole model's gradient norm: rows' squares summed over the set, whole tensors once."""
+        """The whole model's gradient norm: every rank's stepped gradients' squares summed over the
+        job, each divided by the ranks holding the same one (a row once; a tensor held whole by
+        every replica, and one tensor parallelism keeps whole by every rank of its group)."""
         import horovod.torch as hvd
 
-        rows = [s.stepped.grad for s in self.shards if s.rows is not None and s.stepped.grad is not None]
-        whole = [s.stepped.grad for s in self.shards if s.rows is None and s.stepped.grad is not None]
-        squares = lambda grads: sum((g.detach().float().pow(2).sum() for g in grads),  # noqa: E731
-                                    torch.zeros((), dtype=torch.float32))
-        total = hvd.allreduce(squares(rows).cpu(), op=hvd.Sum, process_set=self.dp_set, name="zero.grad_norm")
-        return (total + squares(whole).cpu()).sqrt()
+        terms = [s.stepped.grad.detach().float().pow(2).sum()
+                 / ((1 if id(s.param) in self.tp_split else self.tp) * (self.dp_size if s.rows is None else 1))
+                 for s in self.shards if s.stepped.grad is not None]
+        squares = torch.stack(terms).sum().cpu() if terms else torch.zeros((), dtype=torch.float32)
+        # Horovod: every rank's share, summed over the job (the replicas and tensor-parallel groups)
+        return hvd.allreduce(squares, op=hvd.Sum, name="zero.grad_norm").sqrt()
 
     def agree_on_overflow(self, scaler) -> None:
-        """fp16: after scaler.unscale_, an overflow in any rank's rows skips the step on every rank."""
+        """fp16: after scaler.unscale_, an overflow in any rank's rows skips the step on every rank
+        of the job (a tensor-parallel group's ranks step together)."""
         import horovod.torch as hvd
 
         state = scaler._per_optimizer_states[id(self)]
         for device, found in state["found_inf_per_device"].items():
-            found.copy_(hvd.allreduce(found.cpu(), op=hvd.Max, process_set=self.dp_set,
-                                      name=f"zero.overflow.{device}").to(found.device))
-
-    def named_shards(self) -> list[tuple[str, torch.Tensor, Placement]]:
-        """(name in the whole model, the tensor the optimizer steps, its Placement): what checkpoints
-        write optimizer slots by."""
-        return [(s.name, s.stepped, s.placement) for s in self.shards]
+            found.copy_(hvd.allreduce(found.cpu(), op=hvd.Max, name=f"zero.overflow.{device}").to(found.device))

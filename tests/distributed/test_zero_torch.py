@@ -1,9 +1,11 @@
 """ZeRO 1, 2 and 3 on Horovod (hvd_runtime.torch.zero), PyTorch: steps against the unsplit model,
 and checkpoints that resume at another dp, another stage and unsplit.
 
-Three real `horovodrun --gloo` jobs serve every check (tests/distributed/scripts/zero_step.py,
-several cases a job): at np 4 each stage trains fresh and two of them save a checkpoint; at np 2
-each stage trains fresh and those checkpoints resume; at np 1 the ZeRO 3 one resumes unsplit.
+Four real `horovodrun --gloo` jobs serve every check (tests/distributed/scripts/zero_step.py,
+several cases a job): at np 4 each stage trains fresh and two of them save a checkpoint; at tp 2 x
+dp 2 (np 4) the GPT split by tensor parallelism trains under each stage, one saves, and the dp 4
+ZeRO 3 checkpoint resumes; at np 2 each stage trains fresh and the dp 4 checkpoints resume; at
+np 1 both ZeRO 3 checkpoints resume unsplit.
 Each test reads its cases' reports and fails on its own assertion. fp32 within 1e-5 (relative, each
 parameter and optimizer slot); the MLP trains with AdamW, the generated GPT (tied head) with SGD
 and momentum: Adam divides by the square root of its second moment, which makes the noise of
@@ -19,7 +21,7 @@ import torch
 
 from helpers import run_horovod
 from hvd_runtime.config import ConfigError, HorovodConfig, load_config
-from hvd_runtime.torch.zero import row_range
+from hvd_runtime.zero_rows import row_range
 
 SCRIPT = Path(__file__).parent / "scripts" / "zero_step.py"
 TOL = 1e-5
@@ -37,39 +39,52 @@ FRESH = {   # case name -> flags; each runs at np 4 and at np 2
     "zero3-gpt-recompute": {"zero": 3, "model": "gpt", "optim": "sgd", "recompute": True},
 }
 BF16 = {"zero3-gpt-bf16": {"zero": 3, "model": "gpt", "optim": "sgd", "precision": "bf16"}}
-SAVED = {"zero3": "zero3-gpt", "zero2": "zero2-gpt-bpps2"}   # checkpoint -> the np 4 case that wrote it
-RESUMES = {  # (np, case name) -> flags: the saved checkpoint resumed in another layout
-    (2, "zero3-at-zero3-dp2"): {"zero": 3, "model": "gpt", "optim": "sgd", "clip": 0.5, "from": "zero3"},
-    (2, "zero2-at-zero1-dp2"): {"zero": 1, "model": "gpt", "optim": "sgd", "bpps": 2, "from": "zero2"},
-    (1, "zero3-unsplit"): {"zero": 0, "model": "gpt", "optim": "sgd", "clip": 0.5, "from": "zero3"},
+TP = {   # the GPT split over tp 2 x dp 2: ZeRO cuts each slice where tensor parallelism cut it
+    "zero1-gpt-tp2": {"zero": 1, "model": "gpt", "optim": "sgd", "clip": 0.5},
+    "zero2-gpt-tp2-bpps2": {"zero": 2, "model": "gpt", "optim": "sgd", "bpps": 2},
+    "zero3-gpt-tp2": {"zero": 3, "model": "gpt", "optim": "sgd", "clip": 0.5},
+}
+SAVED = {"zero3": "zero3-gpt", "zero2": "zero2-gpt-bpps2", "zero3-tp2": "zero3-gpt-tp2"}   # checkpoint -> its np 4 case
+RESUMES = {  # (np, tp, case name) -> flags: a saved checkpoint resumed in another layout
+    (2, 0, "zero3-at-zero3-dp2"): {"zero": 3, "model": "gpt", "optim": "sgd", "clip": 0.5, "from": "zero3"},
+    (2, 0, "zero2-at-zero1-dp2"): {"zero": 1, "model": "gpt", "optim": "sgd", "bpps": 2, "from": "zero2"},
+    (1, 0, "zero3-unsplit"): {"zero": 0, "model": "gpt", "optim": "sgd", "clip": 0.5, "from": "zero3"},
+    (4, 2, "zero3-at-zero3-tp2-dp2"): {"zero": 3, "model": "gpt", "optim": "sgd", "clip": 0.5, "from": "zero3"},
+    (1, 0, "zero3-tp2-unsplit"): {"zero": 0, "model": "gpt", "optim": "sgd", "clip": 0.5, "from": "zero3-tp2"},
 }
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory, workload_projects) -> dict[tuple[int, str], list[dict]]:
-    """Every case's per-rank reports, by (np, case name), from the three jobs."""
+def reports(tmp_path_factory, workload_projects) -> dict[tuple[int, int, str], list[dict]]:
+    """Every case's per-rank reports, by (np, tp, case name), from the four jobs."""
     root = tmp_path_factory.mktemp("zero")
     project = str(workload_projects["gpt"])
     out = {}
+    saves = {case_name: str(root / f"ckpt-{ckpt}") for ckpt, case_name in SAVED.items()}
 
-    def case(np_, name, flags):
-        flags = {**flags, "project": project, "out": str(root / f"{np_}-{name}.json")}
-        out[(np_, name)] = Path(flags["out"])
+    def case(np_, tp, name, flags):
+        flags = {**flags, "project": project, "out": str(root / f"{np_}-{tp}-{name}.json"),
+                 **({"save": saves[name]} if name in saves and np_ == 4 else {})}
+        out[(np_, tp, name)] = Path(flags["out"])
         return flags
 
-    def job(np_, cases):
-        listed = root / f"cases-{np_}.json"
-        listed.write_text(json.dumps(cases))
-        run_horovod(np_, [sys.executable, str(SCRIPT), "--cases", str(listed)], timeout=300)
+    def resumes(np_, tp):
+        return [case(np_, tp, name, {**{k: v for k, v in flags.items() if k != "from"},
+                                     "saved_np": 4 // (2 if "tp2" in flags["from"] else 1),
+                                     "resume": saves[SAVED[flags["from"]]]})
+                for (n, t, name), flags in RESUMES.items() if (n, t) == (np_, tp)]
 
-    saves = {case_name: str(root / f"ckpt-{ckpt}") for ckpt, case_name in SAVED.items()}
-    job(4, [case(4, name, {**flags, **({"save": saves[name]} if name in saves else {})})
-            for name, flags in {**FRESH, **BF16}.items()])
-    for np_ in (2, 1):
-        resumes = [case(np_, name, {**{k: v for k, v in flags.items() if k != "from"}, "saved_np": 4,
-                                    "resume": saves[SAVED[flags["from"]]]})
-                   for (n, name), flags in RESUMES.items() if n == np_]
-        job(np_, resumes + ([case(2, name, flags) for name, flags in FRESH.items()] if np_ == 2 else []))
+    def job(np_, tp, cases):
+        listed = root / f"cases-{np_}-{tp}.json"
+        listed.write_text(json.dumps(cases))
+        run_horovod(np_, [sys.executable, str(SCRIPT), "--cases", str(listed), *(["--tp", str(tp)] if tp else [])],
+                    timeout=300)
+
+    # in order: the checkpoints the later jobs resume are written by the earlier ones
+    job(4, 0, [case(4, 0, name, flags) for name, flags in {**FRESH, **BF16}.items()])
+    job(4, 2, resumes(4, 2) + [case(4, 2, name, flags) for name, flags in TP.items()])
+    job(2, 0, resumes(2, 0) + [case(2, 0, name, flags) for name, flags in FRESH.items()])
+    job(1, 0, resumes(1, 0))
     return {key: json.loads(path.read_text()) for key, path in out.items()}
 
 
@@ -77,21 +92,24 @@ def worst(errors: dict[str, float]) -> tuple[str, float]:
     return max(errors.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("np_", [4, 2])
-@pytest.mark.parametrize("name", list(FRESH))
-def test_zero_steps_match_the_unsplit_model(reports, name, np_):
+@pytest.mark.parametrize("np_, tp, name", [(np_, 0, name) for np_ in (4, 2) for name in FRESH]
+                         + [(4, 2, name) for name in TP])
+def test_zero_steps_match_the_unsplit_model(reports, np_, tp, name):
     """Two updates (parameters and optimizer slots), then a third (parameters), equal the unsplit
     model's within 1e-5 on every rank; each rank holds about 1/np of the optimizer state and, under
-    ZeRO 3, of the parameters; under ZeRO 2 no whole gradient outlives a backward pass. The
-    validation loss over batches dealt unevenly (rank 0 one more) equals the reference's."""
-    ranks = reports[(np_, name)]
+    ZeRO 3, of the parameters (tp 2 x dp 2: a quarter, its rows of its slices); under ZeRO 2 no
+    whole gradient outlives a backward pass. The validation loss over batches dealt unevenly (rank
+    0's replica one more) equals the reference's."""
+    ranks = reports[(np_, tp, name)]
     assert sorted(r["rank"] for r in ranks) == list(range(np_))
     for r in ranks:
         for what in ("errors", "after_one_more"):
             key, err = worst(r[what])
             assert err < TOL, f"rank {r['rank']} ({what}): {key} off by {err:.2e}"
         assert abs(r["optimizer_share"] - 1 / np_) < 0.1, r["optimizer_share"]
-        assert r["parameter_share"] == (pytest.approx(r["optimizer_share"]) if r["zero"] == 3 else 1.0)
+        # tp 2: a slice of each split tensor, the others whole
+        assert r["parameter_share"] == (pytest.approx(r["optimizer_share"]) if r["zero"] == 3 else
+                                        1.0 if not tp else pytest.approx(1 / tp, abs=0.05))
         assert not r["whole_grads_kept"]
         assert r["eval_error"] < TOL, f"rank {r['rank']}: validation loss off by {r['eval_error']:.2e}"
     assert sum(r["optimizer_share"] for r in ranks) >= 1.0   # every row is someone's (whole tensors: everyone's)
@@ -99,17 +117,17 @@ def test_zero_steps_match_the_unsplit_model(reports, name, np_):
 
 def test_zero3_under_bf16_follows_the_unsplit_model(reports):
     """bf16 autocast rounds each rank's batch apart from the whole batch's: near, not equal."""
-    for r in reports[(4, "zero3-gpt-bf16")]:
+    for r in reports[(4, 0, "zero3-gpt-bf16")]:
         key, err = worst(r["after_one_more"])
         assert err < 3e-2, f"rank {r['rank']}: {key} off by {err:.2e}"
 
 
-@pytest.mark.parametrize("np_, name", list(RESUMES), ids=[name for _, name in RESUMES])
-def test_a_zero_checkpoint_resumes_in_another_layout(reports, np_, name):
-    """A checkpoint written at dp 4 restores every parameter and optimizer slot the unsplit run
-    holds at that step, at dp 2, another ZeRO stage, or in one unsplit process, and the next
-    update still equals the unsplit model's."""
-    for r in reports[(np_, name)]:
+@pytest.mark.parametrize("np_, tp, name", list(RESUMES), ids=[name for _, _, name in RESUMES])
+def test_a_zero_checkpoint_resumes_in_another_layout(reports, np_, tp, name):
+    """A checkpoint written at dp 4 (or tp 2 x dp 2) restores every parameter and optimizer slot
+    the unsplit run holds at that step, at dp 2, another ZeRO stage, tp 2 x dp 2, or in one unsplit
+    process, and the next update still equals the unsplit model's."""
+    for r in reports[(np_, tp, name)]:
         assert r["restored_step"] == (2 if "zero3" in name.split("-at-")[0] else 4)
         assert any("/" in key for key in r["restored"]), "no optimizer slot was compared"
         for what in ("restored", "after_one_more"):

@@ -112,11 +112,11 @@ def test_list_shows_every_combination():
      "--tp 8 does not divide the generated gpt's 12 attention heads"),
     (["--model", "gpt", "--size", "huge"], "Invalid value for '--size': 'huge' is not one of 'tiny', 'gpt2-small'."),
     (["--zero", "4"], "Invalid value for '--zero': 4 is not in the range 0<=x<=3."),
-    (["--zero", "1", "--strategy", "tensor", "--model", "gpt"],
-     "--zero 1 shards a torch data-parallel or pipeline job, not torch/tensor: drop --zero, or use --framework "
-     "torch --strategy data"),
+    (["--zero", "1", "--strategy", "model-split"],
+     "--zero 1 shards a torch data, tensor or pipeline job, not torch/model-split: drop --zero, or use "
+     "--framework torch --strategy data"),
     (["--zero", "2", "--framework", "tensorflow"],
-     "--zero 2 shards a torch data-parallel or pipeline job, not tensorflow/data"),
+     "--zero 2 shards a torch data, tensor or pipeline job, not tensorflow/data"),
     (["--zero", "2", "--strategy", "pipeline"], "--zero 2 with --strategy pipeline: every micro-batch's backward "
                                                 "would reduce-scatter again; use --zero 1"),
     (["--zero", "1", "--strategy", "pipeline", "--model", "gpt", "--tp", "2"],

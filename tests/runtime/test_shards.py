@@ -24,6 +24,27 @@ def test_positions_become_runs_in_their_own_order():
     assert Placement.whole((12, 3)).local_shape == (12, 3)
 
 
+def test_a_part_of_a_slice_is_its_positions_along_the_same_dimension():
+    """ZeRO's rows of a tensor-parallel slice: positions [start, stop) of the slice's own order."""
+    cols = Placement.slice((4, 12), 1, [0, 1, 2, 8, 9, 4])
+    assert cols.part(1, 2, 5) == Placement.slice((4, 12), 1, [2, 8, 9])
+    assert Placement.whole((10, 3)).part(0, 5, 10) == Placement.slice((10, 3), 0, range(5, 10))
+    with pytest.raises(ValueError, match="cut along two"):
+        cols.part(0, 0, 2)
+
+
+def test_a_part_several_ranks_hold_alike_is_listed_once():
+    """Two ranks of a tensor-parallel group hold the same ZeRO rows of a tensor it keeps whole."""
+    rows = [Placement.slice((8,), 0, range(0, 4)), Placement.slice((8,), 0, range(0, 4)),
+            Placement.slice((8,), 0, range(4, 8))]
+    index = merge_index([{"file": f"r{i}", "bytes": 0, "values": {}, "tensors": {"t": {"key": "t", **at.to_json()}}}
+                         for i, at in enumerate(rows)])
+    assert [(p["file"], p["runs"]) for p in index["tensors"]["t"]["pieces"]] == [("r0", [[0, 4]]), ("r2", [[4, 8]])]
+    assert index["files"].keys() == {"r0", "r1", "r2"}
+    copies = plan_reads("t", Placement.whole((8,)), index["tensors"]["t"])
+    assert [(c.file, c.dst) for c in copies] == [("r0", (0, 4)), ("r2", (4, 8))]
+
+
 def entry_of(pieces: dict[str, Placement], shape) -> dict:
     """The index entry of one tensor saved as `pieces` (file name -> placement)."""
     return merge_index([{"file": f, "bytes": 0, "values": {},

@@ -2,6 +2,7 @@
 
     horovodrun -np 4 --gloo python zero_step.py --cases cases.json
     horovodrun -np 2 --gloo python zero_step.py --cases resume.json     # a case with "resume": DIR
+    horovodrun -np 4 --gloo python zero_step.py --tp 2 --cases tp.json  # the GPT split by tp 2 x dp 2
 
 Each case (a JSON object of the flags below, and its own "out") builds the model on the meta
 device, drawn from its recipes (hvd_runtime.torch.meta_init): unsplit for the reference, and for
@@ -14,6 +15,9 @@ the optimizer state and of the parameters it holds, and (stage 2) whether any wh
 outlived a backward pass. "save": DIR writes the ZeRO run's checkpoint there after the steps;
 "resume": DIR restores one instead of training (any ZeRO stage, any np; zero 0 at np 1: unsplit;
 "saved_np": the saving job's ranks, whose batches and LR the reference repeats) and reports the errors of the restored parameters and optimizer state, and after one more step.
+Under `--tp N` the model is the GPT split by tensor parallelism (apply_tp) and ZeRO cuts each
+slice along the dimension tensor parallelism cut it; a rank's parameters and slots are compared
+with its part of the reference's (its tp slice, then its rows of that).
 Rank 0 writes all ranks' reports as JSON.
 """
 
@@ -31,12 +35,15 @@ from hvd_runtime.checkpoint import TrainState
 from hvd_runtime.config import CheckpointConfig, HorovodConfig, ModelConfig, OptimConfig
 from hvd_runtime.torch.checkpoint import checkpoint_store, restore_checkpoint, save_checkpoint
 from hvd_runtime.torch.context import Context
+from hvd_runtime.parallel.tensor_groups import init_tensor_parallel
 from hvd_runtime.torch.meta_init import build_on_meta, materialize
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.parallelize import Parallel
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.recompute import recompute_blocks
 from hvd_runtime.torch.step import TrainStep
+from hvd_runtime.torch.tensor_parallel import apply_tp
+from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch.zero import ZeroOptimizer, rows_by_parameter, shard_parameters
 
@@ -92,35 +99,44 @@ class Reference:
 
 
 def zero_model(build, case, ctx):
+    """The model as the product makes it: on meta, split by tp, ZeRO 3's rows taken, then drawn."""
+    model = build_on_meta(build)
+    if ctx.tensor is not None:
+        model = apply_tp(model, ctx.tensor.group)
     if case["zero"] == 3:
-        model = shard_parameters(build_on_meta(build), ctx.dp_set, ctx.data_rank, ctx.data_size)
-    else:
-        model = build_on_meta(build)
+        cut_dims = {name: cut.dim for name, cut in SplitParameters(model).by_name.items()}
+        model = shard_parameters(model, ctx.dp_set, ctx.data_rank, ctx.data_size, cut_dims)
     if case["recompute"]:
         recompute_blocks(model)
     return materialize(model, SEED)
 
 
 def param_errors(model, reference, optimizer=None, ref_optimizer=None) -> dict[str, float]:
-    """Each parameter (its rows under ZeRO 3) against the reference's; with the optimizers, each
-    optimizer slot shaped like its parameter too (`<name>/<slot>`)."""
+    """Each parameter (its tp slice, and its rows under ZeRO 3) against the reference's; with the
+    optimizers, each optimizer slot shaped like its parameter too (`<name>/<slot>`)."""
     rows = rows_by_parameter(model)
+    splits = SplitParameters(model).by_name
     ref = dict(reference.named_parameters())
+
+    def part(name, t, cut=None):
+        """The part of the reference's `t` this rank holds: its tp slice, then rows `cut` (dim, rows)."""
+        t = t.detach()
+        if name in splits:
+            t = t.index_select(splits[name].dim, splits[name].index)
+        return t if cut is None else t.narrow(cut[0], cut[1][0], cut[1][1] - cut[1][0])
+
     errors = {}
     for name, p in model.named_parameters():
-        want = ref[name].detach()
-        if id(p) in rows:
-            want = want[slice(*rows[id(p)].rows)]
-        errors[name] = rel(p.detach(), want)
+        held = rows.get(id(p))
+        errors[name] = rel(p.detach(), part(name, ref[name], None if held is None else (held.dim, held.rows)))
     if optimizer is not None:
-        for name, stepped, at in optimizer.named_shards() if isinstance(optimizer, ZeroOptimizer) else \
+        for name, stepped, cut in [(s.name, s.stepped, None if s.rows is None else (s.dim, s.rows))
+                                   for s in optimizer.shards] if isinstance(optimizer, ZeroOptimizer) else \
                 [(n, p, None) for n, p in model.named_parameters()]:
             ref_state = ref_optimizer.state[ref[name]]
             for slot, value in optimizer.state.get(stepped, {}).items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    want = ref_state[slot] if at is None or at.dim is None else \
-                        ref_state[slot][at.runs[0][0]:at.runs[-1][1]]
-                    errors[f"{name}/{slot}"] = rel(value, want)
+                    errors[f"{name}/{slot}"] = rel(value, part(name, ref_state[slot], cut))
     return errors
 
 
@@ -132,19 +148,21 @@ def eval_error(step, reference, batch, n: int, r: int) -> float:
     batches = [batch(g, 3) for _ in range(n + 1)]
     loss, _ = step.evaluate([b for i, b in enumerate(batches) if i % n == r])
     with torch.no_grad():
-        want = sum(step.loss_fn(reference.model(x), y).item() * len(y) for x, y in batches) / (3 * (n + 1))
+        want = sum(reference.objective.cross_entropy(reference.model(x), y).item() * len(y)
+                   for x, y in batches) / (3 * (n + 1))
     return abs(loss - want) / abs(want)
 
 
 def run_case(case, ctx):
     build, classes, batch = workload(case)
-    objective = VocabObjective.of(None, classes)
+    objective = VocabObjective.of(ctx.tensor.group if ctx.tensor else None, classes)   # split logits under tp
     hvd_cfg = HorovodConfig(zero=case["zero"], backward_passes_per_step=case["bpps"])
     optim_cfg = OptimConfig(name=case["optim"], lr=0.05, clip_norm=case["clip"], weight_decay=0.01, warmup_epochs=1)
     schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch=4)
-    reference = Reference(build, case, ctx, schedule, objective)
+    reference = Reference(build, case, ctx, schedule, VocabObjective.of(None, classes))
     model = zero_model(build, case, ctx)
-    optimizer, _ = make_optimizer(model, optim_cfg, hvd_cfg, ctx, steps_per_epoch=4)
+    optimizer, _ = make_optimizer(model, optim_cfg, hvd_cfg, ctx, steps_per_epoch=4,
+                                  split=SplitParameters(model) if ctx.tensor else None)
     norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else None
     step = TrainStep(model, optimizer, schedule, objective.cross_entropy, ctx, case["bpps"],
                      Precision(case["precision"], ctx.device, case["clip"], norm))
@@ -166,7 +184,7 @@ def run_case(case, ctx):
         saved_n = case["saved_np"]   # the reference alone, as the saving job's: the checkpoint holds the rest
         for update in range(case["steps"]):
             reference.update([batch(g, BATCH * saved_n) for _ in range(k)], update, saved_n)
-        parallel = Parallel(model, optimizer, step)
+        parallel = Parallel(model, optimizer, step, SplitParameters(model) if ctx.tensor else None)
         state = restore_checkpoint(checkpoint_store(CheckpointConfig(dir=case["resume"]), ctx),
                                    parallel, ctx)
         report["restored_step"] = state.step
@@ -175,7 +193,7 @@ def run_case(case, ctx):
         for update in range(case["steps"]):
             train(update)
         if case.get("save"):
-            parallel = Parallel(model, optimizer, step)
+            parallel = Parallel(model, optimizer, step, SplitParameters(model) if ctx.tensor else None)
             save_checkpoint(checkpoint_store(CheckpointConfig(dir=case["save"]), ctx), parallel,
                             TrainState(step=case["steps"] * k, epoch=0), ctx)
     report["errors"] = param_errors(model, reference.model, optimizer, reference.optimizer)
@@ -198,10 +216,14 @@ def main():
     faulthandler.dump_traceback_later(240, exit=True)
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", required=True, help="a JSON list of cases (see the module's docstring)")
+    ap.add_argument("--tp", type=int, default=0, help="split the GPT over tensor-parallel groups of this size")
     args = ap.parse_args()
-    hvd.init()
+    if args.tp:
+        ctx = Context(torch.device("cpu"), tensor=init_tensor_parallel(hvd, args.tp))
+    else:
+        hvd.init()
+        ctx = Context(torch.device("cpu"))
     torch.set_num_threads(1)
-    ctx = Context(torch.device("cpu"))
     defaults = {"model": "mlp", "project": None, "optim": "adamw", "clip": 0.0, "bpps": 1, "precision": "fp32",
                 "recompute": False, "steps": 2}
     for case in json.loads(Path(args.cases).read_text()):
