@@ -5,7 +5,8 @@ A rank holds its share of the model (all of it under data parallelism and model-
 under tensor parallelism, its stage in a pipeline) three times over in float32: the parameters,
 their gradients, and the optimizer's state per parameter (Adam and AdamW: two moments; SGD with
 momentum: one; plain SGD: none), ZeRO holding 1/replicas of the optimizer state (horovod.zero 1),
-of the gradients too (2), of the parameters too (3); plus the activations a step keeps for its backward pass. The
+of the gradients too (2), of the parameters too (3) (Keras: a copy of the rank's rows besides, and
+each backward pass's gradients whole); plus the activations a step keeps for its backward pass. The
 framework's parallelize counts the share on the model before any value is drawn (torch: the meta
 device; Keras: the variables' shapes) and, where it can, the activations of one step (torch: a
 forward on meta tensors, counting what autograd saves). Rank 0 prints the plan in one line; when
@@ -69,6 +70,7 @@ class MemoryPlan:
     recompute: bool
     zero: int = 0          # horovod.zero: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too
     replicas: int = 1      # the data-parallel ranks ZeRO shards over
+    rows_copy: bool = False   # Keras under ZeRO: the rows a rank steps are a copy; a pass's gradients whole
 
     def _held(self, stage: int) -> float:
         """The share a rank holds of a part that ZeRO shards from `stage` on."""
@@ -76,11 +78,12 @@ class MemoryPlan:
 
     @property
     def parameter_bytes(self) -> int:
-        return round(self.parameters * FP32 * self._held(3))
+        copy = 1 / self.replicas if self.rows_copy and self.zero else 0.0
+        return round(self.parameters * FP32 * (self._held(3) + copy))
 
     @property
     def gradient_bytes(self) -> int:
-        return round(self.parameters * FP32 * self._held(2))
+        return round(self.parameters * FP32 * (1.0 if self.rows_copy else self._held(2)))
 
     @property
     def optimizer_bytes(self) -> int:
@@ -136,13 +139,13 @@ def verdict(plans: list[tuple[str, int | None, MemoryPlan]], splits: str) -> str
     return None
 
 
-def settle(parameters: int, activations: int | None, ctx, cfg, splits: str) -> MemoryPlan:
+def settle(parameters: int, activations: int | None, ctx, cfg, splits: str, rows_copy: bool = False) -> MemoryPlan:
     """This rank's plan: printed by rank 0; then every rank of the job stops (ConfigError) with
     one line where any host's ranks would need more than it has. The ranks judge together, from
     every rank's plan: a pipeline's stages differ, and a rank that stopped alone would have
-    horovodrun end the others before they could say why."""
+    horovodrun end the others before they could say why. `rows_copy`: MemoryPlan's (Keras)."""
     plan = MemoryPlan(parameters, optimizer_state_per_parameter(cfg.optim), activations, ctx.local_size,
-                      cfg.model.recompute == "blocks", cfg.horovod.zero, ctx.data_size)
+                      cfg.model.recompute == "blocks", cfg.horovod.zero, ctx.data_size, rows_copy)
     if ctx.is_root:
         print(plan.line(), flush=True)
     if os.environ.get("HOROVOD_ELASTIC") == "1":

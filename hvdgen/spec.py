@@ -66,7 +66,7 @@ class ProjectSpec:
     micro_batches: int = 4
     schedule: str = "1f1b"
     tp: int | None = None  # tensor (default 2) and pipeline (default 1: stages unsplit): ranks per tensor-parallel group
-    zero: int = 0          # data, tensor, pipeline (torch): horovod.zero, the ZeRO stage (1 optimizer state, 2 gradients, 3 parameters)
+    zero: int = 0          # data (both), tensor, pipeline (torch): horovod.zero, the ZeRO stage (1 optimizer state, 2 gradients, 3 parameters)
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
     slurm: dict = field(default_factory=dict)  # answers of `hvdgen slurm`; see hvdgen/slurm/options.py
@@ -136,9 +136,13 @@ class ProjectSpec:
     def _check_zero(self) -> None:
         if not _whole(self.zero) or not 0 <= self.zero <= 3:
             raise HvdgenError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}: e.g. --zero 2")
-        if self.zero and (self.framework != "torch" or self.strategy not in ("data", "tensor", "pipeline")):
-            raise HvdgenError(f"--zero {self.zero} shards a torch data, tensor or pipeline job, not {self.framework}/"
-                              f"{self.strategy}: drop --zero, or use --framework torch --strategy data")
+        if self.zero and self.framework == "tensorflow" and (self.strategy != "data" or self.zero > 2):
+            raise HvdgenError(f"--zero {self.zero} with --framework tensorflow: Keras shards a data-parallel job's "
+                              "optimizer state and gradients (--zero 1 or 2, --strategy data); use --framework torch "
+                              "for more")
+        if self.zero and self.strategy not in ("data", "tensor", "pipeline"):
+            raise HvdgenError(f"--zero {self.zero} shards a data, tensor or pipeline job, not {self.strategy}: drop "
+                              "--zero, or use --strategy data")
         if self.zero > 1 and self.strategy == "pipeline":
             raise HvdgenError(f"--zero {self.zero} with --strategy pipeline: every micro-batch's backward would "
                               "reduce-scatter again; use --zero 1 (the optimizer state over each stage's replicas)")

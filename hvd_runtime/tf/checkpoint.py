@@ -21,7 +21,8 @@ handed back to the same rank when the job has the same size.
 
 Where every rank holds the whole model (data parallelism, model-split, elastic) rank 0 alone
 reads it and the variables are broadcast, so only rank 0 needs to see the folder; elsewhere each
-rank reads its own rows. Checkpoints written before shards (one `ckpt-<step>.pkl`) still resume
+rank reads its own rows. Under ZeRO (horovod.zero, hvd_runtime.tf.zero) every replica writes and
+reads its rows of the optimizer slots, which are built over the rows it steps. Checkpoints written before shards (one `ckpt-<step>.pkl`) still resume
 at the layout that wrote them (hvd_runtime.tf.legacy_checkpoint).
 """
 
@@ -69,10 +70,14 @@ def _model_entries(module, split) -> list[tuple[object, str, Placement]]:
     return entries
 
 
-def _optimizer_entries(optimizer, model_entries) -> list[tuple[object, str, Placement]]:
-    """The optimizer's variables: each slot under its variable's name, split with it when shaped like it."""
-    prefixes = sorted(((v.path.replace("/", "_") + "_", name.removeprefix(MODEL), at, tuple(v.shape))
-                       for v, name, at in model_entries), key=lambda item: -len(item[0]))
+def _optimizer_entries(optimizer, model_entries, zero=None) -> list[tuple[object, str, Placement]]:
+    """The optimizer's variables: each slot under its variable's name, split with it when shaped like
+    it; under ZeRO (`zero`) a slot of a variable's rows is those rows of it."""
+    rows = zero.rows_by_variable() if zero is not None else {}
+    stepped = [(rows[id(v)][0], at.part(0, *rows[id(v)][1])) if id(v) in rows else (v, at)
+               for v, _, at in model_entries]
+    prefixes = sorted(((s.path.replace("/", "_") + "_", name.removeprefix(MODEL), at, tuple(s.shape))
+                       for (s, at), (_, name, _) in zip(stepped, model_entries)), key=lambda item: -len(item[0]))
     entries, taken = [], set()
     for v in optimizer.variables:
         match = next((p for p in prefixes if v.name.startswith(p[0])), None)
@@ -89,10 +94,10 @@ def _optimizer_entries(optimizer, model_entries) -> list[tuple[object, str, Plac
     return entries
 
 
-def held_variables(module, optimizer, split=None) -> list[tuple[object, str, Placement]]:
+def held_variables(module, optimizer, split=None, zero=None) -> list[tuple[object, str, Placement]]:
     """Everything this rank checkpoints: (variable, `model/<name>` or `optimizer/...`, Placement)."""
     entries = _model_entries(module, split)
-    return entries if optimizer is None else entries + _optimizer_entries(optimizer, entries)
+    return entries if optimizer is None else entries + _optimizer_entries(optimizer, entries, zero)
 
 
 def rng_state(module) -> dict:
@@ -142,19 +147,23 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
     if ctx.dp_set is not None:
         average_statistics(module, process_set=ctx.dp_set, name="checkpoint.statistics")
 
+    zero = getattr(parallel, "zero", None)
+
     def write_shard(folder: Path, write_whole: bool) -> dict:
-        return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.split), write_whole)
+        return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.split, zero), write_whole)
 
     return sharded.write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(module),
-                                    parallel.plan.cut() if parallel.plan else None, last)
+                                    parallel.plan.cut() if parallel.plan else None, last,
+                                    every_replica=zero is not None)
 
 
 # -- reading ----------------------------------------------------------------------------------------
 
-def _built(module, optimizer) -> None:
-    """The optimizer's variables exist before they are read into or broadcast."""
+def _built(module, optimizer, zero=None) -> None:
+    """The optimizer's variables exist before they are read into or broadcast (under ZeRO: over the
+    rows this rank steps)."""
     if optimizer is not None and not optimizer.built:
-        optimizer.build(module.trainable_variables)
+        optimizer.build(zero.stepped if zero is not None else module.trainable_variables)
 
 
 def wanted_shapes(module, split=None) -> dict[str, tuple[int, ...]]:
@@ -162,10 +171,10 @@ def wanted_shapes(module, split=None) -> dict[str, tuple[int, ...]]:
     return {name: at.shape for _, name, at in _model_entries(module, split)}
 
 
-def _load_held(reader: ShardReader, module, optimizer, split=None) -> None:
+def _load_held(reader: ShardReader, module, optimizer, split=None, zero=None) -> None:
     """Assign this rank's variables (and optimizer slots) their rows of the checkpoint."""
     saved = reader.index["tensors"]
-    for v, name, at in held_variables(module, optimizer, split):
+    for v, name, at in held_variables(module, optimizer, split, zero):
         if name not in saved:
             raise DamagedCheckpoint(f"it holds no {name} (written with another optimizer?)")
         if tuple(saved[name]["shape"]) != at.shape:
@@ -208,14 +217,20 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     model, all begin from rank 0's variables (`local_variables` excepted: each rank's own)."""
     import horovod.tensorflow as hvd
 
-    module, optimizer = parallel.module, parallel.optimizer
-    _built(module, optimizer)
+    module, optimizer, zero = parallel.module, parallel.optimizer, getattr(parallel, "zero", None)
+    _built(module, optimizer, zero)
     found = _newest_on_root(store, ctx, resume)
-    if ctx.coords is not None:
-        return sharded.read_held(hvd, found, ctx, "np", lambda: wanted_shapes(module, parallel.split),
-                                 lambda reader: _load_held(reader, module, optimizer, parallel.split),
-                                 (SafetensorError,), lambda payload: restore_legacy(payload, parallel, ctx),
-                                 lambda state: set_rng_state(state, module))
+    if zero is not None:   # every rank holds the whole model, its own rows of the optimizer state
+        # Horovod: every rank starts from rank 0's weights, then reads its rows of a checkpoint, if any
+        hvd.broadcast_variables([v.value for v in module.variables if is_state(v)], root_rank=0)
+    if ctx.coords is not None or zero is not None:
+        state = sharded.read_held(hvd, found, ctx, "np", lambda: wanted_shapes(module, parallel.split),
+                                  lambda reader: _load_held(reader, module, optimizer, parallel.split, zero),
+                                  (SafetensorError,), lambda payload: restore_legacy(payload, parallel, ctx),
+                                  lambda state: set_rng_state(state, module))
+        if zero is not None:
+            zero.take_rows()
+        return state
     meta = _whole_on_root(found, module, optimizer) if ctx.is_root else None
     meta = hvd.broadcast_object(meta, root_rank=0, name="initial_state")
     if "misfit" in meta:  # every rank stops with rank 0's reason, none waits for the others

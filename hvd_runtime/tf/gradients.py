@@ -26,7 +26,13 @@ from hvd_runtime.adasum import check_adasum
 
 
 class GradientSync:
-    """Average (or Adasum-combine) gradients across ranks, except those of local variables."""
+    """Average (or Adasum-combine) gradients across ranks, except those of local variables.
+
+    What TrainStep drives (as it drives ZeRO's hvd_runtime.tf.zero.ZeroSync): `sync(grads,
+    variables)`, the variables the optimizer then steps (`applies_to`: the same), `applied()`
+    after the update (nothing here)."""
+
+    scatters_each_pass = False   # the gradients of several backward passes are summed whole
 
     def __init__(self, fp16_compression: bool = False, adasum: bool = False,
                  local_variables: Iterable = (), process_set="global"):
@@ -49,6 +55,12 @@ class GradientSync:
 
     def is_local(self, variable) -> bool:
         return id(variable) in self._local
+
+    def applies_to(self, variables: Sequence) -> list:
+        return list(variables)
+
+    def applied(self) -> None:
+        pass
 
     def __call__(self, grads: Sequence, variables: Sequence) -> list:
         """`grads[i]` belongs to `variables[i]`; returns the gradients to apply, in the same order."""

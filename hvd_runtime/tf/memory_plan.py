@@ -27,4 +27,5 @@ def plan_and_check(module, ctx, cfg, splits: str, meta: bool | None = None) -> M
     hold no variable at all."""
     if not (is_meta(module) if meta is None else meta):
         return None   # made real already: nothing left to plan
-    return settle(held_parameters(module), None, ctx, cfg, splits)
+    # ZeRO steps a copy of this rank's rows, and tape.gradient hands a pass's gradients over whole
+    return settle(held_parameters(module), None, ctx, cfg, splits, rows_copy=True)

@@ -18,6 +18,7 @@ variables), the split model, or the stage.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import keras
@@ -45,6 +46,7 @@ from hvd_runtime.tf.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.tf.tensor_parallel import apply_tp
 from hvd_runtime.tf.tensor_state import SplitVariables
 from hvd_runtime.tf.vocab_parallel import VocabObjective
+from hvd_runtime.tf.zero import ZeroSync
 
 __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
@@ -59,6 +61,7 @@ class Parallel:
     step: TrainStep | PipelineEngine         # what hvd_runtime.loop drives
     split: SplitVariables | None = None      # tensor parallelism: the checkpoints' view of the slices
     plan: Partition | None = None            # where a pipeline or model-split cut the model, for the index
+    zero: ZeroSync | None = None             # horovod.zero: the rows this rank steps, for the checkpoints
 
 
 def apply_pipeline(model: keras.Model, dims: PipelineRank, partition, sample, tail=None) -> Stage:
@@ -93,19 +96,47 @@ def apply_model_split(model: keras.Model, parallel_cfg, partition, sample=None, 
 
 
 def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
-                        split: SplitVariables | None = None) -> tuple[keras.optimizers.Optimizer, TrainStep]:
+                        split: SplitVariables | None = None
+                        ) -> tuple[keras.optimizers.Optimizer, TrainStep, ZeroSync | None]:
     """The optimizer (LR scaled by the replicas, with warmup), the gradient allreduce between backward
-    and update (over the replicas holding the same slices, under tensor parallelism) and the
-    TrainStep. A split model is clipped by the step, by the whole model's norm (`split`'s);
+    and update (over the replicas holding the same slices, under tensor parallelism), or ZeRO's
+    reduce-scatter into this rank's rows (horovod.zero), and the TrainStep. A split model and ZeRO's
+    rows are clipped by the step, by the whole model's norm (`split`'s, the rows' summed);
     otherwise the optimizer clips the averaged gradients itself."""
-    optimizer = loss_scaled(make_optimizer(cfg.optim, cfg.horovod, ctx, steps_per_epoch, clip=split is None),
-                            cfg.train.precision)
-    sync = (GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum) if split is None else
-            GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum, process_set=ctx.dp_set))
+    zero = None
+    if cfg.horovod.zero:
+        # Horovod: gradients reduce-scattered over the replicas, each rank steps its rows, rows all-gathered
+        zero = ZeroSync(trained.trainable_variables, cfg.horovod.zero, ctx.dp_set, ctx.data_rank, ctx.data_size)
+    optimizer = loss_scaled(make_optimizer(cfg.optim, cfg.horovod, ctx, steps_per_epoch,
+                                           clip=split is None and zero is None), cfg.train.precision)
+    sync = zero or (GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum) if split is None else
+                    GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum, process_set=ctx.dp_set))
+    norm = zero.grad_norm if zero else split.grad_norm if split else None
     step = TrainStep(trained, optimizer, objective.cross_entropy, sync, cfg.horovod.backward_passes_per_step,
-                     clip_norm=cfg.optim.clip_norm, grad_norm=split.grad_norm if split else None,
-                     accuracy_fn=objective.accuracy_sum, guard=nonfinite_guard(cfg, ctx))
-    return optimizer, step
+                     clip_norm=cfg.optim.clip_norm, grad_norm=norm, accuracy_fn=objective.accuracy_sum,
+                     guard=nonfinite_guard(cfg, ctx))
+    return optimizer, step, zero
+
+
+def refuse_zero_misfits(cfg, ctx: Context) -> None:
+    """horovod.zero with what a Keras project cannot serve with it: one line each (ConfigError)."""
+    hvd = cfg.horovod
+    misfits = [
+        (hvd.zero > 2, "a Keras project (its layers hold whole variables): use horovod.zero 1 or 2, or a torch "
+                       "project"),
+        (ctx.pipeline is not None or ctx.tensor is not None or ctx.stage_devices is not None,
+         "a Keras pipeline, tensor-parallel or model-split project: use horovod.zero 0 there, or --strategy data"),
+        (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its rows with it): "
+                                                  "run without --min-np/--max-np, or set horovod.zero 0"),
+        (hvd.adasum, "horovod.adasum (Adasum reduces whole gradients): set one of them off"),
+        (hvd.fp16_compression, "horovod.fp16_compression (reduce-scatter sends the gradients as they are): "
+                               "set it false"),
+        (cfg.train.precision == "fp16", "train.precision fp16 in Keras (each rank's loss scale would judge only its "
+                                        "rows): use bf16"),
+    ]
+    for misfit, fix in misfits:
+        if misfit:
+            raise ConfigError(f"horovod.zero {hvd.zero} does not work with {fix}")
 
 
 def resumed_partition(model, pieces: int, ctx: Context, cfg):
@@ -165,9 +196,7 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         raise ConfigError("train.compile on compiles torch models (torch.compile): a Keras project's step runs as "
                           "a traced tf.function; set train.compile auto or off")
     if cfg.horovod.zero:
-        raise ConfigError(f"horovod.zero {cfg.horovod.zero} shards a torch project's training: a Keras project "
-                          "holds the whole model on each replica; set horovod.zero 0 (or split the model: "
-                          "--strategy pipeline or tensor)")
+        refuse_zero_misfits(cfg, ctx)
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
     group, split = None, None
@@ -192,5 +221,5 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         trained = apply_model_split(model, cfg.parallel, resumed_partition(model, cfg.parallel.stages, ctx, cfg),
                                     *timing_sample(dataset, cfg))
     objective = VocabObjective.of(group, dataset.num_classes)
-    optimizer, step = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)
-    return Parallel(model, optimizer, step, split, trained.plan if trained is not model else None)
+    optimizer, step, zero = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)
+    return Parallel(model, optimizer, step, split, trained.plan if trained is not model else None, zero)

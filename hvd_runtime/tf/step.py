@@ -52,10 +52,14 @@ class TrainStep:
         self.accuracy_fn = accuracy_fn
         self.clip_norm, self.grad_norm = clip_norm if grad_norm is not None else 0.0, grad_norm
         self.variables = list(model.trainable_variables)
+        # what the optimizer steps: the variables, or under ZeRO (hvd_runtime.tf.zero) this rank's rows
+        self.stepped = sync.applies_to(self.variables)
         self.batches_per_update = backward_passes_per_step
         self.sum_over_ranks = sum_over_ranks
         k = backward_passes_per_step
-        self.accumulator = GradientAccumulator(self.variables, k) if k > 1 else None
+        # ZeRO 2 reduce-scatters each pass: only this rank's rows are summed
+        self.accumulator = GradientAccumulator(self.stepped if sync.scatters_each_pass else self.variables, k) \
+            if k > 1 else None
         # traced once for every batch size; batches too small for the model's cut into micro-batches
         # (ModelSplit's) once per size
         at_least = getattr(model, "min_batch_for_any_size", 1)
@@ -76,34 +80,40 @@ class TrainStep:
         grads = tape.gradient(scaled, self.variables)
         return loss, self.accuracy_fn(logits, y), grads
 
-    def _apply(self, grads):
-        """Whether the update was applied (a boolean tensor): under a guard, only finite gradients are."""
-        # Horovod: average gradients across ranks (one grouped allreduce), then update. The
-        # optimizer clips by global norm (optim.clip_norm) and, for fp16, unscales and skips
-        # overflowed steps: both on the averaged gradients, so every rank does the same.
-        grads = self.sync(grads, self.variables)
+    def _apply(self, grads, synced: bool = False):
+        """Whether the update was applied (a boolean tensor): under a guard, only finite gradients are.
+        `synced`: the gradients are averaged already (ZeRO 2's accumulated rows)."""
+        # Horovod: average gradients across ranks (one grouped allreduce; ZeRO: a reduce-scatter
+        # into this rank's rows), then update. The optimizer clips by global norm (optim.clip_norm)
+        # and, for fp16, unscales and skips overflowed steps: both on the averaged gradients, so
+        # every rank does the same.
+        if not synced:
+            grads = self.sync(grads, self.variables)
         if self.guard is None:
             if self.clip_norm:
                 grads = self._clipped(grads)
-            self.optimizer.apply_gradients(zip(grads, self.variables))
+            self._update(grads)
             return tf.constant(True)
         # the averaged gradients' norm is the same on every rank of the set: every rank decides alike
-        norm = self.grad_norm(grads, self.variables) if self.grad_norm is not None else tf.linalg.global_norm(
+        norm = self.grad_norm(grads, self.stepped) if self.grad_norm is not None else tf.linalg.global_norm(
             [g for g in grads if g is not None])
         finite = tf.math.is_finite(norm)
 
         def update():
-            self.optimizer.apply_gradients(zip(self._clipped(grads, norm) if self.clip_norm else grads,
-                                               self.variables))
+            self._update(self._clipped(grads, norm) if self.clip_norm else grads)
             return tf.constant(True)
         return tf.cond(finite, update, lambda: tf.constant(False))
 
+    def _update(self, grads) -> None:
+        self.optimizer.apply_gradients(zip(grads, self.stepped))
+        self.sync.applied()   # ZeRO: every rank's updated rows all-gathered into the model
+
     def _clipped(self, grads, norm=None):
         """grads scaled to at most clip_norm (of the unscaled gradients, under fp16 loss scaling)."""
-        norm = self.grad_norm(grads, self.variables) if norm is None else norm
+        norm = self.grad_norm(grads, self.stepped) if norm is None else norm
         scale = getattr(self.optimizer, "dynamic_scale", None)  # fp16: the grads are the scaled loss's
         unscaled = norm / tf.cast(scale, norm.dtype) if scale is not None else norm
-        factor = tf.minimum(1.0, self.clip_norm / (unscaled + 1e-6))
+        factor = self.clip_norm / tf.maximum(unscaled, self.clip_norm)   # as Keras's global_clipnorm scales
         return [None if g is None else g * tf.cast(factor, g.dtype) for g in grads]
 
     def _train_on_batch(self, x, y):
@@ -112,11 +122,11 @@ class TrainStep:
 
     def _accumulate_batch(self, x, y):
         loss, correct, grads = self._forward_backward(x, y)
-        self.accumulator.add(grads)
+        self.accumulator.add(self.sync(grads, self.variables) if self.sync.scatters_each_pass else grads)
         return loss, correct
 
     def _apply_accumulated_fn(self):
-        return self._apply(self.accumulator.mean_and_reset())
+        return self._apply(self.accumulator.mean_and_reset(), synced=self.sync.scatters_each_pass)
 
     def __call__(self, x, y, apply: bool = True):
         """(loss, number correct, whether the update was applied: True where there was none)."""

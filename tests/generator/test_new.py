@@ -113,10 +113,12 @@ def test_list_shows_every_combination():
     (["--model", "gpt", "--size", "huge"], "Invalid value for '--size': 'huge' is not one of 'tiny', 'gpt2-small'."),
     (["--zero", "4"], "Invalid value for '--zero': 4 is not in the range 0<=x<=3."),
     (["--zero", "1", "--strategy", "model-split"],
-     "--zero 1 shards a torch data, tensor or pipeline job, not torch/model-split: drop --zero, or use "
-     "--framework torch --strategy data"),
-    (["--zero", "2", "--framework", "tensorflow"],
-     "--zero 2 shards a torch data, tensor or pipeline job, not tensorflow/data"),
+     "--zero 1 shards a data, tensor or pipeline job, not model-split: drop --zero, or use --strategy data"),
+    (["--zero", "3", "--framework", "tensorflow"],
+     "--zero 3 with --framework tensorflow: Keras shards a data-parallel job's optimizer state and gradients "
+     "(--zero 1 or 2, --strategy data); use --framework torch for more"),
+    (["--zero", "1", "--framework", "tensorflow", "--strategy", "pipeline"],
+     "--zero 1 with --framework tensorflow: Keras shards a data-parallel job's"),
     (["--zero", "2", "--strategy", "pipeline"], "--zero 2 with --strategy pipeline: every micro-batch's backward "
                                                 "would reduce-scatter again; use --zero 1"),
     (["--zero", "1", "--strategy", "pipeline", "--model", "gpt", "--tp", "2"],

@@ -48,7 +48,7 @@ def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
         expected.discard("parallel.virtual_stages")
     else:                        # a stage runs eager
         expected.discard("train.compile")
-    if not (framework == "torch" and strategy in ("data", "tensor", "pipeline")):   # ZeRO: torch, not model-split
+    if not (strategy == "data" or framework == "torch" and strategy in ("tensor", "pipeline")):   # ZeRO
         expected.discard("horovod.zero")
     if strategy in ("data", "tensor"):
         expected = {k for k in expected if not k.startswith("parallel.") or k == "parallel.tp"}

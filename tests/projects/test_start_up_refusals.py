@@ -14,7 +14,7 @@ Run as a user would: a generated project, `horovodrun -np 2 --gloo python train.
 - the ResNet-18 and GPT projects' own data and model problems: an image folder without images,
   an image that is not one, a token file shorter than one context window, a tied GPT head split
   from its embedding, fp16 on a CPU, train.compile on where it does not compile (a torch pipeline
-  stage, Keras, ZeRO 3), horovod.zero where it does not shard (2 on a pipeline, Keras), a GPT past this host's memory (whole, and as a pipeline whose
+  stage, Keras, ZeRO 3), horovod.zero where it does not shard (2 on a pipeline, 3 in Keras), a GPT past this host's memory (whole, and as a pipeline whose
   second stage would fit: its rank stops on the same line, the host judged by both stages).
 """
 
@@ -215,9 +215,9 @@ WORKLOAD_REFUSALS = [
     ("torch", "mlp", "data", lambda p: ["--horovod.zero", "3", "--train.compile", "on"],
      "train.compile on does not work with horovod.zero 3 (its blocks gather their parameters as they run): set "
      "train.compile auto or off, or horovod.zero 2"),
-    ("tensorflow", "mlp", "data", lambda p: ["--horovod.zero", "2"],
-     "horovod.zero 2 shards a torch project's training: a Keras project holds the whole model on each replica; "
-     "set horovod.zero 0 (or split the model: --strategy pipeline or tensor)"),
+    ("tensorflow", "mlp", "data", lambda p: ["--horovod.zero", "3"],
+     "horovod.zero 3 does not work with a Keras project (its layers hold whole variables): use horovod.zero 1 or "
+     "2, or a torch project"),
 ]
 
 

@@ -3,7 +3,7 @@
 A file of its own so that the suite's workers (one file each) run the two frameworks side by side.
 Images are read by tf.data's parallel map; bf16 is Keras' mixed_bfloat16 policy.
 
-Cost: over 6% of the suite's CPU (docs/testing.md): 8 cases of two 2-rank jobs each (straight and
+Cost: over 6% of the suite's CPU (docs/testing.md): 9 cases of two 2-rank jobs each (straight and
 resumed), Keras tracing each rank's steps anew.
 """
 
@@ -22,3 +22,9 @@ def test_generated_keras_workload_learns_from_disk_and_resumes_exactly(tmp_path,
 @pytest.mark.parametrize("model,strategy", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
 def test_generated_keras_workload_trains_in_bf16_on_the_cpu(tmp_path, model, strategy):
     trains_in_bf16(tmp_path, "tensorflow", model, strategy)
+
+
+def test_a_keras_zero_gpt_resumes_exactly_mid_epoch(tmp_path):
+    """horovod.zero 2 in Keras: each rank writes and reads its rows of the optimizer state, and the
+    resumed run ends on the same metrics and weights, the same on every rank."""
+    learns_from_disk_and_resumes_exactly(tmp_path, "tensorflow", "gpt", "data", "--horovod.zero", "2")

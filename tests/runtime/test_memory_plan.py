@@ -89,6 +89,14 @@ def test_zero_holds_the_papers_bytes_a_parameter(zero, per_parameter):
         assert f"(1,048,576 parameters under ZeRO {zero} over 4 replicas: " in plan.line()
 
 
+@pytest.mark.parametrize("zero, per_parameter", [(0, 16), (1, 8 + 12 / 4), (2, 8 + 12 / 4)])
+def test_keras_zero_counts_its_copy_of_the_rows_and_whole_gradients(zero, per_parameter):
+    """Keras steps a copy of a rank's rows (4/N) and a pass's gradients are whole: 8 + 12/N."""
+    plan = MemoryPlan(parameters=2**20, optimizer_state=2, activations=0, ranks_on_host=4, recompute=False,
+                      zero=zero, replicas=4, rows_copy=True)
+    assert plan.state_bytes == per_parameter * 2**20
+
+
 def test_the_hosts_memory_is_its_total_or_a_lower_container_limit(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24683784 kB\nMemFree:         1000000 kB\nMemAvailable:   18000000 kB\n")
