@@ -106,7 +106,8 @@ def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, s
     zero = None
     if cfg.horovod.zero:
         # Horovod: gradients reduce-scattered over the replicas, each rank steps its rows, rows all-gathered
-        zero = ZeroSync(trained.trainable_variables, cfg.horovod.zero, ctx.dp_set, ctx.data_rank, ctx.data_size)
+        zero = ZeroSync(trained.trainable_variables, cfg.horovod.zero, ctx.dp_set, ctx.data_rank, ctx.data_size,
+                        ctx.device)
     optimizer = loss_scaled(make_optimizer(cfg.optim, cfg.horovod, ctx, steps_per_epoch,
                                            clip=split is None and zero is None), cfg.train.precision)
     sync = zero or (GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum) if split is None else

@@ -39,10 +39,14 @@ class ZeroSync:
 
     scatters_each_pass = False
 
-    def __init__(self, variables: Sequence, stage: int, process_set, dp_rank: int, dp_size: int):
+    def __init__(self, variables: Sequence, stage: int, process_set, dp_rank: int, dp_size: int,
+                 device: str = "CPU:0"):
+        """`device`: where the variables live; on CPU the reduce-scatter is one all-to-all (as
+        hvd_runtime.torch.zero's: Gloo's reduce-scatter costs more than an allreduce)."""
         import horovod.tensorflow as hvd
 
         self._hvd, self.stage, self.process_set = hvd, stage, process_set
+        self.size, self.rank, self.alltoall = dp_size, dp_rank, not device.upper().startswith("GPU")
         self.scatters_each_pass = stage == 2
         self.variables = list(variables)
         self.rows = [row_range(int(v.shape[0]), dp_rank, dp_size) if is_cut(tuple(v.shape), dp_size) else None
@@ -72,14 +76,34 @@ class ZeroSync:
         whole = [i for i, rows in enumerate(self.rows) if rows is None]
         if cut:
             # Horovod: each rank receives the average of its rows only
-            for i, g in zip(cut, hvd.grouped_reducescatter([grads[i] for i in cut], op=hvd.Average,
-                                                          process_set=self.process_set)):
+            scatter = self._by_alltoall if self.alltoall else lambda tensors: hvd.grouped_reducescatter(
+                tensors, op=hvd.Average, process_set=self.process_set)
+            for i, g in zip(cut, scatter([grads[i] for i in cut])):
                 out[i] = g
         if whole:
             for i, g in zip(whole, hvd.grouped_allreduce([grads[i] for i in whole], op=hvd.Average,
                                                         name="zero.whole_grads", process_set=self.process_set)):
                 out[i] = g
         return out
+
+    def _by_alltoall(self, tensors: list) -> list:
+        """A reduce-scatter as one all-to-all: every rank sends each other rank that rank's rows of
+        each tensor, and averages what it receives, its own rows from every rank."""
+        cuts = [[row_range(int(t.shape[0]), r, self.size) for r in range(self.size)] for t in tensors]
+        send = tf.concat([tf.reshape(t[a:b], [-1]) for r in range(self.size)
+                          for t, cut in zip(tensors, cuts) for a, b in [cut[r]]], axis=0)
+        splits = [sum((cut[r][1] - cut[r][0]) * int(t.shape[1:].num_elements()) for t, cut in zip(tensors, cuts))
+                  for r in range(self.size)]
+        received, _ = self._hvd.alltoall(send, splits=tf.constant(splits, tf.int32), name="zero.grads",
+                                         process_set=self.process_set)
+        summed = tf.reduce_sum(tf.reshape(received, [self.size, -1]), axis=0) / self.size
+        rows, at = [], 0
+        for t, cut in zip(tensors, cuts):
+            a, b = cut[self.rank]
+            count = (b - a) * int(t.shape[1:].num_elements())
+            rows.append(tf.reshape(summed[at:at + count], [b - a, *t.shape[1:]]))
+            at += count
+        return rows
 
     def applied(self) -> None:
         """Every rank's updated rows all-gathered into the model's variables."""

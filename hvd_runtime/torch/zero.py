@@ -156,24 +156,55 @@ def _allgather(rows, dims, dp_set, name: str) -> list[torch.Tensor]:
     return [_back(t, d) for t, d in zip(gathered, dims)]
 
 
-def _reducescatter(tensors, dims, dp_set, name: str, handle: bool = False):
+def _reducescatter(tensors, dims, dp_set, name: str, handle: bool = False, alltoall: bool | None = None):
     """This rank's rows of the average of `tensors` over the set, each cut along its dimension in
-    `dims` (one grouped reduce-scatter); `handle`: started, to be finished by `_rows_of`."""
+    `dims`: one grouped reduce-scatter, or one all-to-all (`_by_alltoall`: `alltoall`, by default
+    on CPU); `handle`: started, to be finished by `_rows_of`."""
     import horovod.torch as hvd
 
     along = [_along(t, d) for t, d in zip(tensors, dims)]
-    if handle:
-        return hvd.grouped_reducescatter_async(along, op=hvd.Average, process_set=dp_set, name=name), dims
-    return [_back(t, d) for t, d in zip(hvd.grouped_reducescatter(along, op=hvd.Average, process_set=dp_set,
-                                                                  name=name), dims)]
+    if along[0].device.type == "cpu" if alltoall is None else alltoall:
+        started = _by_alltoall(along, dp_set, name)
+    else:
+        started = hvd.grouped_reducescatter_async(along, op=hvd.Average, process_set=dp_set, name=name), None
+    return (started, dims) if handle else _rows_of((started, dims))
+
+
+def _by_alltoall(along: list[torch.Tensor], dp_set, name: str) -> tuple:
+    """A reduce-scatter as one all-to-all: each rank sends every other rank that rank's rows of each
+    tensor and sums what it receives, its own rows from every rank. Where Horovod's reduce-scatter
+    runs over Gloo (CPU) it costs more than an allreduce of the same tensors; the all-to-all sends
+    each row once, as a ring reduce-scatter does (bench: docs/benchmarks-zero.md)."""
+    import horovod.torch as hvd
+
+    size, rank = dp_set.size(), dp_set.rank()
+    cuts = [[row_range(t.shape[0], r, size) for r in range(size)] for t in along]
+    send = torch.cat([t[a:b].reshape(-1) for r in range(size) for t, cut in zip(along, cuts) for a, b in [cut[r]]])
+    splits = torch.tensor([sum((cut[r][1] - cut[r][0]) * t[0].numel() for t, cut in zip(along, cuts))
+                           for r in range(size)], dtype=torch.int32)
+    started = hvd.alltoall_async(send, splits=splits, name=name, process_set=dp_set)
+    mine = [(t.shape, cut[rank]) for t, cut in zip(along, cuts)]
+    return started, (size, mine)
 
 
 def _rows_of(started) -> list[torch.Tensor]:
     """The rows a `_reducescatter(..., handle=True)` hands this rank, once it is done."""
     import horovod.torch as hvd
 
-    handle, dims = started
-    return [_back(t, d) for t, d in zip(hvd.synchronize(handle), dims)]
+    (handle, alltoall), dims = started
+    if alltoall is None:
+        rows = hvd.synchronize(handle)
+    else:
+        size, mine = alltoall
+        received = hvd.synchronize(handle)
+        received = received[0] if isinstance(received, tuple) else received
+        summed = received.view(size, -1).sum(0).div_(size)
+        rows, at = [], 0
+        for shape, (a, b) in mine:
+            count = (b - a) * shape[1:].numel()
+            rows.append(summed[at:at + count].view(b - a, *shape[1:]))
+            at += count
+    return [_back(t, d) for t, d in zip(rows, dims)]
 
 
 class _Gathering:
@@ -434,7 +465,7 @@ class ZeroOptimizer:
             if keep:
                 self._collect(b)
             else:
-                hvd.synchronize(self._pending.pop(b)[0])
+                hvd.synchronize(self._pending.pop(b)[0][0])
         self._arrived.clear()
 
     # what clipping, the non-finite check and fp16 read

@@ -27,6 +27,7 @@ FRESH = {   # case name -> flags; each runs at np 4 and at np 2
     "zero1-adam-clip": {"zero": 1, "optim": "adam", "clip": 0.05},
     "zero2-sgd-bpps2": {"zero": 2, "bpps": 2},
     "zero2-adam-clip-bpps2": {"zero": 2, "optim": "adam", "clip": 0.05, "bpps": 2},
+    "zero2-sgd-bpps2-horovods-reducescatter": {"zero": 2, "bpps": 2, "native": True},   # GPUs' path
 }
 SAVED = "zero2-adam-clip-bpps2"   # the np 4 case whose checkpoint the others resume
 RESUMES = {  # (np, case name) -> flags

@@ -44,6 +44,7 @@ TP = {   # the GPT split over tp 2 x dp 2: ZeRO cuts each slice where tensor par
     "zero2-gpt-tp2-bpps2": {"zero": 2, "model": "gpt", "optim": "sgd", "bpps": 2},
     "zero3-gpt-tp2": {"zero": 3, "model": "gpt", "optim": "sgd", "clip": 0.5},
 }
+PATHS = {"reducescatter-paths": {"check": "reducescatter"}}   # ZeRO's two reduce-scatters, side by side
 SAVED = {"zero3": "zero3-gpt", "zero2": "zero2-gpt-bpps2", "zero3-tp2": "zero3-gpt-tp2"}   # checkpoint -> its np 4 case
 RESUMES = {  # (np, tp, case name) -> flags: a saved checkpoint resumed in another layout
     (2, 0, "zero3-at-zero3-dp2"): {"zero": 3, "model": "gpt", "optim": "sgd", "clip": 0.5, "from": "zero3"},
@@ -81,7 +82,7 @@ def reports(tmp_path_factory, workload_projects) -> dict[tuple[int, int, str], l
                     timeout=300)
 
     # in order: the checkpoints the later jobs resume are written by the earlier ones
-    job(4, 0, [case(4, 0, name, flags) for name, flags in {**FRESH, **BF16}.items()])
+    job(4, 0, [case(4, 0, name, flags) for name, flags in {**FRESH, **BF16, **PATHS}.items()])
     job(4, 2, resumes(4, 2) + [case(4, 2, name, flags) for name, flags in TP.items()])
     job(2, 0, resumes(2, 0) + [case(2, 0, name, flags) for name, flags in FRESH.items()])
     job(1, 0, resumes(1, 0))
@@ -113,6 +114,16 @@ def test_zero_steps_match_the_unsplit_model(reports, np_, tp, name):
         assert not r["whole_grads_kept"]
         assert r["eval_error"] < TOL, f"rank {r['rank']}: validation loss off by {r['eval_error']:.2e}"
     assert sum(r["optimizer_share"] for r in ranks) >= 1.0   # every row is someone's (whole tensors: everyone's)
+
+
+def test_the_alltoall_reduce_scatter_equals_horovods(reports):
+    """On CPU ZeRO reduce-scatters by one all-to-all; on GPUs by Horovod's grouped reduce-scatter.
+    Both hand each of 4 ranks the same rows (uneven, along dim 0 and 1) of the same average."""
+    ranks = reports[(4, 0, "reducescatter-paths")]
+    assert [r["shapes"] for r in sorted(ranks, key=lambda r: r["rank"])] == [
+        [[2, 5], [6, 3], [3]], [[2, 5], [6, 2], [3]], [[2, 5], [6, 2], [2]], [[1, 5], [6, 2], [2]]]
+    for r in ranks:
+        assert r["max_diff"] < 1e-6, r
 
 
 def test_zero3_under_bf16_follows_the_unsplit_model(reports):

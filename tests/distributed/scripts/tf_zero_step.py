@@ -119,7 +119,9 @@ def run_case(case):
                             warmup_epochs=0, scale_lr=False)
     reference = Reference(case, optim_cfg)
     model = build()
-    zero = ZeroSync(model.trainable_variables, case["zero"], ctx.dp_set, r, n) if case["zero"] else None
+    # "native": Horovod's reduce-scatter, ZeroSync's path for GPU variables (CPU ones: an all-to-all)
+    zero = ZeroSync(model.trainable_variables, case["zero"], ctx.dp_set, r, n,
+                    device="GPU:0" if case.get("native") else "CPU:0") if case["zero"] else None
     optimizer = make_optimizer(optim_cfg, HorovodConfig(zero=case["zero"], backward_passes_per_step=k), ctx,
                                steps_per_epoch=4, clip=zero is None)
     step = TrainStep(model, optimizer, loss_fn, zero or GradientSync(), k, clip_norm=case["clip"],

@@ -18,6 +18,7 @@ outlived a backward pass. "save": DIR writes the ZeRO run's checkpoint there aft
 Under `--tp N` the model is the GPT split by tensor parallelism (apply_tp) and ZeRO cuts each
 slice along the dimension tensor parallelism cut it; a rank's parameters and slots are compared
 with its part of the reference's (its tp slice, then its rows of that).
+A case {"check": "reducescatter"} compares ZeRO's two reduce-scatters instead (reducescatter_paths).
 Rank 0 writes all ranks' reports as JSON.
 """
 
@@ -212,6 +213,20 @@ def run_case(case, ctx):
     return report
 
 
+def reducescatter_paths(ctx) -> dict:
+    """Horovod's grouped reduce-scatter (ZeRO's path for GPU tensors) and the all-to-all one (CPU)
+    on the same tensors, cut along dims 0 and 1 and uneven: the largest difference."""
+    from hvd_runtime.torch.zero import _reducescatter
+
+    g = torch.Generator().manual_seed(3 + hvd.rank())
+    tensors = [torch.randn(7, 5, generator=g), torch.randn(6, 9, generator=g), torch.randn(10, generator=g)]
+    dims = [0, 1, 0]
+    native = _reducescatter(tensors, dims, ctx.dp_set, "check.native", alltoall=False)
+    by_alltoall = _reducescatter(tensors, dims, ctx.dp_set, "check.alltoall", alltoall=True)
+    return {"rank": hvd.rank(), "shapes": [list(t.shape) for t in by_alltoall],
+            "max_diff": max(float((a - b).abs().max()) for a, b in zip(native, by_alltoall))}
+
+
 def main():
     faulthandler.dump_traceback_later(240, exit=True)
     ap = argparse.ArgumentParser()
@@ -228,7 +243,8 @@ def main():
                 "recompute": False, "steps": 2}
     for case in json.loads(Path(args.cases).read_text()):
         case = {**defaults, **case}
-        reports = hvd.allgather_object(run_case(case, ctx), name=f"reports.{case['out']}")
+        report = reducescatter_paths(ctx) if case.get("check") == "reducescatter" else run_case(case, ctx)
+        reports = hvd.allgather_object(report, name=f"reports.{case['out']}")
         if hvd.rank() == 0:
             Path(case["out"]).write_text(json.dumps(reports))
 
