@@ -23,10 +23,10 @@ def fusion_threshold() -> int:
     return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)) or DEFAULT_FUSION_THRESHOLD
 
 
-def in_fusion_buffers(items: list[T], nbytes: Callable[[T], int]) -> list[list[T]]:
-    """`items` in order, in groups of at most one fusion buffer's bytes (an item larger than one
-    alone); no group for no item."""
-    limit = fusion_threshold()
+def in_fusion_buffers(items: list[T], nbytes: Callable[[T], int], limit: int | None = None) -> list[list[T]]:
+    """`items` in order, in groups of at most one fusion buffer's bytes, or `limit` bytes (an item
+    larger than that alone); no group for no item."""
+    limit = fusion_threshold() if limit is None else limit
     groups: list[list[T]] = [[]]
     size = 0
     for item in items:

@@ -14,9 +14,9 @@ holds is one run of the whole tensor's positions along one dimension, as checkpo
 - stage 1: the optimizer state is sharded. Backward leaves the whole gradient on every rank; the
   step reduce-scatters it (averaged), each rank's optimizer steps its rows of each parameter (a
   view into the parameter, so the update lands in place) and the updated rows are all-gathered.
-- stage 2: the gradients too. As backward produces them, each bucket of gradients (at most one
-  Horovod fusion buffer, in backward's order) is reduce-scattered while backward goes on, and the
-  whole gradients are dropped: a rank keeps only its rows, summed over backward_passes_per_step.
+- stage 2: the gradients too. As backward produces them, each bucket of gradients (16 MB, in
+  backward's order) is reduce-scattered while backward goes on, and the whole gradients are
+  dropped: a rank keeps only its rows, summed over backward_passes_per_step.
 - stage 3: the parameters too. A rank holds only its rows; each block (hvd_runtime.torch.stage's
   blocks, and the model's own parameters outside them) all-gathers its parameters just before its
   forward, in one grouped collective, through an autograd function whose backward reduce-scatters
@@ -47,6 +47,10 @@ from hvd_runtime.torch.stage import named_blocks
 from hvd_runtime.zero_rows import is_cut, row_range
 
 __all__ = ["ZeroOptimizer", "in_lockstep", "rows_by_parameter", "shard_parameters"]
+
+# Stage 2's buckets: backward holds about two of them whole (the one filling, the one in flight),
+# so they are smaller than a fusion buffer; 16 MB measured best of 8, 16 and 64 (benchmarks-zero.md).
+STAGE2_BUCKET_BYTES = 16 * 2**20
 
 
 def _along(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -428,7 +432,7 @@ class ZeroOptimizer:
     # stage 2: gradients reduce-scattered as backward produces them
     def _hook_buckets(self) -> None:
         cut = [s for s in reversed(self.shards) if s.rows is not None]   # backward's order, about
-        self._buckets = self._by_bytes(cut)
+        self._buckets = in_fusion_buffers(cut, lambda s: s.param.numel() * s.param.element_size(), STAGE2_BUCKET_BYTES)
         for b, bucket in enumerate(self._buckets):
             for s in bucket:
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._arrive, b))

@@ -12,7 +12,7 @@ rank on its share of the global batch; the reference trains in one process on th
 batch with the framework's plain optimizer. After `steps` updates each rank reports the largest
 relative error of its parameters (its rows under ZeRO 3) against the reference's, what share of
 the optimizer state and of the parameters it holds, and (stage 2) whether any whole gradient
-outlived a backward pass. "save": DIR writes the ZeRO run's checkpoint there after the steps;
+outlived a backward pass ("bucket_bytes": its buckets' size, to make many). "save": DIR writes the ZeRO run's checkpoint there after the steps;
 "resume": DIR restores one instead of training (any ZeRO stage, any np; zero 0 at np 1: unsplit;
 "saved_np": the saving job's ranks, whose batches and LR the reference repeats) and reports the errors of the restored parameters and optimizer state, and after one more step.
 Under `--tp N` the model is the GPT split by tensor parallelism (apply_tp) and ZeRO cuts each
@@ -46,7 +46,8 @@ from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.tensor_parallel import apply_tp
 from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
-from hvd_runtime.torch.zero import ZeroOptimizer, rows_by_parameter, shard_parameters
+from hvd_runtime.torch import zero as zero_module
+from hvd_runtime.torch.zero import STAGE2_BUCKET_BYTES, ZeroOptimizer, rows_by_parameter, shard_parameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from project_module import project_module  # noqa: E402
@@ -162,6 +163,7 @@ def run_case(case, ctx):
     schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch=4)
     reference = Reference(build, case, ctx, schedule, VocabObjective.of(None, classes))
     model = zero_model(build, case, ctx)
+    zero_module.STAGE2_BUCKET_BYTES = case.get("bucket_bytes", STAGE2_BUCKET_BYTES)   # ZeRO 2's buckets
     optimizer, _ = make_optimizer(model, optim_cfg, hvd_cfg, ctx, steps_per_epoch=4,
                                   split=SplitParameters(model) if ctx.tensor else None)
     norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else None
@@ -210,6 +212,7 @@ def run_case(case, ctx):
         report["parameter_share"] = sum(p.numel() for p in model.parameters()) / \
             sum(p.numel() for p in reference.model.parameters())
         report["whole_grads_kept"] = whole_grads_kept
+        report["buckets"] = len(optimizer._buckets)
     return report
 
 
