@@ -22,8 +22,9 @@ handed back to the same rank when the job has the same size.
 Where every rank holds the whole model (data parallelism, model-split, elastic) rank 0 alone
 reads it and the variables are broadcast, so only rank 0 needs to see the folder; elsewhere each
 rank reads its own rows. Under ZeRO (horovod.zero, hvd_runtime.tf.zero) every replica writes and
-reads its rows of the optimizer slots, which are built over the rows it steps. Checkpoints written before shards (one `ckpt-<step>.pkl`) still resume
-at the layout that wrote them (hvd_runtime.tf.legacy_checkpoint).
+reads its rows of the optimizer slots, which are built over the rows it steps. Checkpoints
+written before shards (one `ckpt-<step>.pkl`) still resume at the layout that wrote them
+(hvd_runtime.tf.legacy_checkpoint).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
     if ctx.dp_set is not None:
         average_statistics(module, process_set=ctx.dp_set, name="checkpoint.statistics")
 
-    zero = getattr(parallel, "zero", None)
+    zero = parallel.zero
 
     def write_shard(folder: Path, write_whole: bool) -> dict:
         return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.split, zero), write_whole)
@@ -217,7 +218,7 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     model, all begin from rank 0's variables (`local_variables` excepted: each rank's own)."""
     import horovod.tensorflow as hvd
 
-    module, optimizer, zero = parallel.module, parallel.optimizer, getattr(parallel, "zero", None)
+    module, optimizer, zero = parallel.module, parallel.optimizer, parallel.zero
     _built(module, optimizer, zero)
     found = _newest_on_root(store, ctx, resume)
     if zero is not None:   # every rank holds the whole model, its own rows of the optimizer state

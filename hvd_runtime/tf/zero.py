@@ -37,8 +37,6 @@ __all__ = ["ZeroSync"]
 class ZeroSync:
     """This rank's rows of each variable, and ZeRO's collectives around the optimizer's update."""
 
-    scatters_each_pass = False
-
     def __init__(self, variables: Sequence, stage: int, process_set, dp_rank: int, dp_size: int,
                  device: str = "CPU:0"):
         """`device`: where the variables live; on CPU the reduce-scatter is one all-to-all (as
@@ -47,7 +45,7 @@ class ZeroSync:
 
         self._hvd, self.stage, self.process_set = hvd, stage, process_set
         self.size, self.rank, self.alltoall = dp_size, dp_rank, not device.upper().startswith("GPU")
-        self.scatters_each_pass = stage == 2
+        self.scatters_each_pass = stage == 2   # stage 2: only rows are summed over backward passes
         self.variables = list(variables)
         self.rows = [row_range(int(v.shape[0]), dp_rank, dp_size) if is_cut(tuple(v.shape), dp_size) else None
                      for v in self.variables]
@@ -70,7 +68,9 @@ class ZeroSync:
         """The averaged gradients of this rank's rows (reduce-scattered) and of the whole variables
         (allreduced), in `applies_to`'s order."""
         hvd = self._hvd
-        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, self.variables)]
+        # dense, each of its variable's static shape (an embedding's IndexedSlices converts to an unknown one)
+        grads = [tf.zeros_like(v) if g is None else tf.reshape(tf.convert_to_tensor(g), v.shape)
+                 for g, v in zip(grads, self.variables)]
         out = list(grads)
         cut = [i for i, rows in enumerate(self.rows) if rows is not None]
         whole = [i for i, rows in enumerate(self.rows) if rows is None]
