@@ -66,7 +66,7 @@ class ProjectSpec:
     micro_batches: int = 4
     schedule: str = "1f1b"
     tp: int | None = None  # tensor (default 2) and pipeline (default 1: stages unsplit): ranks per tensor-parallel group
-    zero: int = 0          # data (both), tensor, pipeline (torch): horovod.zero, the ZeRO stage (1 optimizer state, 2 gradients, 3 parameters)
+    zero: int = 0          # horovod.zero (data; torch also tensor, pipeline): 1 optimizer state, 2 gradients, 3 params
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
     slurm: dict = field(default_factory=dict)  # answers of `hvdgen slurm`; see hvdgen/slurm/options.py

@@ -330,8 +330,8 @@ class ZeroOptimizer:
             dim = split.by_param[id(p)].dim if split is not None and id(p) in split.by_param else 0
             if is_cut(p.shape, dp_size, dim):
                 rows = row_range(p.shape[dim], dp_rank, dp_size)
-                self.shards.append(Shard(name, p, tuple(p.shape), rows, p.detach().narrow(dim, rows[0], rows[1] - rows[0]),
-                                         dim))
+                view = p.detach().narrow(dim, rows[0], rows[1] - rows[0])   # stepped in place
+                self.shards.append(Shard(name, p, tuple(p.shape), rows, view, dim))
             else:
                 self.shards.append(Shard(name, p, tuple(p.shape), None, p))
         self.inner = make_optimizer([s.stepped for s in self.shards])
