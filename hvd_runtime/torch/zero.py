@@ -415,9 +415,9 @@ class ZeroOptimizer:
         return torch.zeros_like(shard.param) if g is None else g
 
     @staticmethod
-    def _by_bytes(shards: list[Shard]) -> list[list[Shard]]:
-        """`shards` in order, a fusion buffer's bytes of their parameters a group."""
-        return in_fusion_buffers(shards, lambda s: s.param.numel() * s.param.element_size())
+    def _by_bytes(shards: list[Shard], limit: int | None = None) -> list[list[Shard]]:
+        """`shards` in order, a fusion buffer's bytes of their parameters a group (or `limit` bytes)."""
+        return in_fusion_buffers(shards, lambda s: s.param.numel() * s.param.element_size(), limit)
 
     def _gather_updated(self) -> None:
         """Stages 1 and 2: every rank's updated rows all-gathered into the whole parameters."""
@@ -432,7 +432,7 @@ class ZeroOptimizer:
     # stage 2: gradients reduce-scattered as backward produces them
     def _hook_buckets(self) -> None:
         cut = [s for s in reversed(self.shards) if s.rows is not None]   # backward's order, about
-        self._buckets = in_fusion_buffers(cut, lambda s: s.param.numel() * s.param.element_size(), STAGE2_BUCKET_BYTES)
+        self._buckets = self._by_bytes(cut, STAGE2_BUCKET_BYTES)
         for b, bucket in enumerate(self._buckets):
             for s in bucket:
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._arrive, b))
