@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -7,6 +8,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from budget import pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402, F401
+
+
+def pytest_configure(config):
+    """Every process the suite starts begins as a terminal's foreground process does: SIGINT raises
+    KeyboardInterrupt and no signal is blocked, whatever state the suite itself was started in.
+
+    A caller without job control (`nohup ./scripts/test.sh &`, a CI runner) can hand the suite
+    SIGINT ignored or blocked. Children inherit both through fork and exec, and so does a tmux
+    server and the command in its pane; a Ctrl-C test would then wait out its timeout."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGQUIT, signal.SIGTERM):
+        if signal.getsignal(signum) == signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
 @pytest.fixture(scope="session", autouse=True)

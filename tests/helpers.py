@@ -67,17 +67,6 @@ def run_horovod(np: int, args: list[str], cwd: Path | str | None = None, env: di
     return proc
 
 
-# The first lines of a script that stands for a process in a terminal's foreground, where Ctrl-C
-# finds SIGINT at its default (KeyboardInterrupt) and unblocked. A shell that starts the test run
-# in the background without job control (`nohup ./scripts/test.sh &`, CI's) hands every process it
-# starts SIGINT ignored, Python then installs no handler, and that process would sleep through it.
-AS_IN_A_TERMINAL = """
-import signal as _signal
-_signal.signal(_signal.SIGINT, _signal.default_int_handler)
-_signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_signal.SIGINT})
-"""
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

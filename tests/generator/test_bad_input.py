@@ -15,7 +15,6 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from helpers import AS_IN_A_TERMINAL
 from hvdgen.cli import main
 from hvdgen.spec import SPEC_FILE
 
@@ -201,7 +200,7 @@ def test_the_table_is_at_least_forty_cases():
 
 # Deliver a real signal to the real process at the worst moment: the project fully rendered in its
 # temporary folder, or (with --force) the user's files half carried into it.
-_INTERRUPT_AT = AS_IN_A_TERMINAL + """
+_INTERRUPT_AT = """
 import os, signal, sys
 import hvdgen.render, hvdgen.overwrite
 sig = getattr(signal, sys.argv.pop(1))

@@ -8,6 +8,7 @@ or input that is not a terminal means no question at all.
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,16 +22,18 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="Requires: 
 
 
 class Terminal:
-    """One tmux session running a command in `cwd`, 100 columns wide."""
+    """One tmux session running a command in `cwd`, 100 columns wide, on a tmux server of its own
+    (its own socket, no configuration file): a developer's own tmux server, its settings and the
+    signal state it started with stay out of the test."""
 
     def __init__(self, command: list[str], cwd: Path):
-        self.name = f"hvdgen-{uuid.uuid4().hex[:8]}"
+        self.tmux = ["tmux", "-L", f"hvdgen-{uuid.uuid4().hex[:8]}", "-f", "/dev/null"]
         shell_line = " ".join(command) + "; echo EXIT=$?; sleep 30"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "100", "-y", "50", "-c", str(cwd),
+        subprocess.run([*self.tmux, "new-session", "-d", "-s", "test", "-x", "100", "-y", "50", "-c", str(cwd),
                         shell_line], check=True)
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name, "-S", "-50"], capture_output=True,
+        return subprocess.run([*self.tmux, "capture-pane", "-p", "-t", "test", "-S", "-50"], capture_output=True,
                               text=True, check=True).stdout
 
     def wait_for(self, text: str, timeout: float = 60) -> str:
@@ -46,14 +49,14 @@ class Terminal:
         """Wait for the prompt's last line, then type keys (None: only Enter)."""
         self.wait_for(prompt)
         if keys is not None:
-            subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", keys], check=True)
-        subprocess.run(["tmux", "send-keys", "-t", self.name, "Enter"], check=True)
+            subprocess.run([*self.tmux, "send-keys", "-t", "test", "-l", keys], check=True)
+        subprocess.run([*self.tmux, "send-keys", "-t", "test", "Enter"], check=True)
 
     def press(self, key: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, key], check=True)
+        subprocess.run([*self.tmux, "send-keys", "-t", "test", key], check=True)
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True)
 
 
 @pytest.fixture
@@ -131,6 +134,23 @@ def test_ctrl_c_leaves_nothing(tmp_path, terminal):
     shown = t.wait_for("EXIT=")
     assert "EXIT=1" in shown and "Aborted!" in shown, shown
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def _started_without_job_control():
+    """As a shell without job control starts a background job (`nohup ./scripts/test.sh &`), and
+    as some CI runners start theirs: SIGINT ignored, and blocked too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def test_ctrl_c_reaches_hvdgen_however_the_suite_was_started(tmp_path):
+    """The Ctrl-C test, in a pytest session started with SIGINT ignored and blocked: tests/conftest.py
+    gives every process the suite starts a terminal's signal state, tmux's server and its pane too."""
+    ctrl_c = f"{Path(__file__)}::test_ctrl_c_leaves_nothing"
+    session = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                              "--timeout", "60", "--basetemp", str(tmp_path / "base"), ctrl_c],
+                             preexec_fn=_started_without_job_control, capture_output=True, text=True, timeout=120)
+    assert session.returncode == 0 and "1 passed" in session.stdout, session.stdout[-3000:]
 
 
 @pytest.mark.parametrize("args", [["quiet", "--no-input"], ["quiet", "--framework", "torch"]],

@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
 from mlflow import MlflowClient  # noqa: E402
 
-from helpers import AS_IN_A_TERMINAL  # noqa: E402
 from hvd_runtime.config import load_config  # noqa: E402
 from hvd_runtime.tracking import Tracker, settings, start_tracking  # noqa: E402
 from hvd_runtime.tracking.replay import replay  # noqa: E402
@@ -43,7 +42,7 @@ def run_script(tmp_path: Path, body: str, **kwargs) -> subprocess.CompletedProce
     """`body` as a training script of its own started from a terminal, in tmp_path, tracked into
     tmp_path/mlflow.db."""
     script = tmp_path / "script.py"
-    script.write_text(AS_IN_A_TERMINAL + START + textwrap.dedent(body))
+    script.write_text(START + textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
