@@ -16,12 +16,15 @@ from pathlib import Path
 
 import yaml
 
+from hvd_runtime.errors import UserError
 from hvd_runtime.nonfinite import POLICIES as NONFINITE_POLICIES
 from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, interleaved_misfit
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad key or value in the config file or an override."""
+
+    kind = "config error"
 
 
 @dataclass

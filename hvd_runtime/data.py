@@ -23,7 +23,7 @@ class DataError(ConfigError):
     """The configured data cannot be read: a missing or malformed file, a folder without classes.
 
     A ConfigError, because the fix is in the config (data.source, data.path) or in the user's
-    files: train.py prints it as one `config error:` line on every rank, not a traceback each.
+    files: train.py prints it as one `config error:` line, from rank 0, not a traceback from each rank.
     """
 
 
