@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.data import BatchSource, Dataset, DataError, split_train_val
+from hvd_runtime.dataset import BatchSource, Dataset, DataError, split_train_val
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 LAYOUT = "use ROOT/<class>/<image files>, or ROOT/train/<class>/... with ROOT/val/<class>/..."

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hvd_runtime.data import BatchSource, Dataset, DataError
+from hvd_runtime.dataset import BatchSource, Dataset, DataError
 
 DTYPES = ("uint16", "uint32")   # meta.json's "dtype"; uint16 when it names none
 FILES = ("train.bin", "val.bin")

@@ -17,18 +17,11 @@ from functools import cache
 from hvdgen.k8s.problems import Problem, field_path
 
 
-def cel_problems(kind: str, instance) -> list[Problem]:
-    """One Problem per CEL rule of `kind`'s CRD that `instance` breaks, at the field that holds the rule."""
+def cel_problems(schema: dict, instance) -> list[Problem]:
+    """One Problem per CEL rule of a CRD's `schema` that `instance` breaks, at the field that holds the rule."""
     problems: list[Problem] = []
-    _walk(_schema(kind), instance, [], problems)
+    _walk(schema, instance, [], problems)
     return problems
-
-
-@cache
-def _schema(kind: str) -> dict:
-    from hvdgen.k8s.schema import load_schema  # noqa: PLC0415 - schema.py imports this module
-
-    return load_schema(kind)
 
 
 def _walk(node: dict, value, path: list, problems: list[Problem]) -> None:

@@ -14,6 +14,7 @@ import json
 from functools import lru_cache
 from importlib import resources
 
+from hvdgen.k8s.cel import cel_problems
 from hvdgen.k8s.problems import Problem, field_path
 
 SCHEMA_FILES = {  # kind -> the CRD's openAPIV3Schema, vendored unchanged (see data/PROVENANCE.md)
@@ -33,6 +34,12 @@ def _schema_text(kind: str) -> str:
 def load_schema(kind: str = "MPIJob") -> dict:
     """The CRD's openAPIV3Schema exactly as vendored (see data/PROVENANCE.md)."""
     return json.loads(_schema_text(kind))
+
+
+@lru_cache(maxsize=None)
+def _parsed_schema(kind: str) -> dict:
+    """The CRD's schema, parsed once, for reading only (its CEL rules)."""
+    return load_schema(kind)
 
 
 def make_strict(schema: dict) -> dict:
@@ -101,8 +108,6 @@ def _describe(error) -> str:
 def schema_problems(manifest: dict) -> list[Problem]:
     """Every violation of the strict CRD schema of the manifest's kind, one Problem per field, then
     the CRD's CEL rules where the schema found nothing."""
-    from hvdgen.k8s.cel import cel_problems  # noqa: PLC0415 - the CEL interpreter loads only when validating
-
     kind = manifest.get("kind", "MPIJob")
     problems: list[Problem] = []
     for error in sorted(strict_validator(kind).iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path))):
@@ -110,5 +115,5 @@ def schema_problems(manifest: dict) -> list[Problem]:
             problems += _unknown_fields(error)
         else:
             problems.append(Problem(field_path(error.absolute_path), _describe(error)))
-    return problems + [p for p in cel_problems(kind, manifest)
+    return problems + [p for p in cel_problems(_parsed_schema(kind), manifest)
                        if not any(p.path.startswith(q.path) or q.path.startswith(p.path) for q in problems)]
