@@ -5,17 +5,14 @@ messages between pipeline stages. glibc's malloc hands freed memory back to the 
 free space at the top of its heap passes a threshold (128 KiB at first, raised up to 64 MiB as
 larger blocks come and go), and serves blocks above another threshold (128 KiB to 32 MiB,
 likewise) with a fresh mmap each time. Either way the next step touches new pages, and every
-4 KiB page costs a fault. Measured on 2 cores: a ResNet-18 (width 16, batch 32 per rank)
-trained data-parallel at np=2 ran 20-35% faster with freed memory kept, for our loop and for
-torch DDP alike; a GPT about 5%; a 2-stage pipeline's 1F1B step at 8 micro-batches took
-104-115 ms against 116-122 ms (docs/horovod-on-cpu.md).
+4 KiB page costs a fault: on a CPU that is a large part of a small model's step
+(docs/horovod-on-cpu.md has the measurements, for our loop and torch DDP alike).
 
 So a PyTorch CPU rank sets glibc's trim threshold to its largest value and its mmap threshold to
 32 MiB, the largest below which blocks come from the heap. The cost: a rank's resident memory
 stays at its high-water mark, which training reaches every step anyway. GPU ranks keep glibc's
-defaults (their tensors live in the device's caching allocator), and so do TensorFlow ranks: a
-generated Keras ResNet-18 project (width 16, np=2) ran no faster with it (3,274-3,888 against
-3,613-4,068 samples/s).
+defaults (their tensors live in the device's caching allocator), and so do TensorFlow ranks,
+which ran no faster with it (docs/horovod-on-cpu.md).
 
 A user's own malloc settings win: with `MALLOC_TRIM_THRESHOLD_`, `MALLOC_MMAP_THRESHOLD_`,
 `MALLOC_TOP_PAD_` or a `glibc.malloc` tunable in `GLIBC_TUNABLES` in the environment (or another

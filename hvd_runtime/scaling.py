@@ -47,17 +47,17 @@ def set_cycle_time(cycle_time_ms: float, gpu: bool, staggered: bool = False) -> 
     allreduce starts at once and idle cycles stop waking every rank; the cycle is then only the
     longest idle wait (WAKING_CPU_CYCLE_TIME_MS by default). With the step's gradients in one
     grouped allreduce (hvd_runtime.torch.optim.gradient_groups; TF's step already groups them),
-    measured at np=2 on 2 cores against torch DDP: ResNet-18 0.90-0.99x, GPT 0.98-1.05x, up from
-    0.80-0.89x and 0.79-0.83x (docs/horovod-on-cpu.md). Without the wake-up, CPU_CYCLE_TIME_MS:
-    fewer, fuller negotiations per step than at 1 ms (docs/benchmarks-cycle-time.md).
+    that keeps a CPU job about as fast as torch DDP (docs/horovod-on-cpu.md). Without the
+    wake-up, CPU_CYCLE_TIME_MS: fewer, fuller negotiations per step than at 1 ms
+    (docs/benchmarks-cycle-time.md).
 
     staggered: ranks queue collectives while other ranks' loops have nothing queued (the
     tensor-parallel stages of a pipeline: one stage's groups reduce while the next stage waits for
     its activations). Every cycle of a loop is a collective of all ranks in each of its process
     sets, the global one included, so a loop sleeping its idle wait holds up every other rank's
     next collective until it wakes. Such jobs wake their idle loops every
-    STAGGERED_CPU_CYCLE_TIME_MS: a 2-stage x tp 2 GPT step took 2,446 ms at the 100 ms idle wait
-    and 220 ms at 5 ms (docs/horovod-on-cpu.md).
+    STAGGERED_CPU_CYCLE_TIME_MS, short enough that those waits no longer make up most of a step
+    (docs/horovod-on-cpu.md).
     """
     if gpu:
         if cycle_time_ms > 0:

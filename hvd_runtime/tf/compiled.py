@@ -1,9 +1,8 @@
 """Every tf.function of the runtime is made here: traced as written, without AutoGraph.
 
 AutoGraph rewrites each Python function a trace reaches, Keras' own optimizer and layers
-included, into graph control flow, by parsing and transforming its source: about 0.9 s of CPU in
-every TensorFlow rank of a small project (a third of its CPU after the import), spent before the
-first step. Nothing traced here needs it. Keras 3's layers, losses and optimizers are written for
+included, into graph control flow, by parsing and transforming its source: CPU every TensorFlow
+rank spends before its first step (docs/tensorflow-steps.md). Nothing traced here needs it. Keras 3's layers, losses and optimizers are written for
 backends without AutoGraph (`ops.cond`, never `if tensor:`), and the runtime's own steps branch
 only on Python values fixed at trace time. A branch on a tensor would now fail the trace at once
 (OperatorNotAllowedInGraphError: "Using a symbolic `tf.Tensor` as a Python `bool`"), never
@@ -26,18 +25,15 @@ def compiled_for_any_batch(fn, at_least: int = 1, **options):
     """compiled(fn), traced once for every batch size: the first call fixes each tensor argument's
     dtype and all but its first dimension, and leaves that one open.
 
-    A trace of a whole model's step costs seconds of CPU (5 s for a small ResNet-18's, split over
-    two devices), and batches do change size: an epoch's last batch is short unless the data
+    A trace of a whole model's step costs seconds of CPU, and batches do change size: an epoch's last batch is short unless the data
     divides evenly, evaluation batches too. Traced for the first shape, a step is traced again on
     the first short batch (`reduce_retracing` then relaxes the shape: still two traces); traced
     for any batch size, once. The arguments are tensors or arrays (nested structures of them),
     each with a batch dimension, always of the same dtypes and trailing shapes.
 
     Calls go to the trace itself (its ConcreteFunction), not through tf.function, which looks the
-    trace up again on every call from the arguments' types: 150 of the 375 us a call of a
-    two-layer MLP took here. A pipeline stage makes several such calls per micro-batch (the
-    generated TF digits-MLP pipeline, with its last stage's sums folded into one call as well:
-    17.1-17.4 ms a step before, 13.1-13.8 ms after, three runs each, alternating).
+    trace up again on every call from the arguments' types, a large part of a small model's call;
+    a pipeline stage makes several such calls per micro-batch (docs/tensorflow-steps.md).
 
     at_least: batches smaller than this are traced per size instead (for a model whose trace
     depends on a small batch's exact size: ModelSplit cuts a batch into at most as many

@@ -1,22 +1,20 @@
 """MLflow in a process of its own beside rank 0, so that its Python never takes the training's turn.
 
-Why: rank 0's sender used to call MLflow on a thread of the training process, and everything
-MLflow does is Python holding the interpreter's lock: its import and the embedded store's
-creation (about 2.5 CPU-s at the start of every run), each metrics write to sqlite, each model
-logged. Training waited meanwhile, and at every allreduce the other ranks waited for rank 0: a
-model every epoch cut the default torch project to a fifth of its untracked speed, where it now
-keeps about half (docs/tracking.md, "Where MLflow runs"). In a process of its own, the same
-work runs on another core.
+Everything MLflow does is Python holding the interpreter's lock: its import and the embedded
+store's creation, each metrics write to sqlite, each model logged. On a thread of the training
+process, training would wait meanwhile, and at every allreduce the other ranks would wait for
+rank 0 (docs/tracking.md, "Where MLflow runs", has what that cost). In a process of its own, the
+same work runs on another core.
 
 The sender thread holds a RemoteSink, which offers MlflowSink's two calls (open_run, apply) and
 carries each over a socket to a Python process running `serve`; there a real MlflowSink
 applies it and answers. A failure there comes back as an exception with MLflow's error code, so
-the sender tells a rejected record from a failed server exactly as before, and a process that
+the sender tells a rejected record from a failed server as it would in-process, and a process that
 ended counts as a failed server (the rest of the run is spooled). A torch model crosses pickled
 (cloudpickle: a class defined in the training script goes by value); the tracking process of a
 torch run imports torch, MLflow's flavor and torch.export as soon as the run is open, beside the
 first epochs, so that the final model does not wait for them at the end. Other models are
-logged by an MlflowSink in this process, on the sender thread, as before: a Keras model (it
+logged by an MlflowSink in this process, on the sender thread: a Keras model (it
 unpickles only where its custom layers are registered), a model on a GPU, and one that cannot be
 pickled here or unpickled there.
 """

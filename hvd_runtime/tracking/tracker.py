@@ -35,10 +35,9 @@ def checkpoint_model_due(mode: str, in_flight: bool, since: float, last_cost: fl
     Why: logging a model is seconds of Python (torch.export or Keras' tracing, a serving check,
     the store). A Keras model is logged in the training process, where it holds the interpreter's
     lock while training waits; a torch model in the tracking process (remote.py), which still
-    takes a core that may be training's. The default digits-MLP projects at np=2 on 2 cores
-    trained at 0.46 (torch) and 0.31 (TensorFlow) of their untracked speed with a model every
-    epoch, 0.58 and 0.80 at "auto" (docs/benchmarks-tracking.md). A run whose epochs are long logs
-    every epoch's checkpoint; one of short epochs some, or none but its final model.
+    takes a core that may be training's. A model every epoch costs a run of short epochs much of
+    its speed (docs/benchmarks-tracking.md). A run whose epochs are long logs every epoch's
+    checkpoint; one of short epochs some, or none but its final model.
     """
     if mode == "every":
         return True
