@@ -2,6 +2,7 @@
 
     python bench/memory_bench_zero.py                         # width 1024, 8 layers: ~101 M parameters
     python bench/memory_bench_zero.py --width 256 --layers 2  # a quick look
+    MALLOC_MMAP_THRESHOLD_=131072 python bench/memory_bench_zero.py --dp 4   # glibc handing memory back
 
 One generated torch GPT project (data parallel, AdamW, fp32) trains a few steps and writes its
 checkpoint under `horovodrun --gloo`, once per setting: at dp 4 with horovod.zero 0, 1, 2 and 3
@@ -173,9 +174,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4, help="training steps at dp 4 (dp 2 takes twice as many)")
+    ap.add_argument("--dp", type=int, choices=(2, 4), help="only the settings at this dp (the report is not written)")
     args = ap.parse_args()
+    if args.dp:
+        SETTINGS[:] = [s for s in SETTINGS if s[0] == args.dp]
     results, parameters = run_all(args.width, args.layers, args.steps)
-    default = (args.width, args.layers) == (1024, 8)
+    default = (args.width, args.layers) == (1024, 8) and not args.dp
     report(results, parameters, args.width, args.layers, DOCS / "benchmarks-zero.md" if default else None)
 
 
