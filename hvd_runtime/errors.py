@@ -23,6 +23,8 @@ import sys
 import time
 from typing import NoReturn
 
+from hvd_runtime import watchdog
+
 __all__ = ["LINGER_S", "UserError", "end_run", "launch_rank"]
 
 LINGER_S = 30.0
@@ -56,6 +58,7 @@ def end_run(error: UserError) -> NoReturn:
     if os.environ.get("HOROVOD_ELASTIC") == "1":
         sys.exit(1)
     _release(error)
+    watchdog.stop()   # the wait is no hang: a late beat would dump this rank's stacks
     for signum in (signal.SIGTERM, signal.SIGINT):   # the launcher's end is this rank's end, silently
         signal.signal(signum, _exit_quietly)
     time.sleep(LINGER_S)

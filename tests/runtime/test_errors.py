@@ -25,20 +25,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys
-from hvd_runtime import errors
-from hvd_runtime.config import ConfigError
+from hvd_runtime import errors, watchdog
+from hvd_runtime.config import ConfigError, TrainConfig
 errors.LINGER_S = float(sys.argv[1])
+if len(sys.argv) > 2:   # a watchdog that a beat-less second would trip
+    watchdog.start(TrainConfig(hang_timeout_s=0.3, hang_allowance_s=0.3))
 print("ready", flush=True)
 errors.end_run(ConfigError("data.path 'x' is not a file: point it at one"))
 """
 
 
-def end_run(linger_s: float, **launcher_env: str) -> subprocess.Popen:
+def end_run(linger_s: float, *watched: str, **launcher_env: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if k not in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID",
                         "HOROVOD_ELASTIC")}
     env.update(launcher_env, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(linger_s)], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(linger_s), *watched], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
     return proc
@@ -63,6 +65,11 @@ def test_another_rank_ended_by_the_launcher_says_nothing():
 def test_another_rank_nothing_ends_prints_the_line_itself():
     """A problem only that rank met: rank 0 never stopped, so no launcher ends it."""
     proc = end_run(0.2, OMPI_COMM_WORLD_RANK="1")
+    assert proc.wait(timeout=30) == 1 and proc.stderr.read() == LINE
+
+
+def test_the_wait_does_not_trip_the_hang_watchdog():
+    proc = end_run(1.0, "watched", HOROVOD_RANK="1")
     assert proc.wait(timeout=30) == 1 and proc.stderr.read() == LINE
 
 
