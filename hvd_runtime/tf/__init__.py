@@ -14,7 +14,6 @@ import_tensorflow()  # before any module below imports it: without the packages 
 from hvd_runtime.tf.batches import ShardedBatches  # noqa: E402
 from hvd_runtime.tf.context import Context, init_horovod
 from hvd_runtime.tf.grid import init  # noqa: E402
-from hvd_runtime.tf.fit import AverageMetrics, BroadcastVariables, distribute_fit  # noqa: E402
 from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync  # noqa: E402
 from hvd_runtime.tf.objective import accuracy, accuracy_sum, cross_entropy  # noqa: E402
 from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer  # noqa: E402
@@ -24,7 +23,7 @@ from hvd_runtime.tf.checkpoint import checkpoint_store, restore_checkpoint, save
 from hvd_runtime.tf.step import TrainStep  # noqa: E402
 from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm  # noqa: E402
 
-__all__ = ["AverageMetrics", "BroadcastVariables", "Context", "GradientAccumulator", "GradientSync",
+__all__ = ["Context", "GradientAccumulator", "GradientSync",
            "ShardedBatches", "SyncBatchNormalization", "TrainState", "TrainStep", "WarmupSchedule", "accuracy",
-           "accuracy_sum", "checkpoint_store", "cross_entropy", "distribute_fit", "init", "init_horovod", "loss_scaled",
+           "accuracy_sum", "checkpoint_store", "cross_entropy", "init", "init_horovod", "loss_scaled",
            "make_optimizer", "restore_checkpoint", "save_checkpoint", "use_precision", "use_sync_batchnorm"]

@@ -29,7 +29,8 @@ from hvd_runtime.data import Split  # noqa: E402
 from hvd_runtime.loop import Every, means_over_ranks, train_epoch  # noqa: E402
 from hvd_runtime.nonfinite import Guard, NonFinite  # noqa: E402
 from hvd_runtime.tf.step import sum_over_ranks  # noqa: E402
-from hvd_runtime.tf import (AverageMetrics, BroadcastVariables, GradientSync, distribute_fit, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
+from keras_fit import AverageMetrics, BroadcastVariables, distribute_fit  # noqa: E402
+from hvd_runtime.tf import (GradientSync, ShardedBatches, SyncBatchNormalization, TrainStep,  # noqa: E402
                             checkpoint_store, make_optimizer, restore_checkpoint,
                             save_checkpoint, use_sync_batchnorm)
 from hvd_runtime.config import CheckpointConfig  # noqa: E402

@@ -1,5 +1,8 @@
 """`model.fit` under Horovod on Keras 3: Keras's own train step, with the allreduce put back in.
 
+A check of the runtime's GradientSync under Keras's own loop (tf_dp_checks.py), not a part of
+generated projects, which train through hvd_runtime.tf.step.TrainStep.
+
 Horovod's Keras optimizer wrapper hooks methods Keras 3 no longer calls, so `fit` trains each
 rank alone. Keras 3's train step does call `optimizer.apply_gradients`; wrapping that one method
 of the compiled model's optimizer adds the same GradientSync the custom loop uses, and leaves
