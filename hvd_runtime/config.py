@@ -18,7 +18,6 @@ import yaml
 
 from hvd_runtime.errors import UserError
 from hvd_runtime.nonfinite import POLICIES as NONFINITE_POLICIES
-from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, interleaved_misfit
 
 
 class ConfigError(UserError, ValueError):
@@ -222,13 +221,36 @@ def partition_spec(text: str) -> str | list:
     return [int(part) if part.strip().isdigit() else part.strip() for part in text.split(",") if part.strip()]
 
 
+# A pipeline's schedules by name (hvd_runtime.pipeline.schedule builds each), and those that give
+# each rank several chunks (parallel.virtual_stages).
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "1f1b-batched-w")
+INTERLEAVED = ("interleaved-1f1b",)
+
+
+def interleaved_fit(name: str, stages: int, micro_batches: int) -> int | None:
+    """The micro-batches schedule `name` takes instead of `micro_batches`, or None when those fit: an
+    interleaved schedule sends micro-batches round the stages in groups of `stages`, so m must be a
+    multiple of them."""
+    if name not in INTERLEAVED or micro_batches % stages == 0:
+        return None
+    return micro_batches + stages - micro_batches % stages
+
+
+def interleaved_misfit(name: str, stages: int, micro_batches: int) -> str | None:
+    """Why schedule `name` cannot take `micro_batches` per batch, in the config's words, or None."""
+    fit = interleaved_fit(name, stages, micro_batches)
+    return None if fit is None else (f"parallel.micro_batches {micro_batches} is not a multiple of parallel.stages "
+                                     f"{stages}: {name} sends micro-batches round the stages in groups of {stages}; "
+                                     f"use {fit}")
+
+
 # Settings with a fixed set of values: checked at start-up, before any rank does work.
 CHOICES = {
     "data.source": ("digits", "npz", "image_folder", "tokens", "synthetic"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.on_nonfinite": NONFINITE_POLICIES,
     "optim.name": ("sgd", "adam", "adamw"),
-    "parallel.schedule": tuple(SCHEDULES),
+    "parallel.schedule": SCHEDULE_NAMES,
     "tracking.checkpoint_models": ("auto", "every", "final"),
     "model.recompute": ("none", "blocks"),
     "train.compile": ("auto", "on", "off"),

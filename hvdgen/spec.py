@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import yaml
 
-from hvd_runtime.pipeline.schedule import INTERLEAVED, SPLIT_BACKWARD_TORCH_ONLY
+from hvd_runtime.config import INTERLEAVED, interleaved_fit
+from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD_TORCH_ONLY
 from hvdgen import __version__, catalog
 from hvdgen.errors import HvdgenError
 
@@ -162,8 +163,8 @@ class ProjectSpec:
                               f"{self.virtual_stages} chunks = {pieces} pieces, more than the {model.blocks} blocks of "
                               f"the generated {self.model} ({model.block_names}): use --stages "
                               f"{model.blocks // self.virtual_stages} or fewer, or --schedule 1f1b")
-        if self.micro_batches % self.stages:
-            fits = self.micro_batches + self.stages - self.micro_batches % self.stages
+        fits = interleaved_fit(self.schedule, self.stages, self.micro_batches)
+        if fits is not None:
             raise HvdgenError(f"--micro-batches {self.micro_batches} is not a multiple of --stages {self.stages}: "
                               f"--schedule {self.schedule} sends micro-batches round the stages in groups of "
                               f"{self.stages}; use --micro-batches {fits}")

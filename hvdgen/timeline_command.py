@@ -20,7 +20,8 @@ from hvdgen.errors import HvdgenError
 def timeline_cmd(run_dir: Path, step: int | None, out: Path | None) -> None:
     """Draw a pipeline run's timeline and print its measured bubble against the schedule's theory
     and against the schedule replayed with the run's own compute times."""
-    from hvd_runtime.pipeline.schedule import INTERLEAVED, SCHEDULES, SPLIT_BACKWARD, schedule_bubble, theory_peak_in_flight
+    from hvd_runtime.config import INTERLEAVED
+    from hvd_runtime.pipeline.schedule import SCHEDULES, SPLIT_BACKWARD, schedule_bubble, theory_peak_in_flight
     from hvd_runtime.pipeline.timeline import (explain_bubble, load_timeline, measured_bubble, peak_in_flight,
                                                plot_timeline, replayed_bubble, step_bubble, step_replayed_bubble)
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from hvd_runtime.nonfinite import Guard
 from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, micro_batch_sizes
-from hvd_runtime.pipeline.schedule import INTERLEAVED, Op, build_schedule, interleaved_misfit, schedule_bubble
+from hvd_runtime.config import INTERLEAVED, interleaved_misfit
+from hvd_runtime.pipeline.schedule import Op, build_schedule, schedule_bubble
 from hvd_runtime.pipeline.timeline import (TimelineRecorder, explain_bubble, load_timeline, measured_bubble, plot_timeline,
                                            replayed_bubble, save_timeline)
 

@@ -90,7 +90,7 @@ class PipelineRank:
 
 def chunks_per_rank(parallel_cfg) -> int:
     """The model's chunks each rank holds: parallel.virtual_stages for an interleaved schedule, else 1."""
-    from hvd_runtime.pipeline.schedule import INTERLEAVED
+    from hvd_runtime.config import INTERLEAVED
 
     return parallel_cfg.virtual_stages if parallel_cfg.schedule in INTERLEAVED else 1
 

@@ -57,6 +57,8 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from hvd_runtime.config import INTERLEAVED
+
 
 class Op(str, enum.Enum):
     RECV_ACT = "recv_act"
@@ -233,6 +235,7 @@ def interleaved_1f1b_stage(stage: int, stages: int, micro_batches: int, chunks: 
     return acts
 
 
+# Each of hvd_runtime.config.SCHEDULE_NAMES, built (tests/runtime/test_schedule.py holds the two alike).
 SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe_stage,
     "1f1b": one_f_one_b_stage,
@@ -240,21 +243,11 @@ SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "interleaved-1f1b": interleaved_1f1b_stage,
     "1f1b-batched-w": one_f_one_b_batched_w_stage,
 }
-INTERLEAVED = ("interleaved-1f1b",)   # schedules that give each rank several chunks (parallel.virtual_stages)
 SPLIT_BACKWARD = ("zb-h1", "1f1b-batched-w")   # schedules whose engine runs input and weight gradients apart
 # Why those run on PyTorch only: said by the generator and by the TensorFlow engine at start-up.
 # (hvdgen.catalog offers TensorFlow projects the others only; hvd_runtime.config takes every name.)
 SPLIT_BACKWARD_TORCH_ONLY = ("runs on PyTorch only: Keras layers inside a block have no hook to catch their outputs, "
                              "so TensorFlow's weight half would redo each block's backward")
-
-
-def interleaved_misfit(name: str, stages: int, micro_batches: int) -> str | None:
-    """Why schedule `name` cannot take `micro_batches` per batch, or None: an interleaved schedule
-    sends micro-batches round the stages in groups of `stages`, so m must be a multiple of them."""
-    if name not in INTERLEAVED or micro_batches % stages == 0:
-        return None
-    return (f"parallel.micro_batches {micro_batches} is not a multiple of parallel.stages {stages}: {name} sends "
-            f"micro-batches round the stages in groups of {stages}; use {micro_batches + stages - micro_batches % stages}")
 
 
 def _check_name(name: str) -> None:

@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 
-from hvd_runtime.pipeline.schedule import (Action, Op, build_schedule, bubble_fraction, gpipe_stage, one_f_one_b_stage,
+from hvd_runtime.config import SCHEDULE_NAMES
+from hvd_runtime.pipeline.schedule import (SCHEDULES, Action, Op, build_schedule, bubble_fraction, gpipe_stage, one_f_one_b_stage,
                                            peak_in_flight, schedule_bubble, simulate, simulated_bubble,
                                            theory_peak_in_flight, zero_bubble_h1_stage, one_f_one_b_batched_w_stage)
 
@@ -217,3 +218,8 @@ def test_interleaved_refusals():
         build_schedule("1f1b", 2, 4, 2)
     with pytest.raises(ValueError, match="chunks must be a positive integer, got 0"):
         build_schedule("gpipe", 2, 4, 0)
+
+
+def test_every_schedule_the_config_takes_is_built():
+    """hvd_runtime.config names the schedules (it imports nothing of the pipeline); this module builds them."""
+    assert tuple(SCHEDULES) == SCHEDULE_NAMES
