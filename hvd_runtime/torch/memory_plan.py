@@ -4,13 +4,15 @@ measured on the meta device before anything is made real.
 The activations are what autograd saves for backward in a forward of the rank's batch (a
 pipeline stage: one micro-batch, times the micro-batches its schedule holds at once), counted per
 block on meta tensors: shapes and dtypes, no values, no memory. A recomputed block keeps only its
-input (what torch.utils.checkpoint saves). Tensors autograd saves that are parameters (a Linear's weight) are the parameters', counted
-once, there.
+input (what torch.utils.checkpoint saves), but its backward runs its forward again and holds what
+that saves while it runs: the plan adds the largest such block once (one micro-batch's). Tensors
+autograd saves that are parameters (a Linear's weight) are the parameters', counted once, there.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,9 +20,10 @@ from torch import nn
 from hvd_runtime.memory_plan import MemoryPlan, settle
 from hvd_runtime.pipeline.schedule import theory_peak_in_flight
 from hvd_runtime.torch.meta_init import is_meta
+from hvd_runtime.torch.recompute import recomputation_off
 from hvd_runtime.torch.stage import named_blocks
 
-__all__ = ["block_activations", "held_parameters", "plan_and_check"]
+__all__ = ["BlockActivations", "activations_of", "block_activations", "held_parameters", "plan_and_check"]
 
 
 def held_parameters(module: nn.Module) -> int:
@@ -55,29 +58,52 @@ def block_activations(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     return dict(saved)
 
 
-def activations_of(model: nn.Module, sample: torch.Tensor) -> dict[str, int] | None:
-    """block_activations of a meta model; None for a model made real (measuring it would compute)
-    or one with an op that has no meta kernel."""
+@dataclass(frozen=True)
+class BlockActivations:
+    """Bytes by block name: what each block keeps for backward (`kept`), and what each recomputed
+    block's forward saves again while its backward runs (`recomputing`)."""
+
+    kept: dict[str, int]
+    recomputing: dict[str, int]
+
+    def bytes(self, blocks: list[str] | None, scale: float, recompute_scale: float) -> int:
+        """The peak of `blocks` (all by default): what they keep, times `scale`, and the largest
+        recomputation once, times `recompute_scale`."""
+        def of(counts: dict[str, int]) -> list[int]:
+            return [v for name, v in counts.items() if blocks is None or name in blocks]
+
+        return round(scale * sum(of(self.kept)) + recompute_scale * max(of(self.recomputing), default=0))
+
+
+def activations_of(model: nn.Module, sample: torch.Tensor) -> BlockActivations | None:
+    """block_activations of a meta model, and its recomputed blocks' without recomputation; None for
+    a model made real (measuring it would compute) or one with an op that has no meta kernel."""
     if not is_meta(model):
         return None
     try:
-        return block_activations(model, sample)
+        kept = block_activations(model, sample)
+        with recomputation_off(model) as recomputed:
+            whole = block_activations(model, sample) if recomputed else {}
     except Exception:  # noqa: BLE001 - the plan then goes without activations
         return None
+    names = {id(block): name for name, block in named_blocks(model)}
+    return BlockActivations(kept, {names[id(block)]: whole.get(names[id(block)], 0) for block in recomputed})
 
 
-def plan_and_check(module: nn.Module, per_block: dict[str, int] | None, ctx, cfg, splits: str,
-                   blocks: list[str] | None = None, scale: float = 1.0,
+def plan_and_check(module: nn.Module, per_block: BlockActivations | None, ctx, cfg, splits: str,
+                   blocks: list[str] | None = None, scale: float = 1.0, recompute_scale: float | None = None,
                    meta: bool | None = None) -> MemoryPlan | None:
     """The plan for `module`, this rank's share on the meta device, printed by rank 0; refuses
     (ConfigError) what this host cannot hold. Its activations: `per_block`'s of `blocks` (all by
-    default), times `scale` (the micro-batches a stage holds at once; 1/tp of a split block's).
+    default), times `scale` (the micro-batches a stage holds at once; 1/tp of a split block's), and
+    the largest recomputation once, times `recompute_scale` (`scale` by default; a stage's is one
+    micro-batch's).
     Every rank plans or none does (the verdict is a collective): `meta`, whether the whole model is
     still on the meta device, decides for a stage, which may hold no parameter at all."""
     if not (is_meta(module) if meta is None else meta):
         return None   # made real already: nothing left to plan
     activations = None if per_block is None else \
-        round(scale * sum(v for name, v in per_block.items() if blocks is None or name in blocks))
+        per_block.bytes(blocks, scale, scale if recompute_scale is None else recompute_scale)
     return settle(held_parameters(module), activations, ctx, cfg, splits)
 
 

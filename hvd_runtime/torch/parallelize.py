@@ -188,7 +188,7 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     stage = apply_pipeline(model, dims, partition, sample, tail)
     plan_and_check(stage, per_block, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT",
                    blocks=[name for names in stage.chunk_names for name in names],
-                   scale=pipeline_in_flight(cfg, dims) / dims.dims.tp, meta=meta)
+                   scale=pipeline_in_flight(cfg, dims) / dims.dims.tp, recompute_scale=1 / dims.dims.tp, meta=meta)
     stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
     objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hvd_runtime.torch.stage import named_blocks
 
-__all__ = ["is_recomputed", "recompute_blocks", "swap_class_beneath"]
+__all__ = ["is_recomputed", "recompute_blocks", "recomputation_off", "swap_class_beneath"]
 
 
 def recompute_blocks(model: nn.Module) -> nn.Module:
@@ -54,6 +54,20 @@ def _recomputed_class(cls: type) -> type:
     recomputed = type(cls.__name__, (_Recomputed, cls), {"forward": forward, "__module__": cls.__module__,
                                                           "__qualname__": cls.__qualname__})
     return recomputed
+
+
+@contextlib.contextmanager
+def recomputation_off(model: nn.Module):
+    """Inside, every recomputed block of `model` runs as the class beneath its recomputation (what
+    its recomputed forward runs in backward); yields those blocks."""
+    swapped = [(block, type(block)) for _, block in named_blocks(model) if is_recomputed(block)]
+    for block, cls in swapped:
+        block.__class__ = cls.__bases__[1]
+    try:
+        yield [block for block, _ in swapped]
+    finally:
+        for block, cls in swapped:
+            block.__class__ = cls
 
 
 def swap_class_beneath(block: nn.Module, make_class) -> None:

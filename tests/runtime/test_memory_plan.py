@@ -13,9 +13,9 @@ from torch import nn
 
 from hvd_runtime.config import ConfigError
 from hvd_runtime.memory_plan import GIB, MemoryPlan, available_bytes, verdict
-from hvd_runtime.torch.memory_plan import block_activations, held_parameters
+from hvd_runtime.torch.memory_plan import activations_of, block_activations, held_parameters
 from hvd_runtime.torch.meta_init import build_on_meta
-from hvd_runtime.torch.recompute import recompute_blocks
+from hvd_runtime.torch.recompute import is_recomputed, recompute_blocks
 
 
 def model() -> nn.Sequential:
@@ -56,6 +56,22 @@ def test_activations_counted_on_meta_are_what_a_real_forward_saves(recompute):
         expected = saved_for_real(real, x)
     assert {k: v for k, v in counted.items() if v} == {k: v for k, v in expected.items() if v}
     assert held_parameters(meta) == sum(p.numel() for p in real.parameters())
+
+
+def test_a_recomputed_block_adds_what_its_backward_saves_again_once():
+    """Backward runs a recomputed block's forward again and holds what that saves while it runs: the
+    plan counts every block's input, and the largest block's whole activations once."""
+    x = torch.randn(32, 8)
+    meta = recompute_blocks(build_on_meta(model))
+    counted = activations_of(meta, x)
+    whole = saved_for_real(model(), x)
+    assert counted.recomputing == whole and counted.kept == block_activations(meta, x)
+    assert all(is_recomputed(block) for block in meta.children()), "the blocks recompute again afterwards"
+    kept = sum(counted.kept.values())
+    assert counted.bytes(None, 1.0, 1.0) == kept + max(whole.values())
+    assert counted.bytes(["1", "2"], 3.0, 0.5) == round(3 * (counted.kept["1"] + counted.kept["2"])
+                                                       + 0.5 * max(whole["1"], whole["2"]))
+    assert activations_of(build_on_meta(model), x).recomputing == {}   # nothing recomputed, nothing added
 
 
 def test_a_tied_parameter_counts_once():
