@@ -9,6 +9,12 @@ blacklists a host whose rank failed, for good unless a cooldown is given: a work
 restarts comes back under the same name, so `--blacklist-cooldown-range` lets it rejoin (after
 20-30 s the first time, doubling up to 5 minutes for a host that keeps failing).
 
+Before any rank starts, horovodrun runs a small probe on every host over ssh to find the network
+interfaces they share, and gives up when the probes have not all answered within `--start-timeout`.
+Its default, 30 s, is shorter than a Python start on a node whose cores are busy (a pod's
+neighbours, or the ranks of a job still winding down), so the launcher allows 2 minutes: a host
+that is really unreachable still fails the job, later.
+
 The controller is named (`--gloo` or `--mpi`) rather than left to horovodrun, which picks MPI
 whenever the image has OpenMPI and its Horovod was built with it: the job then runs the same on
 every image. MPI goes through the operator's own set-up (`mpirun` reads the OMPI_MCA_* variables
@@ -20,6 +26,7 @@ from __future__ import annotations
 HOSTFILE = "/etc/mpi/hostfile"
 DISCOVER_HOSTS = "/etc/mpi/discover_hosts.sh"
 TRAIN = ("python", "train.py")
+START_TIMEOUT_S = 120  # horovodrun's --start-timeout: the probe of every host's interfaces
 BLACKLIST_COOLDOWN_S = (10, 300)  # Horovod waits 2-3x the first, doubling per failure, at most the second
 
 
@@ -33,7 +40,7 @@ def horovodrun_args(workers: int, slots: int, elastic: bool = False,
                  "--blacklist-cooldown-range", *map(str, BLACKLIST_COOLDOWN_S)]
     else:
         args += ["--hostfile", HOSTFILE]
-    return args + [f"--{controller}", *TRAIN]
+    return args + ["--start-timeout", str(START_TIMEOUT_S), f"--{controller}", *TRAIN]
 
 
 def option_value(args: list[str], *names: str) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from math import gcd
 
 from hvdgen.errors import HvdgenError
+from hvdgen.k8s.launch import START_TIMEOUT_S
 from hvdgen.k8s.ranks import slots_per_worker
 from hvdgen.slurm.options import SlurmOptions
 from hvdgen.spec import ProjectSpec
@@ -71,4 +72,5 @@ def script_context(spec: ProjectSpec) -> dict:
     opts = options_of(spec)
     check_shape(spec, opts)
     per_node = ranks_per_node(spec, opts)
-    return {"opts": opts, "ranks_per_node": per_node, "world": opts.nodes * per_node}
+    return {"opts": opts, "ranks_per_node": per_node, "world": opts.nodes * per_node,
+            "start_timeout_s": START_TIMEOUT_S}  # horovodrun's probe of the nodes, as on Kubernetes

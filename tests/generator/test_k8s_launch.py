@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hvdgen.errors import HvdgenError
-from hvdgen.k8s.launch import HOSTFILE, horovodrun_args
+from hvdgen.k8s.launch import HOSTFILE, START_TIMEOUT_S, horovodrun_args
 from hvdgen.k8s.mpijob import build_mpijob
 from hvdgen.k8s.options import K8sOptions
 from hvdgen.spec import ProjectSpec
@@ -31,6 +31,7 @@ def test_static_job_uses_the_operator_hostfile(monkeypatch, tmp_path):
     assert (args.num_proc, args.hostfile, args.command) == (6, HOSTFILE, ["python", "train.py"])
     assert not launch._is_elastic(args)
     assert (args.use_gloo, args.use_mpi) == (True, False)  # named, not left to what the image has
+    assert args.start_timeout == START_TIMEOUT_S > 30  # horovodrun's 30 s is short for a busy node
     # The operator writes one line per worker in OpenMPI's format; horovodrun turns it into -H.
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("demo-worker-0.demo.ml.svc slots=2\ndemo-worker-1.demo.ml.svc slots=2\n")
@@ -54,6 +55,7 @@ def test_elastic_job_uses_the_discovery_script(monkeypatch):
     args = parsed(monkeypatch, launcher_argv(opts))
     assert (args.num_proc, args.min_num_proc, args.max_num_proc) == (4, 2, 8)
     assert args.host_discovery_script == "/etc/mpi/discover_hosts.sh"
+    assert args.start_timeout == START_TIMEOUT_S
     assert launch._is_elastic(args)
 
 

@@ -190,7 +190,7 @@ BROKEN = [
      "the folder out does not exist, and Slurm would fail the job without a word"),
     ("data", _edit('launch=(horovodrun -np "$SLURM_NTASKS"', 'launch=(horovodrun -np 16'),
      "horovodrun -np 16 is not the job's --nodes 2 x --ntasks-per-node 4"),
-    ("data", _edit('launch=(horovodrun -np "$SLURM_NTASKS" -H "${hosts%,}" --gloo', "launch=(srun"),
+    ("data", _edit('launch=(horovodrun -np "$SLURM_NTASKS" -H "${hosts%,}" --start-timeout 120 --gloo', "launch=(srun"),
      "srun starts the ranks without an MPI plugin"),
     ("data", _edit('#SBATCH --requeue\n', "#SBATCH --requeue\n#SBATCH --time=1:00\n"),
      "--signal=B:USR1@120 comes 120 s before a --time of 60 s"),
