@@ -26,7 +26,7 @@ STAGGERED_CPU_CYCLE_TIME_MS = CPU_CYCLE_TIME_MS
 
 def horovod_wakes_on_enqueue() -> bool:
     """True for the Horovod hvdgen builds: its background loop can wake when a tensor is queued
-    (HOROVOD_WAKE_ON_ENQUEUE, hvdgen.horovod_patches). Another Horovod sleeps whole cycles."""
+    (HOROVOD_WAKE_ON_ENQUEUE, hvdgen.build.patches). Another Horovod sleeps whole cycles."""
     try:
         from horovod.common import basics
     except ImportError:

@@ -62,7 +62,7 @@ def install_horovod_cmd(jobs: int, force: bool, cpu_only: bool, cuda_arch: str |
     A CUDA build of torch gets NCCL ops, compiled with the CUDA toolkit and NCCL found here
     (CUDA_HOME/CUDA_PATH, nvcc on PATH, /usr/local/cuda, pip's nvidia wheels).
     """
-    from hvdgen.horovod_build import install_horovod
+    from hvdgen.build.horovod_wheel import install_horovod
 
     install_horovod(jobs=jobs, force=force, cpu_only=cpu_only, cuda_arch=cuda_arch)
 

@@ -10,7 +10,6 @@ makes the command exit non-zero.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -19,22 +18,9 @@ from pathlib import Path
 
 import click
 
-from hvdgen.cuda_env import GpuBuildBlocked, find_gpu_build, torch_cuda_version
-from hvdgen.horovod_build import NCCL_WITH_TENSORFLOW, installed_wheel_url
-
-
-def parse_check_build(text: str) -> dict[str, dict[str, bool]]:
-    """Turn `horovodrun --check-build` output into {section: {item: enabled}}."""
-    sections: dict[str, dict[str, bool]] = {}
-    current = None
-    for line in text.splitlines():
-        heading = re.match(r"Available (.+):\s*$", line.strip())
-        item = re.match(r"\s*\[(X| )\]\s+(.+?)\s*$", line)
-        if heading:
-            current = sections.setdefault(heading.group(1), {})
-        elif item and current is not None:
-            current[item.group(2)] = item.group(1) == "X"
-    return sections
+from hvdgen.build.checks import build_mismatches, gpu_toolchain, parse_check_build
+from hvdgen.build.cuda import torch_cuda_version
+from hvdgen.build.horovod_wheel import installed_wheel_url
 
 
 def horovodrun_path() -> str | None:
@@ -66,31 +52,6 @@ def _mpi() -> str | None:
 
 def _enabled(section: dict[str, bool]) -> str:
     return ", ".join(name for name, on in section.items() if on) or "none"
-
-
-def _gpu_toolchain(cuda: str, tensorflow: str | None) -> str:
-    """What a rebuild with NCCL ops would compile against, or why there can be none."""
-    if tensorflow:
-        return f"none beside TensorFlow: {NCCL_WITH_TENSORFLOW}"
-    try:
-        gpu = find_gpu_build(cuda)
-    except GpuBuildBlocked as blocked:
-        return f"not usable: {blocked}"
-    return (f"CUDA {gpu.toolkit.version} at {gpu.toolkit.root} (found through {gpu.toolkit.found_by}); "
-            f"NCCL {gpu.nccl.version} ({gpu.nccl.found_by})")
-
-
-def build_mismatches(torch_cuda: str | None, tensor_ops: dict[str, bool], tensorflow: str | None = None) -> list[str]:
-    """Warnings for a Horovod whose GPU ops do not fit the installed torch (CPU or CUDA build)."""
-    nccl = tensor_ops.get("NCCL", False)
-    if torch_cuda and not nccl:
-        way = ("NCCL ops need a venv without TensorFlow (see gpu build above)" if tensorflow
-               else "hvdgen install-horovod builds (or reinstalls) one with NCCL")
-        return [f"torch is a CUDA {torch_cuda} build but horovod has no NCCL ops, so GPU tensors are reduced "
-                f"through host memory: {way}"]
-    if nccl and not torch_cuda:
-        return ["horovod has NCCL ops but torch is a CPU build: hvdgen install-horovod builds one for this torch"]
-    return []
 
 
 def _slurm(project: Path) -> list[str]:
@@ -130,7 +91,7 @@ def run_doctor() -> int:
     if torch:
         click.echo(f"torch        {torch} ({f'CUDA {torch_cuda}' if torch_cuda else 'CPU'} build)")
         if torch_cuda:
-            click.echo(f"  gpu build    {_gpu_toolchain(torch_cuda, tf)}")
+            click.echo(f"  gpu build    {gpu_toolchain(torch_cuda, tf)}")
     else:
         click.echo("torch        not installed")
     click.echo(f"tensorflow   {tf or 'not installed'}")

@@ -1,5 +1,5 @@
 """Horovod's background loop in the wheel hvdgen builds wakes when a tensor is queued
-(hvdgen/horovod_patches.py, PERFORMANCE_PATCHES; hvd_runtime.scaling.set_cycle_time turns it on
+(hvdgen/build/patches.py, PERFORMANCE_PATCHES; hvd_runtime.scaling.set_cycle_time turns it on
 for CPU ranks).
 
 The job below runs under a ten-minute cycle. Unpatched, the loop sleeps a whole cycle before each

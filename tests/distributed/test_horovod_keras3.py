@@ -1,6 +1,6 @@
 """Horovod's own Keras 3 API in the wheel hvdgen builds, under a real `horovodrun -np 2 --gloo`.
 
-hvdgen patches Horovod's Keras layer (hvdgen/horovod_patches.py); each check here fails on an
+hvdgen patches Horovod's Keras layer (hvdgen/build/patches.py); each check here fails on an
 unpatched Horovod 0.28.1 and compares the ranks' work with one process on the global batch.
 """
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, run_horovod, unpatched_files
-from hvdgen.horovod_patches import IDENTITY_KEY_PATCHES, KERAS_3_API_PATCHES, KERAS_3_PATCHES
+from hvdgen.build.patches import IDENTITY_KEY_PATCHES, KERAS_3_API_PATCHES, KERAS_3_PATCHES
 
 pytest.importorskip("tensorflow", reason="TensorFlow is not installed: Horovod's Keras layer is not tested here")
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """horovodrun's start-up in the wheel hvdgen builds: how Horovod was built is read from its
-extension libraries, not by importing a framework (hvdgen/horovod_patches.py, LAUNCHER_PATCHES).
+extension libraries, not by importing a framework (hvdgen/build/patches.py, LAUNCHER_PATCHES).
 
 Unpatched, every `horovodrun` imported TensorFlow in a forked process before starting any rank:
 seconds per job, and TensorFlow's log lines in the output of a PyTorch job. The exit statuses a
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import horovodrun_path, run_horovod, unpatched_files
-from hvdgen.horovod_patches import LAUNCHER_PATCHES
+from hvdgen.build.patches import LAUNCHER_PATCHES
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 FRAMEWORKS = [name for name in ("torch", "tensorflow") if util.find_spec(name) is not None]

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdgen import cuda_env
-from hvdgen.doctor import parse_check_build
+from hvdgen.build import cuda
+from hvdgen.build.checks import parse_check_build
 from hvdgen.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ BUILD_TIMEOUT = 3600  # an empty cache: venv (~5 min) + Horovod with CUDA kernel
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not any(cuda_env.toolkit_at(r, str(r)) for r in cuda_env.DEFAULT_TOOLKIT_ROOTS)
+    pytest.mark.skipif(not any(cuda.toolkit_at(r, str(r)) for r in cuda.DEFAULT_TOOLKIT_ROOTS)
                        and not shutil.which("nvcc"), reason="Requires: a CUDA toolkit (nvcc), no GPU needed"),
 ]
 
@@ -62,9 +62,9 @@ def find_python(version: str) -> str | None:
     return None
 
 
-def system_toolkit() -> cuda_env.CudaToolkit:
+def system_toolkit() -> cuda.CudaToolkit:
     """The toolkit in its standard place (the one the wrapper nvcc on PATH calls), else skip."""
-    toolkit = next(filter(None, (cuda_env.toolkit_at(r, str(r)) for r in cuda_env.DEFAULT_TOOLKIT_ROOTS)), None)
+    toolkit = next(filter(None, (cuda.toolkit_at(r, str(r)) for r in cuda.DEFAULT_TOOLKIT_ROOTS)), None)
     if toolkit is None:
         pytest.skip("Requires: a CUDA toolkit in /usr/local/cuda")
     return toolkit
@@ -116,7 +116,7 @@ def test_cuda_torch_gets_horovod_with_nccl_from_pips_wheel(cuda_venv):
     python = str(cuda_venv / "bin" / "python")
     torch_cuda = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"], capture_output=True,
                                 text=True, check=True).stdout.strip()
-    read = subprocess.run([python, "-c", "from hvdgen.cuda_env import torch_cuda_version as v; print(v())"],
+    read = subprocess.run([python, "-c", "from hvdgen.build.cuda import torch_cuda_version as v; print(v())"],
                           capture_output=True, text=True, check=True, env=hvdgen_env(cuda_venv)).stdout.strip()
     assert read == torch_cuda  # read from torch/version.py without importing torch
 
@@ -176,7 +176,7 @@ find_package(NCCL REQUIRED)
 @pytest.fixture(scope="module")
 def horovod_cmake_modules(tmp_path_factory) -> Path:
     """cmake/ of the real horovod sdist: its FindNCCL and the FindCUDAToolkit it vendors."""
-    from hvdgen.horovod_build import HOROVOD_VERSION
+    from hvdgen.build.horovod_wheel import HOROVOD_VERSION
 
     work = tmp_path_factory.mktemp("sdist")
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
@@ -195,7 +195,7 @@ def configure_horovod_cuda(modules: Path, work: Path, env: dict[str, str]) -> st
     build = Path(tempfile.mkdtemp(prefix="build-", dir=work))
     cmake = shutil.which("cmake", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     plain = {k: v for k, v in os.environ.items()
-             if k not in (*cuda_env.TOOLKIT_VARIABLES, "CUDACXX", "CUDAToolkit_ROOT") and not k.startswith("HOROVOD_")}
+             if k not in (*cuda.TOOLKIT_VARIABLES, "CUDACXX", "CUDAToolkit_ROOT") and not k.startswith("HOROVOD_")}
     proc = subprocess.run([cmake, str(project)], cwd=build, capture_output=True, text=True, env={**plain, **env},
                           timeout=600)
     return proc.stdout + proc.stderr
@@ -220,7 +220,7 @@ def test_horovods_cmake_finds_the_toolkit_behind_a_wrapper_and_pips_nccl_once_to
                                      {"PATH": path, "HOROVOD_NCCL_HOME": str(site / "nvidia/nccl")})
     assert "Could NOT find CUDAToolkit" in without  # the bug, reproduced
 
-    gpu = cuda_env.find_gpu_build(toolkit.version, {"PATH": path}, sites=[site])
+    gpu = cuda.find_gpu_build(toolkit.version, {"PATH": path}, sites=[site])
     assert gpu.toolkit.root == toolkit.root.resolve() and gpu.toolkit.found_by == f"{wrapper_bin / 'nvcc'} on PATH"
     told = configure_horovod_cuda(horovod_cmake_modules, tmp_path,
                                   {"PATH": path, **gpu.environment(tmp_path / "cache")})
@@ -246,16 +246,16 @@ def test_pips_cuda_compiler_wheels_are_a_toolkit_for_nvcc_and_horovods_cmake(cud
     marker = cuda_venv / f".hvdgen-pip-nvcc-{major}"
     if not marker.exists():  # ~150 MB, once per cached venv
         subprocess.run([python, "-m", "pip", "install", "--quiet",
-                        *(f"{name}=={torch_cuda}.*" for name in cuda_env.PIP_CUDA_COMPILER)], check=True, timeout=1800)
+                        *(f"{name}=={torch_cuda}.*" for name in cuda.PIP_CUDA_COMPILER)], check=True, timeout=1800)
         marker.write_text("")
     cache = tmp_path / "cache"
     clean_path = f"{cuda_venv / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"
     found = subprocess.run([python, "-c", f"""
 import json
 from pathlib import Path
-from hvdgen import cuda_env
-toolkit = cuda_env.find_toolkit({torch_cuda!r}, {{"PATH": {clean_path!r}}}, cuda_env.site_dirs(), default_roots=())
-gpu = cuda_env.GpuBuild(toolkit, cuda_env.find_nccl({{}}, cuda_env.site_dirs(), toolkit))
+from hvdgen.build import cuda
+toolkit = cuda.find_toolkit({torch_cuda!r}, {{"PATH": {clean_path!r}}}, cuda.site_dirs(), default_roots=())
+gpu = cuda.GpuBuild(toolkit, cuda.find_nccl({{}}, cuda.site_dirs(), toolkit))
 print(json.dumps({{"found_by": toolkit.found_by, "env": gpu.environment(Path({str(cache)!r}))}}))
 """], capture_output=True, text=True, env=hvdgen_env(cuda_venv), check=True)
     result = json.loads(found.stdout)
@@ -309,9 +309,9 @@ def test_cuda_torch_without_compiler_or_nccl_is_refused_in_one_line_before_any_b
 def test_cuda_arch_is_checked_against_what_the_toolkits_nvcc_compiles_for():
     toolkit = system_toolkit()
     from hvdgen.errors import HvdgenError
-    from hvdgen.horovod_build import parse_cuda_arch
+    from hvdgen.build.horovod_wheel import parse_cuda_arch
 
-    supported = cuda_env.compute_capabilities(toolkit.nvcc)
+    supported = cuda.compute_capabilities(toolkit.nvcc)
     assert 90 in supported and 80 in supported, supported
     assert parse_cuda_arch("9.0,80", supported, toolkit.version) == (80, 90)
     for bad in ("95", "sm_90", ","):

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hvdgen import cuda_env
-from hvdgen.cuda_env import GpuBuild, GpuBuildBlocked, find_nccl, find_toolkit, nvcc_toolkit_root
+from hvdgen.build import cuda
+from hvdgen.build.cuda import GpuBuild, GpuBuildBlocked, find_nccl, find_toolkit, nvcc_toolkit_root
 
-REAL_TOOLKIT = next((r for r in cuda_env.DEFAULT_TOOLKIT_ROOTS if cuda_env.toolkit_at(r, str(r))), None)
+REAL_TOOLKIT = next((r for r in cuda.DEFAULT_TOOLKIT_ROOTS if cuda.toolkit_at(r, str(r))), None)
 needs_real_nvcc = pytest.mark.skipif(REAL_TOOLKIT is None, reason="Requires: a CUDA toolkit in /usr/local/cuda")
 
 
@@ -50,15 +50,15 @@ def no_defaults(tmp_path: Path) -> list[Path]:
 
 
 def test_a_complete_toolkit_is_recognised_and_an_incomplete_one_is_not(tmp_path):
-    toolkit = cuda_env.toolkit_at(make_toolkit(tmp_path / "cuda-13.0"), "here")
+    toolkit = cuda.toolkit_at(make_toolkit(tmp_path / "cuda-13.0"), "here")
     assert (toolkit.version, toolkit.cudart.name) == ("13.0", "libcudart.so")
     assert toolkit.nvcc == tmp_path / "cuda-13.0" / "bin" / "nvcc"
     make_toolkit(tmp_path / "no-cudart")
     (tmp_path / "no-cudart" / "lib64" / "libcudart.so").unlink()
-    assert cuda_env.toolkit_at(tmp_path / "no-cudart", "here") is None
+    assert cuda.toolkit_at(tmp_path / "no-cudart", "here") is None
     make_toolkit(tmp_path / "no-nvcc")
     (tmp_path / "no-nvcc" / "bin" / "nvcc").unlink()
-    assert cuda_env.toolkit_at(tmp_path / "no-nvcc", "here") is None
+    assert cuda.toolkit_at(tmp_path / "no-nvcc", "here") is None
 
 
 def test_cuda_home_wins_over_nvcc_on_path(tmp_path):
@@ -95,7 +95,7 @@ def test_nvcc_on_path_through_a_wrapper_script_asks_nvcc_where_it_lives(tmp_path
     real_root = REAL_TOOLKIT.resolve()
     wrapper = _write(tmp_path / "bin" / "nvcc", f'#!/bin/sh\nexec {real_root}/bin/nvcc "$@"\n', executable=True)
     assert nvcc_toolkit_root(wrapper) == real_root
-    toolkit = find_toolkit(cuda_env.cuda_headers_version(real_root / "include"), {"PATH": str(wrapper.parent)},
+    toolkit = find_toolkit(cuda.cuda_headers_version(real_root / "include"), {"PATH": str(wrapper.parent)},
                            default_roots=no_defaults(tmp_path))
     assert toolkit.root == real_root
 
@@ -142,7 +142,7 @@ def test_pips_cuda_wheels_with_nvcc_get_a_toolkit_layout_in_the_cache(tmp_path):
     assert home.parent == cache / "cuda-homes"
     assert (home / "lib" / "libcudart.so").resolve() == pip_root / "lib" / "libcudart.so.13"
     assert (home / "lib64" / "libcublas.so.13").resolve() == pip_root / "lib" / "libcublas.so.13"
-    arch = f"targets/{cuda_env.TARGET_ARCH.get(cuda_env.platform.machine(), cuda_env.platform.machine())}-linux"
+    arch = f"targets/{cuda.TARGET_ARCH.get(cuda.platform.machine(), cuda.platform.machine())}-linux"
     assert (home / arch / "include" / "cuda_runtime_api.h").resolve() == pip_root / "include" / "cuda_runtime_api.h"
     assert (home / arch / "lib" / "libcudart.so").exists()
     for own in ("nvcc", "nvcc.profile"):  # real files, so nvcc's _HERE_ is the assembled bin/
@@ -150,13 +150,13 @@ def test_pips_cuda_wheels_with_nvcc_get_a_toolkit_layout_in_the_cache(tmp_path):
             (pip_root / "bin" / own).read_bytes()
     assert (home / "bin" / "ptxas").resolve() == pip_root / "bin" / "ptxas"
     assert (home / "nvvm" / "bin" / "cicc").resolve() == pip_root / "nvvm" / "bin" / "cicc"
-    assert cuda_env.toolkit_at(home, "assembled").cudart.name == "libcudart.so"
+    assert cuda.toolkit_at(home, "assembled").cudart.name == "libcudart.so"
     assert toolkit.build_root(cache) == home
     assert [p.name for p in (cache / "cuda-homes").iterdir()] == [home.name]  # no staging left behind
 
 
 def test_a_complete_toolkit_is_used_where_it_is(tmp_path):
-    toolkit = cuda_env.toolkit_at(make_toolkit(tmp_path / "cuda"), "here")
+    toolkit = cuda.toolkit_at(make_toolkit(tmp_path / "cuda"), "here")
     assert toolkit.build_root(tmp_path / "cache") == tmp_path / "cuda"
     assert not (tmp_path / "cache").exists()
 
@@ -187,13 +187,13 @@ def test_another_venvs_nccl_gets_its_own_home(tmp_path):
 
 
 def test_nccl_from_the_toolkit_then_the_system_with_debians_multiarch_folder(tmp_path):
-    toolkit = cuda_env.toolkit_at(make_nccl(make_toolkit(tmp_path / "cuda"), library="lib64/libnccl.so"), "here")
+    toolkit = cuda.toolkit_at(make_nccl(make_toolkit(tmp_path / "cuda"), library="lib64/libnccl.so"), "here")
     nccl = find_nccl({}, sites=[tmp_path / "site"], toolkit=toolkit, system_roots=[tmp_path / "usr"])
     assert nccl.found_by == f"the CUDA toolkit at {tmp_path / 'cuda'}"
     env = nccl.build_env(tmp_path / "cache")
     assert env["HOROVOD_NCCL_LIB"] == str(tmp_path / "cuda" / "lib64") and not (tmp_path / "cache").exists()
     assert "LDFLAGS" not in env  # CMake's build RUNPATH already names the toolkit's folder
-    multiarch = cuda_env.sysconfig.get_config_var("MULTIARCH")
+    multiarch = cuda.sysconfig.get_config_var("MULTIARCH")
     if multiarch:
         system = make_nccl(tmp_path / "usr", library=f"lib/{multiarch}/libnccl.so", version=(2, 21, 5))
         nccl = find_nccl({}, sites=[tmp_path / "site"], system_roots=[system])
@@ -211,7 +211,7 @@ def test_nccl_named_by_horovods_variables_is_used_or_reported(tmp_path):
 
 
 def test_no_nccl_anywhere_says_how_to_get_it(tmp_path):
-    toolkit = cuda_env.toolkit_at(make_toolkit(tmp_path / "cuda", version=12080), "here")
+    toolkit = cuda.toolkit_at(make_toolkit(tmp_path / "cuda", version=12080), "here")
     with pytest.raises(GpuBuildBlocked) as info:
         find_nccl({}, sites=[tmp_path / "site"], toolkit=toolkit, system_roots=[tmp_path / "usr"])
     assert "no NCCL was found" in info.value.missing
@@ -222,7 +222,7 @@ def test_gpu_build_environment_points_horovods_cmake_at_the_toolkit_and_nccl(tmp
     site = tmp_path / "site-packages"
     make_nccl(site / "nvidia" / "nccl")
     toolkit_root = make_toolkit(tmp_path / "cuda-13.0")
-    gpu = cuda_env.find_gpu_build("13.0", {"CUDA_PATH": str(toolkit_root)}, sites=[site])
+    gpu = cuda.find_gpu_build("13.0", {"CUDA_PATH": str(toolkit_root)}, sites=[site])
     env = gpu.environment(tmp_path / "cache")
     assert env["CUDA_HOME"] == env["HOROVOD_CUDA_HOME"] == env["CUDAToolkit_ROOT"] == str(toolkit_root)
     assert env["CUDACXX"] == str(toolkit_root / "bin" / "nvcc") and env["HOROVOD_GPU_OPERATIONS"] == "NCCL"
@@ -233,7 +233,7 @@ def test_gpu_build_environment_points_horovods_cmake_at_the_toolkit_and_nccl(tmp
 def test_the_real_toolkit_of_this_machine_is_found_from_the_default_place(tmp_path):
     if REAL_TOOLKIT is None:
         pytest.skip("Requires: a CUDA toolkit in /usr/local/cuda")
-    version = cuda_env.cuda_headers_version(REAL_TOOLKIT / "include")
+    version = cuda.cuda_headers_version(REAL_TOOLKIT / "include")
     path_without_nvcc = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
                                         if not shutil.which("nvcc", path=d))
     toolkit = find_toolkit(version, {"PATH": path_without_nvcc})

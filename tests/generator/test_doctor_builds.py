@@ -4,7 +4,7 @@ The real doctor runs in test_horovod_build.py (this CPU venv) and test_cuda_buil
 venv); here are the combinations neither venv has, on what `horovodrun --check-build` reports.
 """
 
-from hvdgen.doctor import build_mismatches, parse_check_build
+from hvdgen.build.checks import build_mismatches, parse_check_build
 
 CHECK_BUILD_NCCL = """\
 Horovod v0.28.1:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hvdgen import horovod_build
-from hvdgen.doctor import parse_check_build
+from hvdgen.build import horovod_wheel
+from hvdgen.build.checks import parse_check_build
 from hvdgen.errors import HvdgenError
-from hvdgen.horovod_patches import patches_digest
+from hvdgen.build.patches import patches_digest
 
 BIN = Path(sys.executable).parent
 
@@ -21,43 +21,43 @@ BIN = Path(sys.executable).parent
 def sdist_source(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("sdist")
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(work), f"horovod=={horovod_build.HOROVOD_VERSION}"], check=True)
+                    "-d", str(work), f"horovod=={horovod_wheel.HOROVOD_VERSION}"], check=True)
     with tarfile.open(next(work.glob("horovod-*.tar.gz"))) as archive:
         archive.extractall(work, filter="data")
-    return work / f"horovod-{horovod_build.HOROVOD_VERSION}"
+    return work / f"horovod-{horovod_wheel.HOROVOD_VERSION}"
 
 
 def test_patches_apply_to_the_real_sdist(sdist_source):
-    horovod_build.apply_patches(sdist_source)
+    horovod_wheel.apply_patches(sdist_source)
     assert "set(CMAKE_CXX_STANDARD 17)" in (sdist_source / "CMakeLists.txt").read_text()
     assert "CMAKE_CXX_STANDARD 14" not in (sdist_source / "horovod/torch/CMakeLists.txt").read_text()
     assert "xla_mpi_ops.cc" not in (sdist_source / "horovod/tensorflow/CMakeLists.txt").read_text()
     with pytest.raises(HvdgenError, match="sdist changed"):
-        horovod_build.apply_patches(sdist_source)  # already patched: the old text is gone
+        horovod_wheel.apply_patches(sdist_source)  # already patched: the old text is gone
 
 
 def test_cache_key_names_every_version():
-    target = horovod_build.BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=True)
+    target = horovod_wheel.BuildTarget(python="311", torch="2.13.0+cpu", tensorflow=None, mpi=True)
     assert target.key == f"horovod0.28.1-p{patches_digest()}_py311_torch2.13.0+cpu_tf-none_gloo_mpi"
     assert target.frameworks == ["PyTorch"]
 
 
 def test_cache_key_names_cuda_and_nccl_and_sets_a_cpu_only_build_apart():
-    gpu = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
+    gpu = horovod_wheel.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
                                     cuda="13.0", nccl="2.29.7", patches="abcd1234")
     assert gpu.key == "horovod0.28.1-pabcd1234_py312_torch2.13.0_tf2.21.0_gloo_cuda13.0_nccl2.29.7"
-    cpu_only = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
+    cpu_only = horovod_wheel.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
                                          cpu_only=True, patches="abcd1234")
     assert cpu_only.key == "horovod0.28.1-pabcd1234_py312_torch2.13.0_tf2.21.0_gloo_cpu-only"
-    other_patches = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
+    other_patches = horovod_wheel.BuildTarget(python="312", torch="2.13.0", tensorflow="2.21.0", mpi=False,
                                               cpu_only=True, patches="00000000")
     assert other_patches.key != cpu_only.key
 
 
 def test_build_environment_selects_frameworks_and_controllers(monkeypatch):
     monkeypatch.setenv("HOROVOD_GPU_OPERATIONS", "NCCL")  # a stray user setting must not turn a CPU build into NCCL
-    target = horovod_build.BuildTarget(python="311", torch="2.13.0", tensorflow=None, mpi=False)
-    env = horovod_build.build_environment(target, jobs=3)
+    target = horovod_wheel.BuildTarget(python="311", torch="2.13.0", tensorflow=None, mpi=False)
+    env = horovod_wheel.build_environment(target, jobs=3)
     assert env["HOROVOD_WITH_PYTORCH"] == env["HOROVOD_WITHOUT_TENSORFLOW"] == env["HOROVOD_WITHOUT_MPI"] == "1"
     assert env["MAKEFLAGS"] == "-j3"
     assert all(f"-include {h}" in env["CXXFLAGS"] for h in ("cstdint", "string", "stdexcept"))
@@ -67,31 +67,31 @@ def test_build_environment_selects_frameworks_and_controllers(monkeypatch):
 def test_cuda_arch_narrows_the_kernels_and_a_stray_variable_does_not(monkeypatch):
     monkeypatch.setenv("HOROVOD_BUILD_CUDA_CC_LIST", "75")  # the key would say every GPU; the wheel would not
     gpu = dict(python="312", torch="2.13.0", tensorflow=None, mpi=False, cuda="13.0", nccl="2.29.7")
-    every = horovod_build.BuildTarget(**gpu)
-    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in horovod_build.build_environment(every, jobs=1)
-    narrow = horovod_build.BuildTarget(**gpu, cuda_arch=(80, 90))
-    assert horovod_build.build_environment(narrow, jobs=1)["HOROVOD_BUILD_CUDA_CC_LIST"] == "80,90"
+    every = horovod_wheel.BuildTarget(**gpu)
+    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in horovod_wheel.build_environment(every, jobs=1)
+    narrow = horovod_wheel.BuildTarget(**gpu, cuda_arch=(80, 90))
+    assert horovod_wheel.build_environment(narrow, jobs=1)["HOROVOD_BUILD_CUDA_CC_LIST"] == "80,90"
     assert narrow.key == every.key + "_sm80-90"
 
 
 def test_tensorflow_beside_a_cuda_torch_is_refused_before_the_build_unless_cpu_only(monkeypatch):
     versions = {"torch": "2.13.0", "tensorflow": "2.21.0"}
-    monkeypatch.setattr(horovod_build, "_dist_version", versions.get)
-    monkeypatch.setattr(horovod_build, "torch_cuda_version", lambda: "13.0")
+    monkeypatch.setattr(horovod_wheel, "_dist_version", versions.get)
+    monkeypatch.setattr(horovod_wheel, "torch_cuda_version", lambda: "13.0")
     with pytest.raises(HvdgenError) as info:
-        horovod_build.detect_target()
+        horovod_wheel.detect_target()
     message = info.value.message
     assert "TensorFlow 2.21.0 is installed beside a CUDA build of torch" in message and "\n" not in message
     assert message.endswith("or build without GPU ops: hvdgen install-horovod --cpu-only")
-    target, gpu = horovod_build.detect_target(cpu_only=True)
+    target, gpu = horovod_wheel.detect_target(cpu_only=True)
     assert gpu is None and target.cpu_only and "_tf2.21.0_gloo" in target.key and target.key.endswith("_cpu-only")
 
 
 def test_gpu_linker_flags_follow_the_users_own(monkeypatch):
     monkeypatch.setenv("LDFLAGS", "-L/opt/mine")
-    target = horovod_build.BuildTarget(python="312", torch="2.13.0", tensorflow=None, mpi=False, cuda="13.0",
+    target = horovod_wheel.BuildTarget(python="312", torch="2.13.0", tensorflow=None, mpi=False, cuda="13.0",
                                        nccl="2.29.7")
-    env = horovod_build.build_environment(target, jobs=1, gpu_env={"LDFLAGS": "-Wl,-rpath,$ORIGIN/x",
+    env = horovod_wheel.build_environment(target, jobs=1, gpu_env={"LDFLAGS": "-Wl,-rpath,$ORIGIN/x",
                                                                    "HOROVOD_GPU_OPERATIONS": "NCCL"})
     assert env["LDFLAGS"] == "-L/opt/mine -Wl,-rpath,$ORIGIN/x" and env["HOROVOD_GPU_OPERATIONS"] == "NCCL"
 
@@ -99,7 +99,7 @@ def test_gpu_linker_flags_follow_the_users_own(monkeypatch):
 def test_failure_explains_the_likely_fix(tmp_path):
     log = tmp_path / "build.log"
     log.write_text("compiling\n" * 50 + "fatal error: highwayhash/arch_specific.h: No such file or directory\n")
-    message = horovod_build.explain_failure(log)
+    message = horovod_wheel.explain_failure(log)
     assert "libhighwayhash-dev" in message and str(log) in message
     assert message.count("compiling") == 39  # the tail, not the whole log
 
@@ -109,7 +109,7 @@ def test_an_offline_build_without_cffi_says_to_install_it(tmp_path):
     log = tmp_path / "build.log"
     log.write_text("  ERROR: Could not find a version that satisfies the requirement cffi>=1.4.0 (from versions: none)\n"
                    "  ERROR: No matching distribution found for cffi>=1.4.0\n")
-    message = horovod_build.explain_failure(log)
+    message = horovod_wheel.explain_failure(log)
     assert "likely fix: Horovod's setup.py needs cffi" in message and "pip install cffi" in message
 
 
@@ -161,7 +161,7 @@ def test_parse_check_build_reads_horovodrun_output():
 def test_a_wheel_built_for_both_frameworks_serves_either_alone(tmp_path, monkeypatch):
     """A project's torch-only venv reuses its developer's torch+TF build: same Python, same torch
     version, same controllers and patches; a different torch version or controller set does not."""
-    from hvdgen.horovod_build import BuildTarget, cached_wheel, wheel_cache_dir
+    from hvdgen.build.horovod_wheel import BuildTarget, cached_wheel, wheel_cache_dir
 
     monkeypatch.setenv("HVDGEN_CACHE_DIR", str(tmp_path))
     both = BuildTarget(python="311", torch="2.13.0+cpu", tensorflow="2.21.0", mpi=False)
@@ -178,11 +178,11 @@ def test_a_wheel_built_for_both_frameworks_serves_either_alone(tmp_path, monkeyp
 
 @pytest.mark.parametrize("how", ["option", "environment"])
 def test_cuda_arch_on_a_cpu_torch_is_refused_in_one_line_leaving_horovod_alone(tmp_path, how):
-    from hvdgen.cuda_env import torch_cuda_version
+    from hvdgen.build.cuda import torch_cuda_version
 
     if torch_cuda_version() is not None:
         pytest.skip("Requires: a CPU build of torch in this environment")
-    before = horovod_build.installed_wheel_url()
+    before = horovod_wheel.installed_wheel_url()
     args, extra = (["--cuda-arch", "90"], {}) if how == "option" else ([], {"HVDGEN_CUDA_ARCH": "90"})
     proc = subprocess.run([str(BIN / "hvdgen"), "install-horovod", *args], capture_output=True, text=True,
                           env=dict(os.environ, HVDGEN_CACHE_DIR=str(tmp_path / "cache"), **extra), timeout=120)
@@ -191,7 +191,7 @@ def test_cuda_arch_on_a_cpu_torch_is_refused_in_one_line_leaving_horovod_alone(t
     assert ("--cuda-arch 90 selects GPUs for Horovod's CUDA kernels, but this build has none (torch is a CPU build): "
             "drop --cuda-arch") in lines[0]
     assert not (tmp_path / "cache").exists()
-    assert horovod_build.installed_wheel_url() == before
+    assert horovod_wheel.installed_wheel_url() == before
 
 
 def test_a_relative_cache_dir_finds_the_installed_wheel(tmp_path):
@@ -200,7 +200,7 @@ def test_a_relative_cache_dir_finds_the_installed_wheel(tmp_path):
     installed wheel came from, named relative to another folder, answers without a reinstall."""
     from hvdgen.paths import cache_dir
 
-    installed = horovod_build.installed_wheel_url()
+    installed = horovod_wheel.installed_wheel_url()
     if not (installed or "").startswith(cache_dir().as_uri() + "/"):
         pytest.skip(f"Requires: horovod installed from hvdgen's cache {cache_dir()} (it is from {installed})")
     relative = os.path.relpath(cache_dir(), tmp_path)
@@ -208,4 +208,4 @@ def test_a_relative_cache_dir_finds_the_installed_wheel(tmp_path):
                           env=dict(os.environ, HVDGEN_CACHE_DIR=relative), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "is installed from the cached wheel" in proc.stdout
-    assert horovod_build.installed_wheel_url() == installed
+    assert horovod_wheel.installed_wheel_url() == installed

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hvdgen.errors import HvdgenError
-from hvdgen.horovod_build import TF_HEADERS_FIX, BuildTarget, _compiler, build_environment, tensorflow_header_dirs
+from hvdgen.build.horovod_wheel import TF_HEADERS_FIX, BuildTarget, _compiler, build_environment, tensorflow_header_dirs
 
 COMPILER = _compiler()
 needs_compiler = pytest.mark.skipif(COMPILER is None, reason="Requires: a C++ compiler (c++ or g++)")

@@ -7,7 +7,7 @@ torch, TF, controllers, CUDA, NCCL) combination and keeps the wheel in the user'
 second run of `hvdgen install-horovod` takes seconds and a wheel is never used against a framework
 it was not built for (that fails with a version mismatch at import).
 
-A CUDA build of torch gets NCCL ops, compiled against the toolkit and NCCL that `cuda_env` finds
+A CUDA build of torch gets NCCL ops, compiled against the toolkit and NCCL that `build.cuda` finds
 (pip's NCCL wheel included). When either is missing the command stops before downloading
 anything, with one line naming what is missing and the two ways on: install it, or
 `--cpu-only`. A CPU-only build on a CUDA torch has its own cache key. TensorFlow beside a CUDA
@@ -42,9 +42,9 @@ from pathlib import Path
 import click
 
 from hvdgen.errors import HvdgenError
-from hvdgen.cuda_env import (TOOLKIT_VARIABLES, GpuBuild, GpuBuildBlocked, compute_capabilities, find_gpu_build,
+from hvdgen.build.cuda import (TOOLKIT_VARIABLES, GpuBuild, GpuBuildBlocked, compute_capabilities, find_gpu_build,
                              find_toolkit, site_dirs, torch_cuda_version)
-from hvdgen.horovod_patches import PATCHES, patches_digest
+from hvdgen.build.patches import PATCHES, patches_digest
 from hvdgen.paths import cache_dir
 
 HOROVOD_VERSION = "0.28.1"
