@@ -1,13 +1,10 @@
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from budget import pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402, F401
+from helpers.budget import pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: F401
 
 
 def pytest_configure(config):

@@ -2,10 +2,9 @@
 
 Fast tests check stage cutting, the message format and model-split in-process; the slow ones run
 real `horovodrun --gloo` jobs whose every rank compares itself with a single-process reference
-(judged by tests/pipeline_checks.py, the same judgement as for PyTorch).
+(judged by tests/helpers/pipeline_checks.py, the same judgement as for PyTorch).
 """
 
-import sys
 import time
 from pathlib import Path
 
@@ -19,11 +18,10 @@ from hvd_runtime.pipeline.timeline import load_timeline, step_bubble, step_repla
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.p2p import decode, encode
 from hvd_runtime.tf.stage import build_stage, plan_stages
-from pipeline_checks import TOL, check_against_reference
-from pipeline_jobs import grid_jobs, model_split_job
+from helpers.pipeline_checks import TOL, check_against_reference
+from helpers.pipeline_jobs import grid_jobs, model_split_job
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+SCRIPTS = Path(__file__).parent / "scripts"  # on pytest's pythonpath (pyproject.toml)
 from tf_pipeline_step import BLOCKS, CLASSES, FEATURES, LOSS, make_model, named_variables, reference, rel  # noqa: E402
 from tf_workloads import BLOCK_NAMES  # noqa: E402
 
@@ -240,7 +238,7 @@ def test_tf_pipeline_records_a_timeline(pipeline_jobs):
 
 
 # Every case above, by its id, as (the job's grid, the case's own flags): the cases of one grid run
-# in one job (tests/pipeline_jobs.py), each checked by its test.
+# in one job (tests/helpers/pipeline_jobs.py), each checked by its test.
 def grid(np_: int, stages: int, p2p: str = "socket", tp: int = 1, chunks: int = 1) -> tuple:
     return np_, stages, p2p, tp, chunks
 

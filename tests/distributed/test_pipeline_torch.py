@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from torch import nn
 
 from helpers import horovodrun_path, run_horovod, venv_env
-from pipeline_checks import TOL, check_against_reference
-from pipeline_jobs import grid_jobs, model_split_job
+from helpers.pipeline_checks import TOL, check_against_reference
+from helpers.pipeline_jobs import grid_jobs, model_split_job
 from hvd_runtime.pipeline.partition import PartitionError
 from hvd_runtime.pipeline.timeline import load_timeline, replayed_bubble, step_bubble, step_replayed_bubble
 from hvd_runtime.torch.grid import PipelineConfigError
@@ -30,8 +30,7 @@ from hvd_runtime.torch.pipeline import micro_batch_sizes
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvdgen.cli import main as cli
 
-SCRIPTS = Path(__file__).parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+SCRIPTS = Path(__file__).parent / "scripts"  # on pytest's pythonpath (pyproject.toml)
 from pipeline_step import CLASSES, FEATURES, make_model, rel  # noqa: E402
 
 ALL_BLOCKS = [str(i) for i in range(7)]
@@ -343,7 +342,7 @@ def timeline_chunks(schedule: str) -> int:
 
 
 # Every case above, by its id, as (the job's grid, the case's own flags): the cases of one grid run
-# in one job (tests/pipeline_jobs.py), each checked by its test.
+# in one job (tests/helpers/pipeline_jobs.py), each checked by its test.
 def grid(np_: int, stages: int, p2p: str = "torch", tp: int = 1, chunks: int = 1) -> tuple:
     return np_, stages, p2p, tp, chunks
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_horovod
-from pipeline_checks import check_against_reference
+from helpers.pipeline_checks import check_against_reference
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 

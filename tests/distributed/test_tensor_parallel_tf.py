@@ -2,7 +2,7 @@
 
 Real `horovodrun --gloo` jobs, each rank comparing the gradient of the generated Keras GPT split
 by `apply_tp` with the unsplit one in its own process (tests/distributed/scripts/tf_tp_step.py,
-judged by tests/tp_checks.py as for PyTorch); and the refusals, which need no Horovod.
+judged by tests/helpers/tp_checks.py as for PyTorch); and the refusals, which need no Horovod.
 """
 
 import json
@@ -14,7 +14,7 @@ import pytest
 
 from helpers import run_horovod
 from hvd_runtime.tf.tensor_parallel import apply_tp
-from tp_checks import check_apply_tp_refusals, check_edited_block_refusals, check_tp_reports, load_generated_model
+from helpers.tp_checks import check_apply_tp_refusals, check_edited_block_refusals, check_tp_reports, load_generated_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "tf_tp_step.py"
 

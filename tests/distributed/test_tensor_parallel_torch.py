@@ -2,7 +2,7 @@
 
 Real `horovodrun --gloo` jobs, each rank comparing one step of the split MLP or generated GPT with
 the unsplit one in its own process (tests/distributed/scripts/tp_step.py, judged by
-tests/tp_checks.py); and the layout's arithmetic and refusals, which need no Horovod.
+tests/helpers/tp_checks.py); and the layout's arithmetic and refusals, which need no Horovod.
 """
 
 import json
@@ -15,7 +15,7 @@ from torch import nn
 from helpers import run_horovod
 from hvd_runtime.parallel.tensor_groups import TensorParallelError
 from hvd_runtime.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorGroup, apply_tp
-from tp_checks import check_apply_tp_refusals, check_edited_block_refusals, check_tp_reports, load_generated_model
+from helpers.tp_checks import check_apply_tp_refusals, check_edited_block_refusals, check_tp_reports, load_generated_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "tp_step.py"
 

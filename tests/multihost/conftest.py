@@ -1,4 +1,4 @@
-"""The cluster every multi-host test runs its job on (tests/cluster.py), torn down afterwards."""
+"""The cluster every multi-host test runs its job on (tests/helpers/cluster.py), torn down afterwards."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cluster import Cluster, why_unavailable
+from helpers.cluster import Cluster, why_unavailable
 
 
 @pytest.fixture

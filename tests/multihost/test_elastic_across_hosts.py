@@ -1,4 +1,4 @@
-"""An elastic MPIJob across hosts: rank 0's host is lost mid-epoch and comes back (tests/mpijob_pods.py)."""
+"""An elastic MPIJob across hosts: rank 0's host is lost mid-epoch and comes back (tests/helpers/mpijob_pods.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import venv_env
-from mpijob_pods import generated_job, launcher_argv, start_worker, worker_pods
+from helpers.mpijob_pods import generated_job, launcher_argv, start_worker, worker_pods
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""A generated project's MPIJob, run across hosts as the MPI Operator runs it (tests/mpijob_pods.py).
+"""A generated project's MPIJob, run across hosts as the MPI Operator runs it (tests/helpers/mpijob_pods.py).
 
 `horovodrun` fans out over ssh to other addresses, Gloo finds the pods' interface, the ranks on
 different pods agree, and rank 0's outputs land on rank 0's pod and the shared volume, nowhere
@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from helpers import venv_env
-from mpijob_pods import container, generated_job, launcher_argv, run_across_hosts
+from helpers.mpijob_pods import container, generated_job, launcher_argv, run_across_hosts
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""A generated project's slurm/train.sbatch, submitted as it is to a real Slurm cluster (tests/slurm_cluster.py).
+"""A generated project's slurm/train.sbatch, submitted as it is to a real Slurm cluster (tests/helpers/slurm_cluster.py).
 
 munged, slurmctld and two slurmd nodes, each in a network namespace of its own; the project sits
 on the filesystem every node shares, as on a cluster's shared home. Each job is the project's
@@ -35,7 +35,7 @@ from safetensors.numpy import load_file
 
 from helpers import venv_env
 from hvdgen.slurm.check import mpi_built
-from slurm_cluster import SlurmCluster, why_unavailable
+from helpers.slurm_cluster import SlurmCluster, why_unavailable
 from test_launcher_across_hosts import DIGESTS, mpi_missing
 
 pytestmark = pytest.mark.slow

@@ -92,10 +92,10 @@ def checkpoint_steps(directory: Path) -> list[int]:
 
 class Job:
     """A horovodrun job in its own process group, its output collected line by line as it comes;
-    under the retry launcher (hvd_runtime.retry) with `retry`, its options."""
+    under the retry launcher (hvd_runtime.retry) with `retry`, its options; `env` adds variables."""
 
-    def __init__(self, args: list[str], cwd: Path, retry: list[str] | None = None):
-        env = venv_env()
+    def __init__(self, args: list[str], cwd: Path, retry: list[str] | None = None, env: dict | None = None):
+        env = venv_env(**(env or {}))
         command = [horovodrun_path(), *python_command(args)]
         if retry is not None:
             command = [sys.executable, "-m", "hvd_runtime.retry", *retry, "--", *command]

@@ -80,13 +80,12 @@ PAUSER = """\
 \"\"\"Run train.py; in its first FAULTS starts, the process of rank 1 writes its pid to FOLDER/at-<start>
 when it has trained STEPS steps (and its checkpoint, if one falls there, is written), then ACTS:
 `pause` holds PAUSE_S seconds and goes on, `exit` exits with status 3.
-usage: python pauser.py FRAMEWORK FOLDER FAULTS STEPS ACT SCRIPT ARGS...\"\"\"
+usage: PYTHONPATH=<project> python pauser.py FRAMEWORK FOLDER FAULTS STEPS ACT SCRIPT ARGS...\"\"\"
 import importlib, os, runpy, sys, time
 from pathlib import Path
 
 framework, folder, faults, steps, act, script = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
 sys.argv = sys.argv[6:]
-sys.path.insert(0, str(Path(script).parent))
 folder.mkdir(parents=True, exist_ok=True)
 start = len(list(folder.glob("at-*"))) + 1
 if os.environ["HOROVOD_RANK"] == "1" and start <= faults:
@@ -111,13 +110,11 @@ runpy.run_path(script, run_name="__main__")
 
 NANNER = """\
 \"\"\"Run train.py; in its first start, the process of rank RANK makes the inputs of its STEPS-th
-training batch NaN. usage: python nanner.py FRAMEWORK RANK STEPS SCRIPT ARGS...\"\"\"
+training batch NaN. usage: PYTHONPATH=<project> python nanner.py FRAMEWORK RANK STEPS SCRIPT ARGS...\"\"\"
 import importlib, os, runpy, sys
-from pathlib import Path
 
 framework, rank, steps, script = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 sys.argv = sys.argv[4:]
-sys.path.insert(0, str(Path(script).parent))
 if os.environ["HOROVOD_RANK"] == rank:
     cls = importlib.import_module(f"hvd_runtime.{'torch' if framework == 'torch' else 'tf'}.batches").ShardedBatches
     original, trained = cls.batches, [0]
@@ -139,14 +136,13 @@ DISK_FILLER = """\
 \"\"\"Run train.py; the process of rank 0, once it has trained a step named in ACTIONS (its checkpoint,
 if one falls there, attempted), fills the file system of DISK but for half the size of the
 newest checkpoint there (`fill`), or frees it again (`free`), as another process on the host could.
-usage: python disk_filler.py FRAMEWORK DISK STEP:fill|free,... SCRIPT ARGS...\"\"\"
+usage: PYTHONPATH=<project> python disk_filler.py FRAMEWORK DISK STEP:fill|free,... SCRIPT ARGS...\"\"\"
 import importlib, os, runpy, sys
 from pathlib import Path
 
 framework, disk, script = sys.argv[1], Path(sys.argv[2]), sys.argv[4]
 actions = dict(a.split(":") for a in sys.argv[3].split(","))
 sys.argv = sys.argv[4:]
-sys.path.insert(0, str(Path(script).parent))
 filler = disk / "filler"
 
 
@@ -177,6 +173,12 @@ if os.environ["HOROVOD_RANK"] == "0":
     cls.batches = batches
 runpy.run_path(script, run_name="__main__")
 """
+
+
+def beside(project: Path) -> dict[str, str]:
+    """The environment a wrapper of the project's train.py needs: the project's modules import as
+    they do for `python train.py`, which puts its own folder first."""
+    return {"PYTHONPATH": str(project)}
 
 
 def pauser(tmp_path: Path, pause_s: float = PAUSE_S) -> Path:
@@ -232,7 +234,7 @@ def test_a_hung_then_a_killed_rank_are_restarted_to_the_same_weights(tmp_path, f
     faults, run_dir, checkpoints = tmp_path / "faults", tmp_path / "run", tmp_path / "checkpoints"
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), framework, str(faults), "2",
                "30", "pause", "train.py", *training, "--run_dir", str(run_dir), "--checkpoint.dir", str(checkpoints)],
-              cwd=project, retry=["--max-restarts", "2", "--backoff-s", "0"])
+              cwd=project, env=beside(project), retry=["--max-restarts", "2", "--backoff-s", "0"])
     try:
         os.kill(at_start(faults, 1, job), signal.SIGSTOP)
         stopped = time.monotonic()
@@ -276,7 +278,7 @@ def test_a_job_that_fails_at_the_same_step_every_time_is_given_up(tmp_path, stra
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), "torch", str(faults), "9",
                "10", "exit", "train.py", "--checkpoint.every_steps", "20", *UNTRACKED,
                "--run_dir", str(tmp_path / "run"), "--checkpoint.dir", str(tmp_path / "checkpoints")],
-              cwd=project, retry=["--max-restarts", "2", "--backoff-s", "0"])
+              cwd=project, env=beside(project), retry=["--max-restarts", "2", "--backoff-s", "0"])
     code = job.finish(timeout=300)
     out = job.output
     assert code == 1, out[-3000:]
@@ -302,7 +304,7 @@ def test_a_stop_signal_checkpoints_where_every_rank_stops_and_the_restart_goes_o
     if tracked:
         training += ["--tracking.uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path, pause_s=0.5)), framework,
-               str(faults), "1", "30", "pause", "train.py", *training], cwd=project)
+               str(faults), "1", "30", "pause", "train.py", *training], cwd=project, env=beside(project))
     try:
         at_start(faults, 1, job)
         job.proc.send_signal(signal.SIGTERM)   # to horovodrun, which sends every rank SIGTERM
@@ -366,7 +368,7 @@ def test_a_nan_in_one_ranks_batch_is_skipped_or_stops_on_every_rank_alike(tmp_pa
     proc = run_horovod(2, [sys.executable, str(nanner), framework, "1" if strategy == "data" else "0", "15",
                            "train.py", "--train.epochs", "1", "--checkpoint.every_steps", "10", "--checkpoint.keep", "9",
                            "--train.on_nonfinite", policy, *UNTRACKED, "--run_dir", str(run_dir),
-                           "--checkpoint.dir", str(checkpoints)], cwd=project, check=False)
+                           "--checkpoint.dir", str(checkpoints)], cwd=project, env=beside(project), check=False)
     out = proc.stdout + proc.stderr
     said = re.findall(r"^\[(\d)\]<stderr>:nonfinite: (.*)$", out, re.M)
     if policy == "skip":
@@ -412,7 +414,7 @@ def test_a_full_disk_fails_checkpoints_and_the_run_goes_on_or_stops_with_the_las
     filler.write_text(DISK_FILLER)
     proc = run_horovod(2, [sys.executable, str(filler), framework, str(small_disk), "11:fill,25:free,31:fill",
                            "train.py", *training, "--run_dir", str(tmp_path / "run"),
-                           "--checkpoint.dir", str(small_disk)], cwd=project, check=False)
+                           "--checkpoint.dir", str(small_disk)], cwd=project, env=beside(project), check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out[-4000:]
     said = re.findall(r"^\[(\d)\]<stderr>:checkpoint: checkpoint (\d+) was not written, the previous one stays the "
@@ -449,7 +451,7 @@ def test_the_runs_last_checkpoint_failing_stops_it_without_a_trained_model(tmp_p
     run_dir = tmp_path / "run"
     proc = run_horovod(2, [sys.executable, str(filler), "torch", str(small_disk), "61:fill", "train.py", *TRAINING,
                            *UNTRACKED, "--checkpoint.max_failures", "5", "--run_dir", str(run_dir),
-                           "--checkpoint.dir", str(small_disk)], cwd=project, check=False)
+                           "--checkpoint.dir", str(small_disk)], cwd=project, env=beside(project), check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out[-4000:]
     said = re.findall(r"^\[0\]<stderr>:checkpoint: checkpoint (\d+) was not written, .*; (.*?):", out, re.M)

@@ -144,13 +144,12 @@ def assert_whole_models_equal(models: list[dict], framework: str) -> None:
 STOP_MID_WRITE = """\
 \"\"\"train.py, except that rank 1 stops itself (SIGSTOP) once it has written its shard of checkpoint
 STEP, before rank 0 writes the index; it touches MARKER first. FRAMEWORK: torch or tf.
-usage: python stop.py FRAMEWORK STEP MARKER ARGS...\"\"\"
+usage: PYTHONPATH=<project> python stop.py FRAMEWORK STEP MARKER ARGS...\"\"\"
 import importlib, os, runpy, signal, sys
 from pathlib import Path
 
 framework, step, marker = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 sys.argv = ["train.py", *sys.argv[4:]]
-sys.path.insert(0, os.getcwd())   # the project's own modules, as `python train.py` finds them
 if os.environ["HOROVOD_RANK"] == "1":
     checkpoint = importlib.import_module(f"hvd_runtime.{framework}.checkpoint")
 
@@ -219,7 +218,7 @@ def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpo
                                 *python_command([sys.executable, str(tmp_path / "stop.py"),
                                                  "torch" if framework == "torch" else "tf", str(2 * per_epoch),
                                                  str(marker), *args])],
-                               cwd=project, env=venv_env(**QUIET), stdout=out, stderr=subprocess.STDOUT,
+                               cwd=project, env=venv_env(**QUIET, PYTHONPATH=str(project)), stdout=out, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
         deadline = time.monotonic() + 300

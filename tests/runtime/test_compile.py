@@ -27,7 +27,7 @@ from hvd_runtime.config import ConfigError, ModelConfig
 from hvd_runtime.torch.compile import compile_model, wanted
 from hvdgen.render import render_tree
 from hvdgen.spec import ProjectSpec
-from tp_checks import load_generated_model
+from helpers.tp_checks import load_generated_model
 
 SIZES = {"mlp": (ModelConfig(), (64,), 10),
          "resnet18": (ModelConfig(width=8), (3, 16, 16), 10),   # width 4: see the docstring

@@ -12,7 +12,7 @@ import pytest
 from hvd_runtime.config import load_config
 from hvdgen.render import render_tree
 from hvdgen.spec import ProjectSpec
-from tp_checks import load_generated_model
+from helpers.tp_checks import load_generated_model
 
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])

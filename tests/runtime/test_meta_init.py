@@ -19,7 +19,7 @@ from hvd_runtime.config import ModelConfig
 from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.torch.meta_init import MetaInitError, build_on_meta, draw, is_meta, materialize, take, whole
 from hvd_runtime.torch.tensor_parallel import apply_tp
-from tp_checks import load_generated_model
+from helpers.tp_checks import load_generated_model
 
 GPT = ModelConfig(width=32, heads=4, layers=2, context=8)
 

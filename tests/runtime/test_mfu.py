@@ -17,7 +17,7 @@ from hvd_runtime.mfu import Utilization, gpu_peak, precision_column, training_fl
 from hvd_runtime.throughput import Throughput
 from hvdgen.render import render_tree
 from hvdgen.spec import ProjectSpec
-from tp_checks import load_generated_model
+from helpers.tp_checks import load_generated_model
 
 MLP = ModelConfig()                                        # hidden 128, 64
 RESNET = ModelConfig(width=64)                             # the published widths

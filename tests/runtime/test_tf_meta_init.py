@@ -31,7 +31,7 @@ from hvd_runtime.tf.names import whole_names  # noqa: E402
 from hvd_runtime.tf.stage import Stage  # noqa: E402
 from hvd_runtime.tf.tensor_parallel import split_layers  # noqa: E402
 from hvd_runtime.tf.tensor_state import SplitVariables  # noqa: E402
-from tp_checks import load_generated_model  # noqa: E402
+from helpers.tp_checks import load_generated_model  # noqa: E402
 
 GPT = ModelConfig(width=32, heads=4, layers=2, context=8)
 

@@ -10,17 +10,13 @@ Adasum op in this job (Gloo), each step records the error it got instead.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+import horovod.torch as hvd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-import horovod.torch as hvd  # noqa: E402
-
-from hvd_runtime.config import load_config  # noqa: E402
-from hvd_runtime.torch import init_horovod, make_optimizer  # noqa: E402
+from hvd_runtime.config import load_config
+from hvd_runtime.torch import init_horovod, make_optimizer
 
 SHAPES = {"vector": (1000,), "matrix": (17, 23)}
 

@@ -12,16 +12,12 @@ synchronize, clip, step without a second synchronize) and the reference clips th
 gradients. Rank 0 writes all ranks' results as JSON.
 """
 
-import sys
-from pathlib import Path
-
 import horovod.torch as hvd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import each_case, parse_args, write_results  # noqa: E402
+from step_driver import each_case, parse_args, write_results
 from pipeline_step import make_model, mlp_batch, rel  # noqa: E402
-from workloads import load_workload  # noqa: E402
+from workloads import load_workload
 
 from hvd_runtime.torch.model_split import ModelSplit  # noqa: E402
 from hvd_runtime.torch.objective import cross_entropy  # noqa: E402

@@ -18,9 +18,6 @@ command line's). A job's start-up (torch, its compiler stack, Horovod, the links
 a case: test_pipeline_torch.py runs the cases that share a grid in one job.
 """
 
-import sys
-from pathlib import Path
-
 import horovod.torch as hvd
 import torch
 from torch import nn
@@ -33,9 +30,8 @@ from hvd_runtime.torch.tensor_state import SplitParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch.zero import ZeroOptimizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import drive_pipeline, each_case, parse_args, write_results  # noqa: E402
-from workloads import VOCAB, load_workload  # noqa: E402
+from step_driver import drive_pipeline, each_case, parse_args, write_results
+from workloads import VOCAB, load_workload
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 

@@ -13,18 +13,14 @@ micro-batch's) and compares the losses and its trainable variables after the ste
 moving statistics are each worker's own by design). Rank 0 writes all ranks' results as JSON.
 """
 
-import sys
-from pathlib import Path
-
 import hvd_runtime.tf  # noqa: F401  first, as a generated train.py: TensorFlow without Keras' unused extras
 import keras
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import each_case, parse_args, write_results  # noqa: E402
+from step_driver import each_case, parse_args, write_results
 from tf_pipeline_step import BLOCKS, LOSS, make_model, mlp_batch, named_variables, reference, rel, sized_chunks  # noqa: E402
-from tf_workloads import load_workload  # noqa: E402
+from tf_workloads import load_workload
 
 import horovod.tensorflow as hvd  # noqa: E402
 from hvd_runtime.tf import GradientSync, TrainStep, init_horovod  # noqa: E402

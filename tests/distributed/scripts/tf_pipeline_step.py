@@ -6,16 +6,13 @@ Every rank computes the single-process reference itself (the whole global batch 
 whole model, plain SGD) and compares its own stage's variables after the steps, and the reported
 losses and accuracies, with it. Replicas other than 0 build their copy from another seed, so
 the engine's start-up broadcast is what makes them agree. Rank 0 writes all results as JSON
-(the format tests/pipeline_checks.py judges). `--model resnet18|gpt --project DIR` splits a
+(the format tests/helpers/pipeline_checks.py judges). `--model resnet18|gpt --project DIR` splits a
 generated project's model instead of the MLP here (for BatchNorm, the reference sees the same
 micro-batches one after the other); `--clip-norm` clips by the whole model's norm. `--tp N` splits
 each stage's transformer blocks over N ranks (split_stage); the ranks of a tp group build from
 different seeds too, so split_stage's start-up broadcast is checked as well, and each slice's
 update is compared with its slice of the reference's.
 """
-
-import sys
-from pathlib import Path
 
 import hvd_runtime.tf  # noqa: F401  first, as a generated train.py: TensorFlow without Keras' unused extras
 import keras
@@ -29,9 +26,8 @@ from hvd_runtime.tf.recompute import recompute_blocks
 from hvd_runtime.tf.vocab_parallel import VocabObjective
 from hvd_runtime.tf.tensor_state import SplitVariables
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import drive_pipeline, each_case, parse_args, write_results  # noqa: E402
-from tf_workloads import VOCAB, load_workload  # noqa: E402
+from step_driver import drive_pipeline, each_case, parse_args, write_results
+from tf_workloads import VOCAB, load_workload
 
 FEATURES, CLASSES, WIDTH = 16, 5, 32
 BLOCKS = [f"b{i}" for i in range(7)]

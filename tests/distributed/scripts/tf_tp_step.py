@@ -14,8 +14,6 @@ gradient against the matching slice of the reference; rank 0 writes all ranks' r
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import hvd_runtime.tf  # noqa: F401  first, as a generated train.py: TensorFlow without Keras' unused extras
 import horovod.tensorflow as hvd
@@ -28,9 +26,8 @@ from hvd_runtime.tf.objective import accuracy_sum
 from hvd_runtime.tf.tensor_parallel import ColumnParallelDense, RowParallelDense, VocabParallelEmbedding, apply_tp
 from hvd_runtime.tf.vocab_parallel import VocabObjective
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import write_results  # noqa: E402
-from tf_workloads import load_workload  # noqa: E402
+from step_driver import write_results
+from tf_workloads import load_workload
 
 BATCH = 8
 

@@ -7,9 +7,7 @@ Keras session and a fixed seed: two builds in one process get the same layer nam
 same variable paths, by which variables are compared) and the same initial weights.
 """
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import keras
@@ -17,8 +15,7 @@ import numpy as np
 
 from hvd_runtime.config import ModelConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from project_module import project_module  # noqa: E402
+from project_module import project_module
 
 # Tiny sizes: the check is about splitting exactly, not about learning.
 IMAGE = (3, 16, 16)     # (C, H, W), as data.py gives images; 16 x 16: the last stage still normalises 2 x 2 positions

@@ -19,8 +19,6 @@ reference; rank 0 writes all ranks' reports as JSON.
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 
 import horovod.torch as hvd
 import torch
@@ -32,9 +30,8 @@ from hvd_runtime.torch.tensor_parallel import (ColumnParallelLinear, RowParallel
                                                VocabParallelEmbedding, apply_tp)
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_driver import write_results  # noqa: E402
-from workloads import load_workload  # noqa: E402
+from step_driver import write_results
+from workloads import load_workload
 
 FEATURES, HIDDEN, OUT, BATCH = 12, 16, 5, 8
 

@@ -25,7 +25,6 @@ Rank 0 writes all ranks' reports as JSON.
 import argparse
 import faulthandler
 import json
-import sys
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -49,8 +48,7 @@ from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch import zero as zero_module
 from hvd_runtime.torch.zero import STAGE2_BUCKET_BYTES, ZeroOptimizer, rows_by_parameter, shard_parameters
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from project_module import project_module  # noqa: E402
+from project_module import project_module
 
 SEED, BATCH, VOCAB, CONTEXT = 5, 4, 19, 8
 

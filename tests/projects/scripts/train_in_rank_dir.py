@@ -24,7 +24,7 @@ def enter_rank_dir() -> tuple[Path, Path, list[str]]:
     workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)
-    sys.path.insert(0, str(project))
+    sys.path[0] = str(project)  # where `python PROJECT/train.py` starts: its own folder first, not this one's
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return project, ranks_dir, overrides
 

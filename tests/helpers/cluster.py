@@ -1,7 +1,7 @@
 """Hosts on one machine, for multi-host jobs: network namespaces behind a switch, each a "pod".
 
-    python tests/cluster.py up --project demo --workers 2   # pods demo-worker-0/1, demo-launcher
-    python tests/cluster.py down                            # (up prints how to enter the launcher)
+    PYTHONPATH=tests python -m helpers.cluster up --project demo --workers 2   # pods demo-worker-0/1, demo-launcher
+    PYTHONPATH=tests python -m helpers.cluster down                            # (up prints how to enter the launcher)
 
 Each pod is a network namespace with its own address on a private subnet, joined by a veth pair
 to a bridge that lives in a namespace of its own (the switch), so nothing changes in the

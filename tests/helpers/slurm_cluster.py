@@ -1,9 +1,9 @@
 """A Slurm cluster on one machine: slurmctld and slurmd nodes in network namespaces, for batch jobs.
 
-    python tests/slurm_cluster.py up --nodes 2     # prints how to submit from the login namespace
-    python tests/slurm_cluster.py down
+    PYTHONPATH=tests python -m helpers.slurm_cluster up --nodes 2     # prints how to submit from the login namespace
+    PYTHONPATH=tests python -m helpers.slurm_cluster down
 
-The controller and each node is a network namespace behind a switch (tests/cluster.py's wiring),
+The controller and each node is a network namespace behind a switch (tests/helpers/cluster.py's wiring),
 under a host name of its own (a UTS namespace). Every node runs slurmd and sshd (horovodrun reaches
 the other nodes over ssh, as on a cluster that lets a job's nodes ssh to each other), and sees
 the machine's files as a shared filesystem, but for its own /etc/hosts (naming every node), its
@@ -31,8 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import SWITCH, _ip, _kill_all_in, kill_groups  # noqa: E402  (the namespaces' wiring, written once)
+from helpers.cluster import SWITCH, _ip, _kill_all_in, kill_groups  # the namespaces' wiring, written once
 
 SUBNET = "10.213.78"
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sshd", "ip")

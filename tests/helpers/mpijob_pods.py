@@ -1,4 +1,4 @@
-"""A generated project's MPIJob on the pods of tests/cluster.py, as the MPI Operator runs it.
+"""A generated project's MPIJob on the pods of tests/helpers/cluster.py, as the MPI Operator runs it.
 
 Worker pods run the manifest's worker command (its sshd, with the job's key where
 `sshAuthMountPath` says) and see their own copy of the project and the checkpoint volume where
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from cluster import Cluster
+from helpers.cluster import Cluster
 from hvdgen.cli import main as cli
 from hvdgen.k8s.kustomize import render
 

@@ -1,4 +1,8 @@
-"""Shared test helpers: launching real horovodrun jobs."""
+"""What the tests share: launching real horovodrun jobs, an `mlflow server`, the venv's tools.
+
+The modules beside this one serve fewer tests each: the namespaces that stand in for hosts and
+pods (cluster, mpijob_pods, slurm_cluster), the pipeline and tensor-parallel checks
+(pipeline_checks, pipeline_jobs, tp_checks), and the suite's CPU budget (budget)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def horovodrun_path() -> str:
@@ -120,7 +124,7 @@ def installed_horovod() -> Path:
 
 
 def unpatched_files(patches) -> list[str]:
-    """The files of the installed horovod that lack one of `patches` (hvdgen/horovod_patches.py,
+    """The files of the installed horovod that lack one of `patches` (hvdgen/build/patches.py,
     applied in their order): each patch's text must be there, unless a later one rewrote part of it."""
     root = installed_horovod().parent
 
