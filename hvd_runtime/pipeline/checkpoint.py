@@ -57,22 +57,22 @@ def refuse_another_cut(payload: dict, plan, where: str) -> None:
                       f"{_split_points(saved)}, point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
 
 
-def own_stage(payload: dict, dims, where: str) -> dict:
+def own_stage(payload: dict, place, where: str) -> dict:
     """This rank's stage part of a restored payload; refuses a checkpoint of another pipeline shape.
 
     The shape includes the chunks per rank: an interleaved stage holds other blocks (and its
     optimizer other slots) than a stage of the same index without chunks.
     """
-    if "stages" not in payload or dims.stage not in payload["stages"]:
-        raise ValueError(f"{where} was not written by a {dims.stages}-stage pipeline: "
+    if "stages" not in payload or place.stage not in payload["stages"]:
+        raise ValueError(f"{where} was not written by a {place.stages}-stage pipeline: "
                          "point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
-    part = payload["stages"][dims.stage]
+    part = payload["stages"][place.stage]
     saved = part.get("chunks", 1)    # checkpoints from before interleaving: one chunk a stage
-    if saved != dims.chunks:
+    if saved != place.chunks:
         def shape(chunks: int) -> str:
             return f"{chunks} chunks a stage (interleaved-1f1b)" if chunks > 1 else "one chunk a stage"
 
-        raise ValueError(f"{where} was written by a pipeline of {shape(saved)}, this one has {shape(dims.chunks)}: "
+        raise ValueError(f"{where} was written by a pipeline of {shape(saved)}, this one has {shape(place.chunks)}: "
                          "resume with the parallel.schedule and parallel.virtual_stages it was written with, point "
                          "--checkpoint.dir elsewhere, or pass --checkpoint.resume false")
     return part
@@ -88,7 +88,7 @@ def restored_state(payload: dict) -> TrainState:
     return TrainState(**payload["state"])
 
 
-def fitting_own_stage(hvd, payload: dict, dims, where: str, misfit_of: Callable[[dict], str | None]) -> dict:
+def fitting_own_stage(hvd, payload: dict, place, where: str, misfit_of: Callable[[dict], str | None]) -> dict:
     """This rank's part of the checkpoint, once every rank has found that its own part fits.
 
     Only the rank holding a stage can tell whether that stage's part loads into it (another
@@ -99,7 +99,7 @@ def fitting_own_stage(hvd, payload: dict, dims, where: str, misfit_of: Callable[
     misfits of the other stages.
     """
     try:
-        mine = own_stage(payload, dims, where)
+        mine = own_stage(payload, place, where)
         problem = misfit_of(mine)
         verdict = None if problem is None else (1, problem)
     except ValueError as exc:  # this stage is not in the checkpoint
@@ -110,7 +110,7 @@ def fitting_own_stage(hvd, payload: dict, dims, where: str, misfit_of: Callable[
     return mine
 
 
-def restore_own_stage(hvd, payload: dict | None, dims, where: str, misfit_of: Callable[[dict], str | None],
+def restore_own_stage(hvd, payload: dict | None, place, where: str, misfit_of: Callable[[dict], str | None],
                       load: Callable[[dict], None], set_rng_state: Callable, plan=None) -> TrainState:
     """Every rank calls, with the payload rank 0 read and broadcast (None: nothing to resume).
 
@@ -122,7 +122,7 @@ def restore_own_stage(hvd, payload: dict | None, dims, where: str, misfit_of: Ca
     if payload is None:
         return TrainState()
     refuse_another_cut(payload, plan, where)
-    load(fitting_own_stage(hvd, payload, dims, where, misfit_of))
+    load(fitting_own_stage(hvd, payload, place, where, misfit_of))
     rng = own_rng(payload, hvd.rank(), hvd.size())
     if rng is not None:
         set_rng_state(rng)

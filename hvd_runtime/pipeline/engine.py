@@ -32,24 +32,24 @@ class PipelineEngineBase:
 
     batches_per_update = 1   # a step's micro-batches are accumulated inside the engine
 
-    def __init__(self, hvd, dims: PipelineRank, schedule: str, micro_batches: int, metrics_fn=None,
+    def __init__(self, hvd, place: PipelineRank, schedule: str, micro_batches: int, metrics_fn=None,
                  timeline: bool = False, timeline_steps: int = 20, guard: Guard | None = None):
         """`guard` (hvd_runtime.nonfinite): each update checked by the whole model's gradient norm."""
-        self.hvd, self.dims, self.metrics_fn = hvd, dims, metrics_fn
+        self.hvd, self.place, self.metrics_fn = hvd, place, metrics_fn
         self.guard = guard
         self.checks = guard is not None and guard.checks
         self.step_number = 0   # the loop's step being trained, which a skipped update is named by
-        self.schedule, self.micro_batches, self.chunks = schedule, micro_batches, dims.chunks
-        if (schedule in INTERLEAVED) != (dims.chunks > 1):
-            raise PipelineConfigError(f"schedule {schedule} with {dims.chunks} chunks per rank: interleaved-1f1b needs "
+        self.schedule, self.micro_batches, self.chunks = schedule, micro_batches, place.chunks
+        if (schedule in INTERLEAVED) != (place.chunks > 1):
+            raise PipelineConfigError(f"schedule {schedule} with {place.chunks} chunks per rank: interleaved-1f1b needs "
                                       "init_pipeline(..., chunks=2 or more), every other schedule chunks=1")
-        misfit = interleaved_misfit(schedule, dims.stages, micro_batches)
+        misfit = interleaved_misfit(schedule, place.stages, micro_batches)
         if misfit:
             raise PipelineConfigError(misfit)
         self._schedules: dict[int, tuple[list, list]] = {}
         self._actions_for(micro_batches)   # built up front: a schedule that cannot be made fails at start-up
         # the last timeline_steps training steps: bounded memory, and past the run's start-up
-        self.recorder = TimelineRecorder(dims.rank, dims.stage, dims.replica, enabled=timeline, keep_steps=timeline_steps)
+        self.recorder = TimelineRecorder(place.rank, place.stage, place.replica, enabled=timeline, keep_steps=timeline_steps)
         self.steps = 0
         self.peak_in_flight = 0     # most micro-batches holding activations at once, last step
         self._act_shapes: dict[tuple, tuple] = {}  # (chunk, micro-batch size) -> (shape, dtype) seen on the way in
@@ -67,19 +67,19 @@ class PipelineEngineBase:
         validation shard's last one): every stage of a replica sees the same batch, so all agree.
         """
         if m not in self._schedules:
-            train = build_schedule(self.schedule, self.dims.stages, m, self.chunks)[self.dims.stage]
-            forward = [a for a in build_schedule("gpipe", self.dims.stages, m, self.chunks)[self.dims.stage]
+            train = build_schedule(self.schedule, self.place.stages, m, self.chunks)[self.place.stage]
+            forward = [a for a in build_schedule("gpipe", self.place.stages, m, self.chunks)[self.place.stage]
                        if a.op in (Op.RECV_ACT, Op.FORWARD, Op.SEND_ACT)]
             self._schedules[m] = (train, forward)
         return self._schedules[m]
 
     def _is_first(self, chunk: int) -> bool:
         """Does this chunk begin the model (it reads the inputs, receives nothing)?"""
-        return self.dims.is_first and chunk == 0
+        return self.place.is_first and chunk == 0
 
     def _is_last(self, chunk: int) -> bool:
         """Does this chunk end the model (it computes the loss, sends nothing on)?"""
-        return self.dims.is_last and chunk == self.chunks - 1
+        return self.place.is_last and chunk == self.chunks - 1
 
     def _tag(self, kind: str, i: int, virtual_stage: int) -> str:
         """A message's name: micro-batch i's activation or gradient, going to `virtual_stage`
@@ -142,17 +142,17 @@ class PipelineEngineBase:
     # -- messages -------------------------------------------------------------------------------
     def _recv_act(self, c: int, i: int, size: int):
         known = self._act_shapes.get((c, size))
-        t = self.dims.prev.recv(self._tag("act", i, c * self.dims.stages + self.dims.stage), *(known or (None, None)))
+        t = self.place.prev.recv(self._tag("act", i, c * self.place.stages + self.place.stage), *(known or (None, None)))
         self._act_shapes[(c, size)] = (tuple(t.shape), t.dtype)
         return t
 
     def _send_act(self, c: int, i: int, size: int, out) -> None:
-        to = c * self.dims.stages + self.dims.stage + 1
-        self.dims.next.send(out, self._tag("act", i, to), shape_known=(c, size) in self._act_sent)
+        to = c * self.place.stages + self.place.stage + 1
+        self.place.next.send(out, self._tag("act", i, to), shape_known=(c, size) in self._act_sent)
         self._act_sent.add((c, size))
 
     def _wait_sends(self) -> None:
-        for link in (self.dims.prev, self.dims.next):
+        for link in (self.place.prev, self.place.next):
             if link is not None:
                 link.wait_sends()
 
@@ -163,7 +163,7 @@ class PipelineEngineBase:
         Everything in flight is keyed by (chunk, micro-batch): without chunks, the chunk is 0. The
         sums stay the framework's values where they are: no host sync per micro-batch.
         """
-        dims, rec, p = self.dims, self.recorder, self.dims.stages
+        place, rec, p = self.place, self.recorder, self.place.stages
         inputs: dict[tuple, object] = {}
         outputs: dict[tuple, object] = {}
         grads: dict[tuple, object] = {}
@@ -172,7 +172,7 @@ class PipelineEngineBase:
         sums, peak = None, 0
         for k, a in enumerate(actions):
             i, c, op = a.micro_batch, a.chunk, a.op
-            key, virtual = (c, i), c * p + dims.stage
+            key, virtual = (c, i), c * p + place.stage
             if op is Op.RECV_ACT:
                 with rec.span("recv", i, c):
                     inputs[key] = self._recv_act(c, i, sizes[i])
@@ -198,7 +198,7 @@ class PipelineEngineBase:
             elif op is Op.RECV_GRAD:
                 with rec.span("recv", i, c):
                     out = outputs.pop(key)
-                    grads[key] = dims.next.recv(self._tag("grad", i, virtual), tuple(out.shape), out.dtype)
+                    grads[key] = place.next.recv(self._tag("grad", i, virtual), tuple(out.shape), out.dtype)
             elif op is Op.BACKWARD:
                 with rec.span("backward", i, c):
                     grads[key] = self._backward(c, i, grads.pop(key, None))
@@ -217,7 +217,7 @@ class PipelineEngineBase:
                     due = []
             elif op is Op.SEND_GRAD:
                 with rec.span("send", i, c):
-                    dims.prev.send(grads.pop(key), self._tag("grad", i, virtual - 1), shape_known=True)
+                    place.prev.send(grads.pop(key), self._tag("grad", i, virtual - 1), shape_known=True)
         self._wait_sends()
         if train:
             self.peak_in_flight = peak
@@ -245,10 +245,10 @@ class PipelineEngineBase:
         n = batch_size or (self._count(x) if x is not None else self._count(y) if y is not None else None)
         if n is None:
             raise PipelineConfigError("train_step/evaluate need x, y or batch_size= on every stage")
-        if self.dims.is_first and x is None:
-            raise PipelineConfigError(f"stage 0 (rank {self.dims.rank}) needs the inputs x")
-        if self.dims.is_last and y is None:
-            raise PipelineConfigError(f"the last stage (rank {self.dims.rank}) needs the targets y")
+        if self.place.is_first and x is None:
+            raise PipelineConfigError(f"stage 0 (rank {self.place.rank}) needs the inputs x")
+        if self.place.is_last and y is None:
+            raise PipelineConfigError(f"the last stage (rank {self.place.rank}) needs the targets y")
         sizes = micro_batch_sizes(n, min(self.micro_batches, n))  # a short last batch: fewer micro-batches
         xs = self._split_batch(x, sizes) if x is not None else None
         ys = self._split_batch(y, sizes) if y is not None else None
@@ -257,8 +257,8 @@ class PipelineEngineBase:
     def _sync_metric_names(self) -> None:
         """Only the last stage has seen the metrics; every rank needs their names, once (a collective)."""
         if not self._names_synced:
-            names = self._metric_names if self.dims.is_last else None
-            self._metric_names = self.hvd.broadcast_object(names or [], root_rank=self.dims.last_stage_root,
+            names = self._metric_names if self.place.is_last else None
+            self._metric_names = self.hvd.broadcast_object(names or [], root_rank=self.place.last_stage_root,
                                                            name="pp.metric_names")
             self._names_synced = True
 
@@ -297,7 +297,7 @@ class PipelineEngineBase:
     @property
     def reports_loss(self) -> bool:
         """hvd_runtime.loop: only the last stage's batches count; the others add just their penalty."""
-        return self.dims.is_last
+        return self.place.is_last
 
     def train_batch(self, x, y, apply: bool, step: int) -> tuple[object, dict[str, object]]:
         """hvd_runtime.loop's call: one step; this stage's mean loss and metric sums, as they are.
@@ -334,7 +334,7 @@ class PipelineEngineBase:
         """Gather every rank's timeline to rank 0, which writes run_dir/timeline.json. Call on every rank."""
         records = self.hvd.allgather_object(self.recorder.record(), name="pp.timeline")
         if self.hvd.rank() == 0:
-            meta = {"schedule": self.schedule, "stages": self.dims.stages, "replicas": self.dims.replicas,
+            meta = {"schedule": self.schedule, "stages": self.place.stages, "replicas": self.place.replicas,
                     "micro_batches": self.micro_batches, "chunks": self.chunks}
             save_timeline(run_dir, records, meta)
 
@@ -351,7 +351,7 @@ class PipelineEngineBase:
         timeline = load_timeline(run_dir)
         if not timeline.steps:
             return None
-        stages, m = self.dims.stages, self.micro_batches
+        stages, m = self.place.stages, self.micro_batches
         measured, replayed = measured_bubble(timeline), replayed_bubble(timeline)
         theory = schedule_bubble(self.schedule, stages, m, self.chunks)
         return {"picture": plot_timeline(timeline, Path(run_dir) / "timeline.png"),

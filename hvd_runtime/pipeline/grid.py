@@ -22,7 +22,8 @@ class PipelineConfigError(ParallelConfigError):
 
 @dataclass
 class PipelineRank:
-    """This rank's place in the grid, with its process sets and links to its neighbours."""
+    """This rank's place in the grid, with its process sets and links to its neighbours. Code that
+    holds one calls it `place`; its `dims` is the whole grid's ParallelDims."""
 
     dims: ParallelDims
     rank: int

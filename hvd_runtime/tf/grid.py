@@ -1,7 +1,7 @@
 """Horovod started with the rank grid on TensorFlow: every strategy's start-up, a pipeline's process sets and links.
 
     ctx = init(cfg, "pipeline")          # data | model-split | tensor | pipeline, as cfg.parallel lays it out
-    ctx, dims = init_pipeline(stages=2)  # a pipeline's start, by hand: process sets are fixed at init
+    ctx, place = init_pipeline(stages=2)  # a pipeline's start, by hand: process sets are fixed at init
 
 The grid itself (which rank holds which stage, which process sets exist) is framework-free, in
 `hvd_runtime.parallel.dims`; this rank's place in it in `hvd_runtime.pipeline.grid`; what each
@@ -36,7 +36,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
 
     p2p: "socket" (a TCP connection per neighbour pair, the default: fastest, see docs/pipeline.md)
     or "alltoall" (Horovod's alltoall in the pair's process set: nothing beside Horovod).
-    tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`, split_stage):
+    tp: each stage split over this many ranks (tensor parallelism, `place.tensor_group`, split_stage):
     the grid is replicas x stages x tp, and each slice talks to the same slice of the neighbours.
     chunks: the model's chunks per rank (interleaved-1f1b): the stages then link in a ring.
     """
@@ -56,18 +56,18 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     if ctx.size != dims.world:
         raise PipelineConfigError(f"Horovod started {ctx.size} ranks but the launcher said {world}: "
                                   "launch with horovodrun")
-    me = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, chunks=chunks, _sets={tuple(r): s for r, s in zip(wanted, sets)})
+    place = PipelineRank(dims=dims, rank=ctx.rank, p2p=p2p, chunks=chunks, _sets={tuple(r): s for r, s in zip(wanted, sets)})
     if dims.dp > 1:
-        me.dp_set = me.process_set(dims.dp_ranks(me.rank))
+        place.dp_set = place.process_set(dims.dp_ranks(place.rank))
     if dims.tp > 1:
-        me.tensor_group = TensorGroup.of(dims, me.rank, me._sets)
-    prev, next_ = me.prev_rank, me.next_rank
+        place.tensor_group = TensorGroup.of(dims, place.rank, place._sets)
+    prev, next_ = place.prev_rank, place.next_rank
     if p2p == "socket":
         links = connect_neighbours(hvd, prev, next_)
-        me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
+        place.prev, place.next = (SocketTensorLink(link) if link else None for link in links)
     else:
         if prev is not None:
-            me.prev = AlltoallLink(me.rank, prev, me.process_set(sorted([prev, me.rank])))
+            place.prev = AlltoallLink(place.rank, prev, place.process_set(sorted([prev, place.rank])))
         if next_ is not None:
-            me.next = AlltoallLink(me.rank, next_, me.process_set(sorted([me.rank, next_])))
-    return replace(ctx, pipeline=me), me
+            place.next = AlltoallLink(place.rank, next_, place.process_set(sorted([place.rank, next_])))
+    return replace(ctx, pipeline=place), place

@@ -64,13 +64,13 @@ class Parallel:
     zero: ZeroSync | None = None             # horovod.zero: the rows this rank steps, for the checkpoints
 
 
-def apply_pipeline(model: keras.Model, dims: PipelineRank, partition, sample, tail=None) -> Stage:
+def apply_pipeline(model: keras.Model, place: PipelineRank, partition, sample, tail=None) -> Stage:
     """This rank's stage of the unchanged model, split over its tensor-parallel group (if any).
 
     `partition`: as config.partition_spec gives it; `sample` (a micro-batch) and `tail` (the last
     stage's loss and metrics) are what `time` times."""
-    stage = build_stage(model, dims, partition=partition, sample=sample, tail=tail)
-    return split_stage(stage, dims)
+    stage = build_stage(model, place, partition=partition, sample=sample, tail=tail)
+    return split_stage(stage, place)
 
 
 def timing_sample(dataset, cfg) -> tuple:
@@ -153,7 +153,7 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     by the whole model's norm, summed over the stages."""
     import horovod.tensorflow as hvd
 
-    dims = ctx.pipeline
+    place = ctx.pipeline
     # The model has no values yet (hvd_runtime.tf.meta_init): this rank draws only its stage (its
     # slices under tp), from the seed and each variable's name in the whole model, so each stage
     # starts from the same model wherever the stages cut (`partition: time` may cut differently
@@ -161,17 +161,17 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     meta = is_meta(model)   # the whole model's: a stage may hold no variable
     if not meta:
         hvd.broadcast_variables([v.value for v in model.variables if is_state(v)], root_rank=0)
-    partition = resumed_partition(model, dims.stages * dims.chunks, ctx, cfg)
-    stage = apply_pipeline(model, dims, partition, *timing_sample(dataset, cfg))
+    partition = resumed_partition(model, place.stages * place.chunks, ctx, cfg)
+    stage = apply_pipeline(model, place, partition, *timing_sample(dataset, cfg))
     plan_and_check(stage, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT", meta=meta)
     stage = materialize(stage, cfg.seed)
     _recompute(stage, cfg)  # in each micro-batch's backward
-    objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
-    optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, dims), steps_per_epoch, clip=False)
-    engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
+    objective = VocabObjective.of(place.tensor_group, dataset.num_classes)
+    optimizer = make_optimizer(cfg.optim, cfg.horovod, replica_context(ctx, place), steps_per_epoch, clip=False)
+    engine = PipelineEngine(stage, place, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             clip_norm=cfg.optim.clip_norm, guard=nonfinite_guard(cfg, ctx))
-    return Parallel(stage, optimizer, engine, SplitVariables(stage) if dims.tensor_group else None, stage.plan)
+    return Parallel(stage, optimizer, engine, SplitVariables(stage) if place.tensor_group else None, stage.plan)
 
 
 def _recompute(model, cfg) -> None:

@@ -2,9 +2,9 @@
 
     from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline
 
-    ctx, dims = init_pipeline(stages=2, seed=0)       # Horovod init with the pipeline's process sets
-    stage = build_stage(model, dims)                    # this rank's layers of the unchanged model
-    engine = PipelineEngine(stage, dims, loss_fn, keras.optimizers.SGD(0.1), schedule="1f1b", micro_batches=4)
+    ctx, place = init_pipeline(stages=2, seed=0)       # Horovod init with the pipeline's process sets
+    stage = build_stage(model, place)                    # this rank's layers of the unchanged model
+    engine = PipelineEngine(stage, place, loss_fn, keras.optimizers.SGD(0.1), schedule="1f1b", micro_batches=4)
     loss, metrics = engine.train_step(x, y)             # same numbers on every rank
 
 Each micro-batch's forward runs under its own `tf.GradientTape`, kept until the schedule reaches
@@ -66,30 +66,30 @@ class ReplicaContext:
         return self.size
 
 
-def replica_context(ctx: Context, dims: PipelineRank) -> ReplicaContext:
+def replica_context(ctx: Context, place: PipelineRank) -> ReplicaContext:
     """The data-parallel view of this rank: its replica among `replicas` (stages do not multiply the batch)."""
-    ranks = dims.stages * dims.dims.tp  # the ranks of one replica: its stages, each split over tp
-    return ReplicaContext(dims.replica, dims.replicas, ctx.local_rank // ranks, max(1, ctx.local_size // ranks),
+    ranks = place.stages * place.dims.tp  # the ranks of one replica: its stages, each split over tp
+    return ReplicaContext(place.replica, place.replicas, ctx.local_rank // ranks, max(1, ctx.local_size // ranks),
                           ctx.device)
 
 
-def build_stage(model, dims: PipelineRank, partition: Partition | str | list = "params", sample=None,
+def build_stage(model, place: PipelineRank, partition: Partition | str | list = "params", sample=None,
                 tail=None) -> Stage:
     """This rank's stage of `model`, cut the same way on every rank (a timed plan comes from rank 0);
     with chunks (interleaved schedules) its pieces stage, stage + p, ... of p x chunks.
     partition="time" times the layers on `sample`, and `tail` (time_costs') with the last."""
-    pieces = dims.stages * dims.chunks
+    pieces = place.stages * place.chunks
     if partition == "time":
         plan = plan_timed_on_rank0(model, pieces, sample, tail, "pp.partition")
     else:
         plan = plan_stages(model, pieces, partition, sample, tail)
     if plan.stages != pieces:
-        of = f"{dims.stages} x {dims.chunks} chunks" if dims.chunks > 1 else f"{dims.stages}"
+        of = f"{place.stages} x {place.chunks} chunks" if place.chunks > 1 else f"{place.stages}"
         raise PartitionError(f"partition has {plan.stages} stages but the pipeline has {of}")
-    return rank_stage(model, dims.stage, plan, dims.stages)
+    return rank_stage(model, place.stage, plan, place.stages)
 
 
-def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
+def split_stage(stage: Stage, place: PipelineRank) -> Stage:
     """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
     group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
@@ -102,11 +102,11 @@ def split_stage(stage: Stage, dims: PipelineRank) -> Stage:
     """
     import horovod.tensorflow as hvd
 
-    group = dims.tensor_group
+    group = place.tensor_group
     if group is None:
         return stage
     if not is_meta(stage):
-        root = dims.dims.tp_ranks(dims.rank)[0]
+        root = place.dims.tp_ranks(place.rank)[0]
         # Horovod: one model for the whole group, from its first rank
         hvd.broadcast_variables([v.value for v in stage.variables if is_state(v)], root_rank=root,
                                 process_set=group.process_set)
@@ -156,19 +156,19 @@ def _added(sums: list, grads: list) -> list:
 class PipelineEngine(PipelineEngineBase):
     """Runs one stage's part of the schedule each step, then averages its gradients over dp."""
 
-    def __init__(self, stage: Stage, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
+    def __init__(self, stage: Stage, place: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
                  micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
                  clip_norm: float = 0.0, guard: Guard | None = None):
         import horovod.tensorflow as hvd
 
         if schedule in SPLIT_BACKWARD:
             raise ConfigError(f"parallel.schedule {schedule} {SPLIT_BACKWARD_TORCH_ONLY}: use 1f1b")
-        super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps, guard)
+        super().__init__(hvd, place, schedule, micro_batches, metrics_fn, timeline, timeline_steps, guard)
         self.stage, self.loss_fn, self.optimizer, self.clip_norm = stage, loss_fn, optimizer, clip_norm
         self.variables = list(stage.trainable_variables)
         # Tensor-parallel stages: the variables held as slices (the clip norm counts them apart)
-        split = set(SplitVariables(stage).by_id) if dims.dims.tp > 1 else set()
-        self._whole_share = [1.0 if id(v) in split else 1.0 / dims.dims.tp for v in self.variables]
+        split = set(SplitVariables(stage).by_id) if place.dims.tp > 1 else set()
+        self._whole_share = [1.0 if id(v) in split else 1.0 / place.dims.tp for v in self.variables]
         if not optimizer.built:
             optimizer.build(self.variables)
         self._saved: dict[tuple, tuple] = {}  # (chunk, micro-batch) -> (tape, input, [output or loss, penalty?])
@@ -195,11 +195,11 @@ class PipelineEngine(PipelineEngineBase):
 
     def _sync_replicas(self) -> None:
         """Start every replica of this stage from replica 0's variables and optimizer state."""
-        if self.dims.dp_set is None:
+        if self.place.dp_set is None:
             return
-        root = self.dims.stage_root
+        root = self.place.stage_root
         self.hvd.broadcast_variables([v.value for v in stage_state_variables(self.stage, self.optimizer)],
-                                     root_rank=root, process_set=self.dims.dp_set)
+                                     root_rank=root, process_set=self.place.dp_set)
 
     # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
     def _forward(self, c, i, inp, y, weight, train):
@@ -260,10 +260,10 @@ class PipelineEngine(PipelineEngineBase):
 
     def _finish_step(self):
         grads, self._grads = self._grads, []
-        if self.variables and self.dims.dp_set is not None:
+        if self.variables and self.place.dp_set is not None:
             # Horovod: average this stage's gradients over its dp replicas only
             grads = self.hvd.grouped_allreduce(grads, op=self.hvd.Average, name="pp.grads",
-                                               process_set=self.dims.dp_set)
+                                               process_set=self.place.dp_set)
         scale = 1.0
         if self.clip_norm or self.checks:
             # a weight-free stage (a lone flatten) adds its share, none, to the job-wide norm too
@@ -284,7 +284,7 @@ class PipelineEngine(PipelineEngineBase):
         what Keras' global_clipnorm computes on the unsplit model. The same on every rank."""
         squares = self._squared_norm(grads) if grads else tf.zeros((), tf.float64)
         # Horovod: every rank's share of the squared norm, summed over the whole job
-        return (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.dims.replicas) ** 0.5
+        return (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.place.replicas) ** 0.5
 
     def _squared_norm_fn(self, grads: list) -> tf.Tensor:
         # With tensor parallelism a whole (unsplit) variable is held by each of the tp ranks of its

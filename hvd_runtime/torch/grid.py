@@ -1,8 +1,8 @@
 """Horovod started with the rank grid on PyTorch: every strategy's start-up, a pipeline's process sets and links.
 
     ctx = init(cfg, "pipeline")           # data | model-split | tensor | pipeline, as cfg.parallel lays it out
-    ctx, dims = init_pipeline(stages=2)   # a pipeline's start, by hand: process sets are fixed at init
-    dims.stage, dims.replica, dims.is_first, dims.is_last
+    ctx, place = init_pipeline(stages=2)   # a pipeline's start, by hand: process sets are fixed at init
+    place.stage, place.replica, place.is_first, place.is_last
     ctx.device, ctx.data_rank, ctx.data_size   # this rank's device; its replica, of how many
 
 The grid itself (which rank holds which stage, which process sets exist) is framework-free, in
@@ -41,7 +41,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     seed, threads_per_rank: as init_horovod's (seed + rank; on the CPU, cores / ranks on this host
     threads by default).
     cycle_time_ms: Horovod's background-loop period (hvd_runtime.scaling.set_cycle_time).
-    tp: each stage split over this many ranks (tensor parallelism, `me.tensor_group`): the grid is
+    tp: each stage split over this many ranks (tensor parallelism, `place.tensor_group`): the grid is
     replicas x stages x tp, and each slice talks to the same slice of the neighbouring stages.
     chunks: the model's chunks per rank, for the interleaved-1f1b schedule: the stages then form a
     ring, the last linked back to the first.
@@ -69,27 +69,27 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
         hvd.init(process_sets=sets)
     if hvd.size() != dims.world:
         dims = ParallelDims(world=hvd.size(), tp=tp, pp=stages)
-    me = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, chunks=chunks,
+    place = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, chunks=chunks,
                       _sets={tuple(r): s for r, s in zip(wanted, sets)})
-    ctx = Context(pin_device(seed, threads_per_rank), pipeline=me)
+    ctx = Context(pin_device(seed, threads_per_rank), pipeline=place)
     if dims.dp > 1:
-        me.dp_set = me.process_set(dims.dp_ranks(me.rank))
+        place.dp_set = place.process_set(dims.dp_ranks(place.rank))
     if dims.tp > 1:
-        me.tensor_group = TensorGroup.of(dims, me.rank, me._sets)
+        place.tensor_group = TensorGroup.of(dims, place.rank, place._sets)
     if p2p == "torch" and dims.pp > 1:
         init_torch_distributed()
 
     def link(peer: int, pair: list[int]):
         if p2p == "torch":
-            return TorchDistLink(me.rank, peer)
-        return LINKS[p2p](me.rank, peer, me.process_set(pair))
+            return TorchDistLink(place.rank, peer)
+        return LINKS[p2p](place.rank, peer, place.process_set(pair))
 
     if p2p == "socket":
-        links = connect_neighbours(hvd, me.prev_rank, me.next_rank)
-        me.prev, me.next = (SocketTensorLink(link) if link else None for link in links)
-        return ctx, me
-    if me.prev_rank is not None:
-        me.prev = link(me.prev_rank, sorted([me.prev_rank, me.rank]))
-    if me.next_rank is not None:
-        me.next = link(me.next_rank, sorted([me.rank, me.next_rank]))
-    return ctx, me
+        links = connect_neighbours(hvd, place.prev_rank, place.next_rank)
+        place.prev, place.next = (SocketTensorLink(link) if link else None for link in links)
+        return ctx, place
+    if place.prev_rank is not None:
+        place.prev = link(place.prev_rank, sorted([place.prev_rank, place.rank]))
+    if place.next_rank is not None:
+        place.next = link(place.next_rank, sorted([place.rank, place.next_rank]))
+    return ctx, place

@@ -107,7 +107,7 @@ def plan_and_check(module: nn.Module, per_block: BlockActivations | None, ctx, c
     return settle(held_parameters(module), activations, ctx, cfg, splits)
 
 
-def pipeline_in_flight(cfg, dims) -> float:
+def pipeline_in_flight(cfg, place) -> float:
     """Micro-batches of this stage's activations held at once (a chunk's a 1/chunks part of them)."""
-    return theory_peak_in_flight(cfg.parallel.schedule, dims.stages, cfg.parallel.micro_batches, dims.stage,
-                                 dims.chunks) / dims.chunks
+    return theory_peak_in_flight(cfg.parallel.schedule, place.stages, cfg.parallel.micro_batches, place.stage,
+                                 place.chunks) / place.chunks

@@ -1,7 +1,7 @@
 """Models built on the meta device; a rank makes real only the parameters it holds, the same at any layout.
 
     model = build_on_meta(build_model, cfg.model, dataset.input_shape, dataset.num_classes)
-    stage = build_stage(model, dims, partition="params")    # still meta: shapes, no memory
+    stage = build_stage(model, place, partition="params")    # still meta: shapes, no memory
     stage = materialize(stage, seed=cfg.seed, device=ctx.device)
 
 `build_on_meta` runs the model's own constructor under `torch.device("meta")` with a dispatch mode

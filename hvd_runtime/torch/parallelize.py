@@ -71,13 +71,13 @@ class Parallel:
     plan: Partition | None = None            # where a pipeline or model-split cut the model, for the index
 
 
-def apply_pipeline(model: nn.Module, dims: PipelineRank, partition, sample: torch.Tensor, tail=None) -> nn.Module:
+def apply_pipeline(model: nn.Module, place: PipelineRank, partition, sample: torch.Tensor, tail=None) -> nn.Module:
     """This rank's stage of the unchanged model, split over its tensor-parallel group (if any).
 
     `partition`: as config.partition_spec gives it; `sample` (a micro-batch) and `tail` (the last
     stage's loss and metrics) are what `time` times."""
-    stage = build_stage(model, dims, partition=partition, sample=sample, tail=tail)
-    return split_stage(stage, dims)
+    stage = build_stage(model, place, partition=partition, sample=sample, tail=tail)
+    return split_stage(stage, place)
 
 
 def batch_sample(dataset, cfg) -> torch.Tensor:
@@ -177,20 +177,20 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
     engine, which walks the schedule, averages the stage's gradients over its replicas and clips
     by the whole model's norm, summed over the stages."""
     wanted(cfg.train.compile, ctx.device, pipeline=True)   # refuses `on`: a stage runs eager
-    dims = ctx.pipeline
-    partition = resumed_partition(model, dims.stages * dims.chunks, ctx, cfg)
+    place = ctx.pipeline
+    partition = resumed_partition(model, place.stages * place.chunks, ctx, cfg)
     sample, tail = timing_sample(dataset, cfg)
     per_block = activations_of(model, sample)   # before tp splits the blocks: a micro-batch's
     # The model is on the meta device: this rank draws only its stage (its slices under tp), from
     # the seed and each tensor's name in the whole model, so each stage starts from the same model
     # wherever the stages cut (`partition: time` may cut differently from one start to the next).
     meta = is_meta(model)   # the whole model's: a stage may hold no parameter
-    stage = apply_pipeline(model, dims, partition, sample, tail)
+    stage = apply_pipeline(model, place, partition, sample, tail)
     plan_and_check(stage, per_block, ctx, cfg, "more parallel.stages, or a larger parallel.tp for a GPT",
                    blocks=[name for names in stage.chunk_names for name in names],
-                   scale=pipeline_in_flight(cfg, dims) / dims.dims.tp, recompute_scale=1 / dims.dims.tp, meta=meta)
+                   scale=pipeline_in_flight(cfg, place) / place.dims.tp, recompute_scale=1 / place.dims.tp, meta=meta)
     stage = materialize(stage, cfg.seed, ctx.device).to(ctx.device)
-    objective = VocabObjective.of(dims.tensor_group, dataset.num_classes)
+    objective = VocabObjective.of(place.tensor_group, dataset.num_classes)
     schedule = make_schedule(cfg.optim, cfg.horovod, steps_per_epoch)
     lr = schedule.lr(0, ctx.data_size)
     if cfg.horovod.zero and ctx.dp_set is not None:
@@ -199,11 +199,11 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
                                   ctx.dp_set, ctx.data_rank, ctx.data_size)
     else:        # a lone replica: nothing to shard
         optimizer = plain_optimizer(stage.parameters(), cfg.optim, lr)
-    engine = PipelineEngine(stage, dims, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
+    engine = PipelineEngine(stage, place, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule,
                             guard=nonfinite_guard(cfg, ctx))
-    return Parallel(stage, optimizer, engine, SplitParameters(stage) if dims.tensor_group else None, stage.plan)
+    return Parallel(stage, optimizer, engine, SplitParameters(stage) if place.tensor_group else None, stage.plan)
 
 
 def _recompute(model: nn.Module, cfg) -> None:

@@ -3,15 +3,15 @@
     import horovod.torch as hvd
     from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 
-    ctx, dims = init_pipeline(stages=2)                  # Horovod: init with the pipeline's process sets
-    stage = build_stage(model, dims, partition="params")  # this rank's blocks of the unchanged model
-    engine = PipelineEngine(stage, dims, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(stage.parameters(), 0.1),
+    ctx, place = init_pipeline(stages=2)                  # Horovod: init with the pipeline's process sets
+    stage = build_stage(model, place, partition="params")  # this rank's blocks of the unchanged model
+    engine = PipelineEngine(stage, place, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(stage.parameters(), 0.1),
                             schedule="1f1b", micro_batches=4)
     loss, metrics = engine.train_step(x, y)              # same numbers on every rank
     loss, metrics = engine.evaluate(val_batches)
     engine.save_timeline(run_dir)                        # rank 0 writes timeline.json
 
-Data: shard by replica (`num_replicas=dims.replicas, rank=dims.replica`); every stage of a replica
+Data: shard by replica (`num_replicas=place.replicas, rank=place.replica`); every stage of a replica
 walks the same batches. The first stage reads x, the last y; a middle stage may pass only
 `batch_size=` (it needs the micro-batch sizes). `loss_fn` must return the mean over its
 micro-batch: the engine weights micro-batches by size, so a step's loss and gradients are those
@@ -45,7 +45,7 @@ __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRan
            "micro_batch_sizes", "plan_stages", "split_stage"]
 
 
-def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
+def split_stage(stage: torch.nn.Module, place: PipelineRank) -> torch.nn.Module:
     """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
     group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
@@ -55,12 +55,12 @@ def split_stage(stage: torch.nn.Module, dims: PipelineRank) -> torch.nn.Module:
     so that the slices come from one model and the parameters kept whole (LayerNorm, position
     embeddings) are the same on all. Unchanged at tp 1.
     """
-    group = dims.tensor_group
+    group = place.tensor_group
     if group is None:
         return stage
     if not is_meta(stage):
         # Horovod: one model for the whole group, from its first rank
-        _broadcast_state(stage, dims.dims.tp_ranks(dims.rank)[0], group.process_set, "tp.init")
+        _broadcast_state(stage, place.dims.tp_ranks(place.rank)[0], group.process_set, "tp.init")
     return split_model(stage, group)
 
 
@@ -80,13 +80,13 @@ def _broadcast_state(module: torch.nn.Module, root: int, process_set, prefix: st
 class PipelineEngine(PipelineEngineBase):
     """Runs one stage's part of the schedule each step, then averages its gradients over dp."""
 
-    def __init__(self, stage: torch.nn.Module, dims: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
+    def __init__(self, stage: torch.nn.Module, place: PipelineRank, loss_fn, optimizer, schedule: str = "1f1b",
                  micro_batches: int = 4, metrics_fn=None, timeline: bool = False, timeline_steps: int = 20,
                  device=None, precision: str = "fp32", clip_norm: float = 0.0, lr_schedule=None,
                  guard: Guard | None = None):
         import horovod.torch as hvd
 
-        super().__init__(hvd, dims, schedule, micro_batches, metrics_fn, timeline, timeline_steps, guard)
+        super().__init__(hvd, place, schedule, micro_batches, metrics_fn, timeline, timeline_steps, guard)
         self.stage, self.loss_fn, self.optimizer = stage, loss_fn, optimizer
         self.device = torch.device(device) if device else next(stage.parameters(), torch.empty(0)).device
         if precision == "fp16":  # one loss scale would have to be agreed by every stage, every step
@@ -95,7 +95,7 @@ class PipelineEngine(PipelineEngineBase):
         self._autocast = Precision(precision, self.device).autocast
         self.clip_norm, self.lr_schedule = clip_norm, lr_schedule
         # Tensor-parallel stages: the parameters held as slices, found once (the clip norm counts them apart)
-        self._split_ids = set(SplitParameters(stage).by_param) if dims.dims.tp > 1 else set()
+        self._split_ids = set(SplitParameters(stage).by_param) if place.dims.tp > 1 else set()
         self.sharded = isinstance(optimizer, ZeroOptimizer)   # horovod.zero 1: the replicas' rows
         self._saved: dict[tuple, tuple] = {}   # (chunk, micro-batch) -> (input, output to backpropagate, module calls)
         self.split_backward = SplitBackward(stage) if schedule in SPLIT_BACKWARD else None
@@ -105,8 +105,8 @@ class PipelineEngine(PipelineEngineBase):
 
     def _sync_replicas(self) -> None:
         """Start every replica of this stage from replica 0's parameters and buffers."""
-        if self.dims.dp_set is not None:
-            _broadcast_state(self.stage, self.dims.stage_root, self.dims.dp_set, "pp.init")
+        if self.place.dp_set is not None:
+            _broadcast_state(self.stage, self.place.stage_root, self.place.dp_set, "pp.init")
 
     # -- the framework hooks of PipelineEngineBase ---------------------------------------------------
     def _forward(self, c, i, inp, y, weight, train):
@@ -171,13 +171,13 @@ class PipelineEngine(PipelineEngineBase):
         if self.sharded:
             # Horovod: this stage's gradients reduce-scattered over its replicas, each keeps its rows
             self.optimizer.synchronize()
-        elif self.dims.dp_set is not None and params:
+        elif self.place.dp_set is not None and params:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             # Horovod: average this stage's gradients over its dp replicas only
             self.hvd.grouped_allreduce_([p.grad for p in params], op=self.hvd.Average, name="pp.grads",
-                                        process_set=self.dims.dp_set)
+                                        process_set=self.place.dp_set)
         if self.clip_norm or self.checks:
             norm = self._grad_norm()
             if self.checks and not self.guard.allows(math.isfinite(norm), self.step_number):
@@ -200,8 +200,8 @@ class PipelineEngine(PipelineEngineBase):
         # A gradient averaged over the replicas is held by each of them (ZeRO: its rows by one); a
         # parameter kept whole under tensor parallelism by each of the tp ranks of its stage.
         terms = [stepped.grad.detach().double().pow(2).sum()
-                 / ((1 if id(param) in self._split_ids else self.dims.dims.tp)
-                    * (self.dims.replicas if every_replica else 1))
+                 / ((1 if id(param) in self._split_ids else self.place.dims.tp)
+                    * (self.place.replicas if every_replica else 1))
                  for param, stepped, every_replica in self._stepped() if stepped.grad is not None]
         squares = torch.stack(terms).sum().cpu() if terms else torch.zeros((), dtype=torch.float64)
         # Horovod: every rank's share of the squared norm, summed over the whole job
@@ -217,7 +217,7 @@ class PipelineEngine(PipelineEngineBase):
 
     def _before_step(self, step):
         if self.lr_schedule is not None:  # the LR for this step, scaled by the replicas (stages add no samples)
-            self.lr_schedule.apply(self.optimizer, step, self.dims.replicas)
+            self.lr_schedule.apply(self.optimizer, step, self.place.replicas)
 
     def sum_over_ranks(self, values, name):
         return self.hvd.allreduce(torch.from_numpy(values), op=self.hvd.Sum, name=name).numpy()

@@ -7,7 +7,7 @@ together are the model's. The blocks are shared, not copied: drop the model and 
 stages' blocks are freed.
 
     plan = plan_stages(model, stages=2, by="params")           # or by="time", sample=x
-    stage = build_stage(model, dims, partition=plan)         # dims from init_pipeline, or an int
+    stage = build_stage(model, place, partition=plan)         # place from init_pipeline, or an int
 
 With chunks (interleaved schedules, `init_pipeline(..., chunks=v)`), the model is cut into p x v
 pieces and a rank's stage holds pieces stage, stage + p, ...: still one module of the model's own
@@ -124,20 +124,20 @@ class Stage(nn.Sequential):
         return x
 
 
-def build_stage(model, dims, partition: Partition | str | Sequence = "params",
+def build_stage(model, place, partition: Partition | str | Sequence = "params",
                 sample: torch.Tensor | None = None, tail=None) -> Stage:
-    """This rank's stage of `model`. dims: a PipelineRank (its stage and stage count) or a stage index.
+    """This rank's stage of `model`. place: a PipelineRank (its stage and stage count) or a stage index.
 
     With an int, pass a Partition (or plan the stage count from it) so every stage agrees.
     partition="time" times the blocks on `sample`, and `tail` (time_costs') with the last.
     """
-    if isinstance(dims, int):
+    if isinstance(place, int):
         if not isinstance(partition, Partition):
             raise PartitionError("build_stage(model, <stage index>) needs partition=plan_stages(model, stages)")
-        index, stages, chunks = dims, partition.stages, 1
+        index, stages, chunks = place, partition.stages, 1
     else:
-        index, stages, chunks = dims.stage, dims.stages, dims.chunks
-    if not isinstance(dims, int) and partition == "time":
+        index, stages, chunks = place.stage, place.stages, place.chunks
+    if not isinstance(place, int) and partition == "time":
         plan = plan_timed_on_rank0(model, stages * chunks, sample, tail, "pp.partition")
     else:
         plan = plan_stages(model, stages * chunks, partition, sample, tail)

@@ -80,16 +80,16 @@ def main():
     args = parse_args(pipeline=True, cases=True)
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
-    _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
+    _, place = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
     for case_args in each_case(args):
-        write_results(hvd, run_case(case_args, dims), case_args.out)
+        write_results(hvd, run_case(case_args, place), case_args.out)
 
 
-def run_case(args, dims) -> dict:
+def run_case(args, place) -> dict:
     """Train args.steps steps with this rank's stage and with the unsplit model; return what to compare."""
     work = load_workload(args.model, args.project, lambda: make_model(args.flatten_first), mlp_batch)
     g = torch.Generator().manual_seed(7)
-    global_batch = args.batch * dims.replicas
+    global_batch = args.batch * place.replicas
     batches = [work.batch(g, global_batch) for _ in range(args.steps)]
     xs, ys = [b[0] for b in batches], [b[1] for b in batches]
     x_val, y_val = work.batch(g, 3 * global_batch)
@@ -110,22 +110,22 @@ def run_case(args, dims) -> dict:
         ref_val = cross_entropy(ref(x_val), y_val).item()
 
     # the pipeline: this rank's stage of a fresh copy of the same model
-    stage = build_stage(work.build(), dims, partition=args.partition, sample=xs[0][: args.batch])
+    stage = build_stage(work.build(), place, partition=args.partition, sample=xs[0][: args.batch])
     if args.tp > 1:  # each stage's blocks, embedding and head split over its tensor-parallel group
-        stage = split_model(stage, dims.tensor_group)
+        stage = split_model(stage, place.tensor_group)
     if args.recompute:  # each micro-batch's blocks run again in its backward
         recompute_blocks(stage)
     # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
-    objective = VocabObjective.of(dims.tensor_group, VOCAB)
+    objective = VocabObjective.of(place.tensor_group, VOCAB)
     weights = list(stage.parameters()) or [{"params": []}]  # a weight-free stage, as plain_optimizer does
     optimizer = ZeroOptimizer(stage, lambda tensors: torch.optim.SGD(tensors or [{"params": []}], lr=args.lr,
                                                                      momentum=args.momentum),
-                              args.zero, dims.dp_set, dims.replica, dims.replicas) if args.zero else \
+                              args.zero, place.dp_set, place.replica, place.replicas) if args.zero else \
         torch.optim.SGD(weights, lr=args.lr, momentum=args.momentum)
-    engine = PipelineEngine(stage, dims, loss_fn=objective.cross_entropy, optimizer=optimizer,
+    engine = PipelineEngine(stage, place, loss_fn=objective.cross_entropy, optimizer=optimizer,
                             schedule=args.schedule, micro_batches=args.micro_batches, metrics_fn=objective.accuracy,
                             timeline=args.run_dir is not None, clip_norm=args.clip_norm)
-    run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
+    run = drive_pipeline(engine, place, xs, ys, x_val, y_val, args)
 
     after = ref.state_dict()
     splits = SplitParameters(stage).by_name  # tensor parallelism: this rank holds a slice of these
@@ -137,9 +137,9 @@ def run_case(args, dims) -> dict:
 
     update_err = {name: rel(p.detach() - held(name, before[name]), held(name, after[name] - before[name]))
                   for name, p in stage.state_dict().items()}
-    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica,
-              "tp_rank": dims.tensor_group.rank if dims.tensor_group else 0,
-              "split_params": sorted(splits), "blocks": list(stage.plan.stage_names(dims.stage)),
+    result = {"rank": place.rank, "stage": place.stage, "replica": place.replica,
+              "tp_rank": place.tensor_group.rank if place.tensor_group else 0,
+              "split_params": sorted(splits), "blocks": list(stage.plan.stage_names(place.stage)),
               "chunk_blocks": stage.chunk_names,
               "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err,
               "clipped": clipped, "weights": sum(1 for p in stage.parameters() if p.requires_grad),

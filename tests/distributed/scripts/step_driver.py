@@ -80,25 +80,25 @@ def loop_step(engine, x, y, step: int) -> tuple[float, dict[str, float]]:
     return means.pop("loss"), means
 
 
-def drive_pipeline(engine, dims, xs, ys, x_val, y_val, args) -> dict:
+def drive_pipeline(engine, place, xs, ys, x_val, y_val, args) -> dict:
     """Train on every global batch and evaluate; return losses, accuracies, peak in flight, val loss.
 
     The last batch goes the way hvd_runtime.loop drives an engine (every rank given x and y), the
     others through `train_step`, whose loss and metrics come back averaged over the job."""
-    shard = slice(dims.replica * args.batch, (dims.replica + 1) * args.batch)
+    shard = slice(place.replica * args.batch, (place.replica + 1) * args.batch)
     losses, accs, peaks = [], [], []
     for k, (x, y) in enumerate(zip(xs, ys)):
         if k == len(xs) - 1:
             loss, metrics = loop_step(engine, x[shard], y[shard], k)
         # a middle stage needs neither inputs nor targets, only the batch size
-        elif dims.is_first or dims.is_last:
-            loss, metrics = engine.train_step(x[shard] if dims.is_first else None, y[shard] if dims.is_last else None)
+        elif place.is_first or place.is_last:
+            loss, metrics = engine.train_step(x[shard] if place.is_first else None, y[shard] if place.is_last else None)
         else:
             loss, metrics = engine.train_step(batch_size=args.batch)
         losses.append(loss)
         peaks.append(engine.peak_in_flight)
         accs.append(metrics["accuracy"])
-    val_shard = slice(dims.replica * 3 * args.batch, (dims.replica + 1) * 3 * args.batch)
+    val_shard = slice(place.replica * 3 * args.batch, (place.replica + 1) * 3 * args.batch)
     vx, vy = x_val[val_shard], y_val[val_shard]
     val_loss, _ = engine.evaluate([(vx[:args.batch], vy[:args.batch]), (vx[args.batch:], vy[args.batch:])])
     if args.run_dir:

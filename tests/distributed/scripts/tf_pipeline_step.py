@@ -102,19 +102,19 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, piec
 
 def main():
     args = parse_args(pipeline=True, p2p="socket", cases=True)
-    _, dims = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
+    _, place = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
     for case_args in each_case(args):
-        write_results(hvd, run_case(case_args, dims), case_args.out)
+        write_results(hvd, run_case(case_args, place), case_args.out)
 
 
-def run_case(args, dims) -> dict:
+def run_case(args, place) -> dict:
     """Train args.steps steps with this rank's stage and with the unsplit model; return what to compare."""
     work = load_workload(args.model, args.project,
                          lambda seed=1234: make_model(seed, args.flatten_first, args.regularize), mlp_batch,
                          (["flat"] if args.flatten_first else []) + BLOCKS)
-    tp_rank = dims.tensor_group.rank if dims.tensor_group else 0
+    tp_rank = place.tensor_group.rank if place.tensor_group else 0
     rng = np.random.default_rng(7)
-    global_batch = args.batch * dims.replicas
+    global_batch = args.batch * place.replicas
     batches = [work.batch(rng, global_batch) for _ in range(args.steps)]
     xs, ys = [b[0] for b in batches], [b[1] for b in batches]
     x_val, y_val = work.batch(rng, 3 * global_batch)
@@ -122,25 +122,25 @@ def run_case(args, dims) -> dict:
     ref_losses, ref_accs, ref_val, ref_updates, clipped = reference(xs, ys, x_val, y_val, work=work, pieces=pieces,
                                                                     clip_norm=args.clip_norm, lr=args.lr)
 
-    model = work.build(1234 + 1000 * dims.replica + 100 * tp_rank)  # replica 0's, tp rank 0's must win
-    stage = build_stage(model, dims, partition=args.partition, sample=xs[0][:args.batch])
+    model = work.build(1234 + 1000 * place.replica + 100 * tp_rank)  # replica 0's, tp rank 0's must win
+    stage = build_stage(model, place, partition=args.partition, sample=xs[0][:args.batch])
     before = {k: v.numpy().copy() for k, v in named_variables(stage.layers).items()}
     names = list(before)  # the unsplit stage's float variables, in order: a split stage's line up with them
     if args.tp > 1:
-        stage = split_stage(stage, dims)
+        stage = split_stage(stage, place)
     if args.recompute:  # each micro-batch's blocks run again in its backward
         recompute_blocks(stage)
     # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
-    objective = VocabObjective.of(dims.tensor_group, VOCAB)
-    engine = PipelineEngine(stage, dims, objective.cross_entropy, keras.optimizers.SGD(args.lr), schedule=args.schedule,
+    objective = VocabObjective.of(place.tensor_group, VOCAB)
+    engine = PipelineEngine(stage, place, objective.cross_entropy, keras.optimizers.SGD(args.lr), schedule=args.schedule,
                             micro_batches=args.micro_batches, metrics_fn=objective.accuracy,
                             timeline=args.run_dir is not None,
                             clip_norm=args.clip_norm)
-    if dims.replica or tp_rank:
+    if place.replica or tp_rank:
         # what replica 0's tp rank 0 started from: broadcast over the tp group, then the stage's replicas
         start = named_variables(work.build(1234).layers)
         before = {k: start[k].numpy().copy() for k in before}
-    run = drive_pipeline(engine, dims, xs, ys, x_val, y_val, args)
+    run = drive_pipeline(engine, place, xs, ys, x_val, y_val, args)
 
     splits = SplitVariables(stage).by_id  # tensor parallelism: this rank holds a slice of these
     held = [v for layer in stage.layers for v in layer.variables if "float" in str(v.dtype)]
@@ -153,10 +153,10 @@ def run_case(args, dims) -> dict:
 
     update_err = {k: rel(v.numpy() - part(v, before[k]), part(v, ref_updates[k])) for k, v in zip(names, held)}
     split_names = sorted(k for k, v in zip(names, held) if id(v) in splits)
-    result = {"rank": dims.rank, "stage": dims.stage, "replica": dims.replica, "tp_rank": tp_rank,
+    result = {"rank": place.rank, "stage": place.stage, "replica": place.replica, "tp_rank": tp_rank,
               "split_params": split_names,
-              "blocks": list(stage.plan.stage_names(dims.stage)),
-              "chunk_blocks": [[layer.name for layer in stage.chunk_layers(c)] for c in range(dims.chunks)], "ref_losses": ref_losses, "ref_accs": ref_accs,
+              "blocks": list(stage.plan.stage_names(place.stage)),
+              "chunk_blocks": [[layer.name for layer in stage.chunk_layers(c)] for c in range(place.chunks)], "ref_losses": ref_losses, "ref_accs": ref_accs,
               "ref_val_loss": ref_val, "update_err": update_err, "clipped": clipped, **run}
     return result
 
