@@ -7,21 +7,24 @@ optimizer's apply_gradients); the epoch loop is hvd_runtime.loop's, driving a Tr
 wrapper is silently bypassed and its callbacks fail.
 """
 
-from hvd_runtime.tf.lean_import import import_tensorflow
+from hvd_runtime.collector import collector_paused
 
-import_tensorflow()  # before any module below imports it: without the packages only Keras' extras use
+with collector_paused():  # every rank of a host loads TensorFlow, Keras and Horovod at once (hvd_runtime.collector)
+    from hvd_runtime.tf.lean_import import import_tensorflow
 
-from hvd_runtime.tf.batches import ShardedBatches  # noqa: E402
-from hvd_runtime.tf.context import Context, init_horovod
-from hvd_runtime.tf.grid import init  # noqa: E402
-from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync  # noqa: E402
-from hvd_runtime.tf.objective import accuracy, accuracy_sum, cross_entropy  # noqa: E402
-from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer  # noqa: E402
-from hvd_runtime.tf.precision import loss_scaled, use_precision  # noqa: E402
-from hvd_runtime.checkpoint import TrainState  # noqa: E402
-from hvd_runtime.tf.checkpoint import checkpoint_store, restore_checkpoint, save_checkpoint  # noqa: E402
-from hvd_runtime.tf.step import TrainStep  # noqa: E402
-from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm  # noqa: E402
+    import_tensorflow()  # before any module below imports it: without the packages only Keras' extras use
+
+    from hvd_runtime.tf.batches import ShardedBatches
+    from hvd_runtime.tf.context import Context, init_horovod
+    from hvd_runtime.tf.grid import init
+    from hvd_runtime.tf.gradients import GradientAccumulator, GradientSync
+    from hvd_runtime.tf.objective import accuracy, accuracy_sum, cross_entropy
+    from hvd_runtime.tf.optim import WarmupSchedule, make_optimizer
+    from hvd_runtime.tf.precision import loss_scaled, use_precision
+    from hvd_runtime.checkpoint import TrainState
+    from hvd_runtime.tf.checkpoint import checkpoint_store, restore_checkpoint, save_checkpoint
+    from hvd_runtime.tf.step import TrainStep
+    from hvd_runtime.tf.sync_batchnorm import SyncBatchNormalization, use_sync_batchnorm
 
 __all__ = ["Context", "GradientAccumulator", "GradientSync",
            "ShardedBatches", "SyncBatchNormalization", "TrainState", "TrainStep", "WarmupSchedule", "accuracy",

@@ -39,7 +39,8 @@ def old_project(tmp_path) -> Path:
     project = tmp_path / "shop"
     train = (project / "train.py").read_text()
     assert TEMPLATE_CHANGE not in train
-    train = train.replace("import gc\n", "import gc\nimport time  # mine: timing\n", 1)
+    config_file = 'CONFIG_FILE = Path(__file__).with_name("config.yaml")\n'
+    train = train.replace(config_file, config_file + "import time  # mine: timing\n", 1)
     train = train.replace("    model.to(ctx.device)\n", CONFLICTING, 1)
     (project / "train.py").write_text(train)
     config = (project / "config.yaml").read_text()
