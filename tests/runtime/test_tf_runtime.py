@@ -67,11 +67,13 @@ def native_notices(stderr: str) -> list[str]:
 
 def test_tensorflow_start_up_notices_show_with_tf_cpp_min_log_level_0():
     """The user's way to see everything TensorFlow writes; and proof that this TensorFlow writes
-    the notices the check above finds absent."""
+    the notices the check above finds absent. oneDNN is asked for: TensorFlow turns it on by
+    itself (and says so) only on CPUs with AVX-512-class instructions."""
     import subprocess
 
     proc = subprocess.run([sys.executable, "-c", LEAN_IMPORT_CHECK.format(before="")], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"})
+                          text=True, timeout=120,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0", "TF_ENABLE_ONEDNN_OPTS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     shown = native_notices(proc.stderr)
     assert any("oneDNN custom operations are on" in line for line in shown), proc.stderr
@@ -382,4 +384,4 @@ def test_the_tensorflow_pipeline_refuses_split_backward_schedules_in_one_line(sc
 
     with pytest.raises(ConfigError, match=rf"^parallel.schedule {schedule} runs on PyTorch only: Keras layers inside "
                                           r"a block have no hook.*: use 1f1b$"):
-        PipelineEngine(stage=None, dims=None, loss_fn=None, optimizer=None, schedule=schedule)
+        PipelineEngine(stage=None, place=None, loss_fn=None, optimizer=None, schedule=schedule)
