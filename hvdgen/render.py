@@ -13,13 +13,14 @@ import ast
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import jinja2
 import yaml
 from jinja2.sandbox import SandboxedEnvironment
 
+from hvd_runtime.config import RunConfig
 from hvdgen import runtime_wheel
 from hvdgen.catalog import FRAMEWORK_PINS
 from hvdgen.errors import HvdgenError
@@ -63,7 +64,9 @@ def _environment(spec: ProjectSpec) -> SandboxedEnvironment:
     env = SandboxedEnvironment(loader=jinja2.FileSystemLoader([str(p) for p in reversed(_layers(spec))]),
                                undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                trim_blocks=True, lstrip_blocks=True)
-    env.filters["yaml"] = lambda value: yaml.safe_dump(value, default_flow_style=True).strip()
+    # A value as YAML writes it on one line: a list in brackets, a plain scalar without the "..." end.
+    env.filters["yaml"] = lambda value: ('""' if value == "" else
+                                         yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip())
     return env
 
 
@@ -72,7 +75,8 @@ def context(spec: ProjectSpec) -> dict:
 
     return {"slurm": script_context(spec), "spec": spec, "name": spec.name, "package": spec.package, "framework": spec.framework,
             "strategy": spec.strategy, "hvdgen_version": spec.hvdgen_version,
-            "runtime_wheel": runtime_wheel.wheel_relpath(), "framework_pin": FRAMEWORK_PINS[spec.framework]}
+            "runtime_wheel": runtime_wheel.wheel_relpath(), "framework_pin": FRAMEWORK_PINS[spec.framework],
+            "defaults": asdict(RunConfig())}  # config.yaml's values where the project makes no choice of its own
 
 
 def render_tree(spec: ProjectSpec, dest: Path, only: str | None = None) -> list[str]:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import yaml
 
-from hvd_runtime.config import INTERLEAVED, interleaved_fit
+from hvd_runtime.config import INTERLEAVED, HorovodConfig, ParallelConfig, TrainConfig, interleaved_fit
 from hvd_runtime.pipeline.schedule import SPLIT_BACKWARD_TORCH_ONLY
 from hvdgen import __version__, catalog
 from hvdgen.errors import HvdgenError
@@ -23,8 +23,6 @@ TAKEN_NAMES = frozenset({"hvdgen", "hvd-runtime", "horovod", "torch", "tensorflo
                          "scikit-learn", "sklearn", "matplotlib", "pytest", "click", "jinja2", "pyyaml", "yaml",
                          "tqdm", "cloudpickle", "psutil", "packaging", "cffi", "jsonschema", "safetensors",
                          "setuptools", "pip", "wheel", "hatchling", "cmake", "train", "model", "data", "tests"})
-# The generated config: what --micro-batches can split (what --stages can: catalog.MODELS).
-BATCH_SIZE = 32    # per rank (config.yaml train.batch_size)
 
 
 def package_name(name: str) -> str:
@@ -63,11 +61,11 @@ class ProjectSpec:
     model: str = "mlp"     # mlp | resnet18 | gpt (catalog.MODELS)
     size: str = catalog.DEFAULT_SIZE   # a GPT's shape (catalog.GPT_SIZES); the other models have one
     elastic: bool = False  # Horovod elastic: survive lost workers (hvd.elastic.run, host discovery)
-    stages: int = 2        # model-split: devices per worker; pipeline: ranks per pipeline
-    micro_batches: int = 4
-    schedule: str = "1f1b"
+    stages: int = ParallelConfig.stages  # model-split: devices per worker; pipeline: ranks per pipeline
+    micro_batches: int = ParallelConfig.micro_batches
+    schedule: str = ParallelConfig.schedule
     tp: int | None = None  # tensor (default 2) and pipeline (default 1: stages unsplit): ranks per tensor-parallel group
-    zero: int = 0          # horovod.zero (data; torch also tensor, pipeline): 1 optimizer state, 2 gradients, 3 params
+    zero: int = HorovodConfig.zero  # horovod.zero (data; torch also tensor, pipeline): 1 optimizer state, 2 gradients, 3 params
     hvdgen_version: str = field(default=__version__)
     k8s: dict = field(default_factory=dict)  # answers of `hvdgen k8s`; see hvdgen/k8s/options.py
     slurm: dict = field(default_factory=dict)  # answers of `hvdgen slurm`; see hvdgen/slurm/options.py
@@ -112,9 +110,9 @@ class ProjectSpec:
         if not _whole(self.micro_batches) or self.micro_batches < 1:
             raise HvdgenError(f"--micro-batches must be a positive integer, got {self.micro_batches!r}: "
                               "e.g. --micro-batches 4")
-        if self.micro_batches > BATCH_SIZE:
-            raise HvdgenError(f"--micro-batches {self.micro_batches} is more than the {BATCH_SIZE} samples of a batch "
-                              f"per rank: use at most {BATCH_SIZE}; for more, raise train.batch_size in config.yaml "
+        if self.micro_batches > self.batch_size:
+            raise HvdgenError(f"--micro-batches {self.micro_batches} is more than the {self.batch_size} samples of a batch "
+                              f"per rank: use at most {self.batch_size}; for more, raise train.batch_size in config.yaml "
                               "and parallel.micro_batches there")
         if self.schedule not in catalog.SCHEDULES:
             raise HvdgenError(f"unknown schedule {self.schedule!r}: choose one of {', '.join(catalog.SCHEDULES)}")
@@ -171,6 +169,16 @@ class ProjectSpec:
         if self.tp != 1:
             raise HvdgenError(f"--schedule {self.schedule} does not split stages over tensor-parallel ranks: drop --tp, "
                               "or use --schedule 1f1b")
+
+    @property
+    def batch_size(self) -> int:
+        """config.yaml's train.batch_size (per rank): the GPT size's, else the config's default."""
+        return self.gpt_size.batch_size if self.model == "gpt" else TrainConfig.batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """config.yaml's train.eval_batch_size: twice a GPT size's batch (a window is long), else the default."""
+        return 2 * self.gpt_size.batch_size if self.model == "gpt" else TrainConfig.eval_batch_size
 
     @property
     def virtual_stages(self) -> int:

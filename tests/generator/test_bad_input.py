@@ -124,6 +124,8 @@ CASES = [
     ("stages-not-a-number", _nothing, ["new", "proj", "--strategy", "pipeline", "--stages", "two"]),
     ("micro-batches-zero", _nothing, ["new", "proj", "--strategy", "pipeline", "--micro-batches", "0"]),
     ("micro-batches-above-batch", _nothing, ["new", "proj", "--strategy", "model-split", "--micro-batches", "33"]),
+    ("micro-batches-above-gpt2-small-batch", _nothing, ["new", "proj", "--strategy", "pipeline", "--model", "gpt",
+                                                         "--size", "gpt2-small", "--micro-batches", "20"]),
     ("schedule-unknown", _nothing, ["new", "proj", "--strategy", "pipeline", "--schedule", "zigzag"]),
     ("schedule-on-model-split", _nothing, ["new", "proj", "--strategy", "model-split", "--schedule", "gpipe"]),
     ("zero-bubble-on-tensorflow", _nothing, ["new", "proj", "--strategy", "pipeline", "--framework", "tensorflow",
