@@ -48,6 +48,12 @@ def venv_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PATH": os.pathsep.join([*first, os.environ.get("PATH", "")]), **extra}
 
 
+def importing(project: Path | str) -> dict[str, str]:
+    """The environment of a wrapper that imports a generated project's modules (train, model,
+    data): the project first on PYTHONPATH, as `python PROJECT/train.py` has its own folder first."""
+    return {"PYTHONPATH": str(project)}
+
+
 def python_command(args: list[str]) -> list[str]:
     """A command line with this interpreter named `python`, found on venv_env()'s PATH: the warm
     start's while it is on (tests/warm_start)."""

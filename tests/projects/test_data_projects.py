@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import python_command, run_horovod
+from helpers import importing, python_command, run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
     ranks = tmp_path / "ranks"
     launch = [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(path), str(ranks)]
 
-    first = run_horovod(2, [*launch, "--train.epochs", "4"], cwd=path, timeout=400)
+    first = run_horovod(2, [*launch, "--train.epochs", "4"], cwd=path, env=importing(path), timeout=400)
     history = metrics(ranks)
     assert [m["epoch"] for m in history] == [1, 2, 3, 4]
     assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"], "the loss should fall"
@@ -51,7 +51,7 @@ def test_trains_resumes_and_only_rank0_writes(project, tmp_path):
     assert len(list((ranks / "rank0" / "checkpoints").glob("ckpt-*"))) == 3  # keep = 3
     assert "resuming" not in first.stdout
 
-    second = run_horovod(2, [*launch, "--train.epochs", "12"], cwd=path, timeout=400)
+    second = run_horovod(2, [*launch, "--train.epochs", "12"], cwd=path, env=importing(path), timeout=400)
     assert "resuming from" in second.stdout and "epoch 4" in second.stdout
     history = metrics(ranks)
     assert [m["epoch"] for m in history] == list(range(1, 13)), "epochs go on from where they stopped"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import horovodrun_path, python_command, run_horovod, venv_env
+from helpers import horovodrun_path, importing, python_command, run_horovod, venv_env
 from hvd_runtime.config import DataConfig
 from hvd_runtime.data import load_dataset
 
@@ -191,7 +191,7 @@ def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strat
                "--train.epochs", str(epochs), "--train.batch_size", str(batch),
                "--horovod.elastic_commit_every", str(commit_every), "--checkpoint.every_steps", str(commit_every),
                "--checkpoint.keep", "1000", *([] if killed == 1 and strategy == "data" else UNTRACKED)],
-              cwd=project)
+              cwd=project, env=importing(project))
     os.kill(wait_until_stopped(killed, str(ranks), job), signal.SIGKILL)
     killed_at, killed_wall = time.monotonic(), time.time()
     reset_at, reset = job.wait_for(r"elastic reset: 1 rank\(s\) now")

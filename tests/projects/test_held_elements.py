@@ -5,7 +5,7 @@ and the tensor strategy at tp 2 train an epoch each. On every rank the parameter
 at start-up (counted as each real nn.Parameter is made, or each Keras variable given a value:
 tests/projects/scripts/count_held_elements.py, count_held_variables.py) are exactly the elements
 of the parameters the rank trains, and its optimizer holds state for those alone, each of a
-parameter's size. Across the ranks the held tensors are the unsplit model's: each one held whole
+parameter's size. Across the ranks the held tensors are the whole model's: each one held whole
 by one stage, or by every rank of its tp group, or split so that the group's slices add up to it.
 
 With `partition: time` rank 0 also makes a real copy of each block in turn, to time it, and nothing
@@ -15,7 +15,7 @@ At the checkpoint ending the epoch no rank allocates a tensor to write it, and t
 hold every parameter and its Adam moments exactly once, each rank writing from what it holds.
 
 The model starts the same at every layout (each tensor drawn from the seed and its name): the
-2-stage pipeline and 2 stages x tp 2 train the same epoch to 1e-5, as do tp 2 and the unsplit model
+2-stage pipeline and 2 stages x tp 2 train the same epoch to 1e-5, as do tp 2 and the whole model
 (tp 1, one rank), each reading the same batches.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_horovod
+from helpers import importing, run_horovod
 from test_tensor_projects import generate
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -42,7 +42,7 @@ ONE_EPOCH = ["--train.epochs", "1"]
 def counted(framework: str, np_: int, project: Path, ranks: Path, *overrides: str) -> tuple[dict, dict]:
     """held.json of a run (every rank's record, the unsplit shapes) and its epoch's metrics."""
     run_horovod(np_, [sys.executable, str(SCRIPTS / COUNTER[framework]), str(project), str(ranks), *overrides],
-                cwd=project, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=400)
+                cwd=project, env={"TF_CPP_MIN_LOG_LEVEL": "2"} | importing(project), timeout=400)
     [epoch] = [json.loads(line) for line in (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text()
                .splitlines()]
     return json.loads((ranks / "held.json").read_text()), epoch
@@ -63,7 +63,7 @@ def check_each_rank_made_only_what_it_holds(report: dict, tp: int, framework: st
         if len(report["ranks"]) > 1:
             assert held < total, f"rank {r['rank']} holds the whole model ({held} of {total} elements)"
         for name, shape in r["held"].items():
-            assert name in unsplit, f"rank {r['rank']} holds {name}, which the unsplit model has not"
+            assert name in unsplit, f"rank {r['rank']} holds {name}, which the whole model has not"
             holders[name].append(prod(shape))
     for name, sizes in holders.items():
         whole = prod(unsplit[name])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_checkpoint, run_horovod
+from helpers import copy_checkpoint, importing, run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def train(project: Path, ranks: Path, epochs: int, *overrides: str, env=None, np
     test_tracking_project's (torch) and test_staged_projects' (TensorFlow)."""
     proc = run_horovod(np_, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
                            "--train.epochs", str(epochs), "--tracking.enabled", "false", *overrides],
-                       cwd=project, env=env, timeout=400)
+                       cwd=project, env=env | importing(project), timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], proc.stdout
 
@@ -63,7 +63,7 @@ def test_pipeline_resumes_exactly(tmp_path, framework, schedule):
     assert f"{schedule}, 4 micro-batches" in out
     if schedule == "interleaved-1f1b":   # its stages hold other blocks than one chunk a stage would
         other = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project),
-                                str(tmp_path / "resumed"), "--train.epochs", "3"], cwd=project, env=skip_digest,
+                                str(tmp_path / "resumed"), "--train.epochs", "3"], cwd=project, env=skip_digest | importing(project),
                             timeout=400, check=False)
         # shards: each rank reads its blocks, wherever they were (both frameworks)
         assert other.returncode == 0 and "resuming from checkpoints/ckpt-" in other.stdout, other.stderr[-3000:]

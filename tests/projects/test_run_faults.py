@@ -62,7 +62,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import warm_start
-from helpers import run_horovod
+from helpers import importing, run_horovod
 from hvd_runtime.watchdog import HANG_EXIT
 from test_fault_tolerance import N_TRAIN, UNTRACKED, Job, checkpoint_steps, metrics
 from test_start_up_refusals import generate
@@ -175,12 +175,6 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def beside(project: Path) -> dict[str, str]:
-    """The environment a wrapper of the project's train.py needs: the project's modules import as
-    they do for `python train.py`, which puts its own folder first."""
-    return {"PYTHONPATH": str(project)}
-
-
 def pauser(tmp_path: Path, pause_s: float = PAUSE_S) -> Path:
     script = tmp_path / "pauser.py"
     script.write_text(PAUSER.replace("PAUSE_S)", f"{pause_s})"))
@@ -234,7 +228,7 @@ def test_a_hung_then_a_killed_rank_are_restarted_to_the_same_weights(tmp_path, f
     faults, run_dir, checkpoints = tmp_path / "faults", tmp_path / "run", tmp_path / "checkpoints"
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), framework, str(faults), "2",
                "30", "pause", "train.py", *training, "--run_dir", str(run_dir), "--checkpoint.dir", str(checkpoints)],
-              cwd=project, env=beside(project), retry=["--max-restarts", "2", "--backoff-s", "0"])
+              cwd=project, env=importing(project), retry=["--max-restarts", "2", "--backoff-s", "0"])
     try:
         os.kill(at_start(faults, 1, job), signal.SIGSTOP)
         stopped = time.monotonic()
@@ -278,7 +272,7 @@ def test_a_job_that_fails_at_the_same_step_every_time_is_given_up(tmp_path, stra
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path)), "torch", str(faults), "9",
                "10", "exit", "train.py", "--checkpoint.every_steps", "20", *UNTRACKED,
                "--run_dir", str(tmp_path / "run"), "--checkpoint.dir", str(tmp_path / "checkpoints")],
-              cwd=project, env=beside(project), retry=["--max-restarts", "2", "--backoff-s", "0"])
+              cwd=project, env=importing(project), retry=["--max-restarts", "2", "--backoff-s", "0"])
     code = job.finish(timeout=300)
     out = job.output
     assert code == 1, out[-3000:]
@@ -304,7 +298,7 @@ def test_a_stop_signal_checkpoints_where_every_rank_stops_and_the_restart_goes_o
     if tracked:
         training += ["--tracking.uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     job = Job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(pauser(tmp_path, pause_s=0.5)), framework,
-               str(faults), "1", "30", "pause", "train.py", *training], cwd=project, env=beside(project))
+               str(faults), "1", "30", "pause", "train.py", *training], cwd=project, env=importing(project))
     try:
         at_start(faults, 1, job)
         job.proc.send_signal(signal.SIGTERM)   # to horovodrun, which sends every rank SIGTERM
@@ -368,7 +362,7 @@ def test_a_nan_in_one_ranks_batch_is_skipped_or_stops_on_every_rank_alike(tmp_pa
     proc = run_horovod(2, [sys.executable, str(nanner), framework, "1" if strategy == "data" else "0", "15",
                            "train.py", "--train.epochs", "1", "--checkpoint.every_steps", "10", "--checkpoint.keep", "9",
                            "--train.on_nonfinite", policy, *UNTRACKED, "--run_dir", str(run_dir),
-                           "--checkpoint.dir", str(checkpoints)], cwd=project, env=beside(project), check=False)
+                           "--checkpoint.dir", str(checkpoints)], cwd=project, env=importing(project), check=False)
     out = proc.stdout + proc.stderr
     said = re.findall(r"^\[(\d)\]<stderr>:nonfinite: (.*)$", out, re.M)
     if policy == "skip":
@@ -414,7 +408,7 @@ def test_a_full_disk_fails_checkpoints_and_the_run_goes_on_or_stops_with_the_las
     filler.write_text(DISK_FILLER)
     proc = run_horovod(2, [sys.executable, str(filler), framework, str(small_disk), "11:fill,25:free,31:fill",
                            "train.py", *training, "--run_dir", str(tmp_path / "run"),
-                           "--checkpoint.dir", str(small_disk)], cwd=project, env=beside(project), check=False)
+                           "--checkpoint.dir", str(small_disk)], cwd=project, env=importing(project), check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out[-4000:]
     said = re.findall(r"^\[(\d)\]<stderr>:checkpoint: checkpoint (\d+) was not written, the previous one stays the "
@@ -451,7 +445,7 @@ def test_the_runs_last_checkpoint_failing_stops_it_without_a_trained_model(tmp_p
     run_dir = tmp_path / "run"
     proc = run_horovod(2, [sys.executable, str(filler), "torch", str(small_disk), "61:fill", "train.py", *TRAINING,
                            *UNTRACKED, "--checkpoint.max_failures", "5", "--run_dir", str(run_dir),
-                           "--checkpoint.dir", str(small_disk)], cwd=project, env=beside(project), check=False)
+                           "--checkpoint.dir", str(small_disk)], cwd=project, env=importing(project), check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out[-4000:]
     said = re.findall(r"^\[0\]<stderr>:checkpoint: checkpoint (\d+) was not written, .*; (.*?):", out, re.M)

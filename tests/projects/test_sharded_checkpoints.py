@@ -8,7 +8,7 @@ Both frameworks, each case:
   unsplit and pp 2 epochs recompute their blocks' activations in backward (model.recompute:
   blocks), the others keep them: the same numbers.
 - The whole model rank 0 writes from the shards at the end of a run (runs/latest/model.safetensors)
-  is the unsplit model's (torch: its state_dict; Keras: its variables by name), and the same
+  is the whole model's (torch: its state_dict; Keras: its variables by name), and the same
   (1e-5) whether 1, 2 or 4 ranks' shards made it: the straight run's and each run resumed back;
   the runs at unsplit, tp 2 and pp 2 alike.
 - A job SIGKILLed in the middle of writing its shards (rank 1's written, rank 0's index not yet)
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_checkpoint, horovodrun_path, python_command, run_horovod, venv_env
+from helpers import copy_checkpoint, horovodrun_path, importing, python_command, run_horovod, venv_env
 from test_start_up_refusals import QUIET, SMALL_DATA, refused
 from test_start_up_refusals import generate as generate_mlp
 from test_tensor_projects import generate, train
@@ -98,7 +98,7 @@ def test_a_checkpoint_resumes_at_every_layout_and_back(tmp_path, framework):
         assert f"resuming from checkpoints/ckpt-{straight[1]['step']:09d}: epoch 2" in out
         assert_same(back[-1], straight[2], f"{name} resumed at pp2xtp2")
         assert_whole_models_equal([whole_model(tmp_path / "straight"), whole_model(ranks)], framework)
-    # the model file rank 0 writes from 1, 2 (tp) and 2 (stages) shards: one unsplit model
+    # the model file rank 0 writes from 1, 2 (tp) and 2 (stages) shards: one whole model
     assert_whole_models_equal(list(epoch_2.values()), framework)
 
 
@@ -218,7 +218,7 @@ def test_a_job_killed_while_writing_its_shards_resumes_from_the_previous_checkpo
                                 *python_command([sys.executable, str(tmp_path / "stop.py"),
                                                  "torch" if framework == "torch" else "tf", str(2 * per_epoch),
                                                  str(marker), *args])],
-                               cwd=project, env=venv_env(**QUIET, PYTHONPATH=str(project)), stdout=out, stderr=subprocess.STDOUT,
+                               cwd=project, env=venv_env(**QUIET, **importing(project)), stdout=out, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
         deadline = time.monotonic() + 300

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import python_command, run_horovod
+from helpers import importing, python_command, run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_staged_project_trains(tmp_path, framework, strategy, np, extra):
                             "--train.epochs", str(epochs), *extra,
                             # every epoch's checkpoint as a model, which "auto" thins on short epochs
                             *(["--tracking.checkpoint_models", "every"] if tracked else ["--tracking.enabled", "false"])],
-                       cwd=project, env=env, timeout=600)
+                       cwd=project, env=env | importing(project), timeout=600)
     history = [json.loads(line) for line in (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == list(range(1, epochs + 1))
     if np == 2:
@@ -122,7 +122,7 @@ def test_pipeline_trains_alike_at_any_cut_and_resumes_at_its_own(tmp_path, frame
     def train(ranks: Path, cut: str, epochs: int, check: bool = True) -> subprocess.CompletedProcess:
         return run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
                                "--train.epochs", str(epochs), "--parallel.partition", cut, "--tracking.enabled", "false"],
-                           cwd=project, env={"SKIP_DIGEST": "1"}, timeout=300, check=check)
+                           cwd=project, env={"SKIP_DIGEST": "1"} | importing(project), timeout=300, check=check)
 
     def last_epoch(ranks: Path) -> dict:
         return json.loads((ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()[-1])

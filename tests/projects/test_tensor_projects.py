@@ -3,7 +3,7 @@ resumes at another tp.
 
 One job of 4 ranks (tp 2 x 2 replicas) trains two short epochs on token files the test writes:
 the loss falls; the ranks holding the same slices (0 and 2, 1 and 3) end with the same weights,
-and the two slices differ; the checkpoint names the unsplit model's tensors and shapes (each
+and the two slices differ; the checkpoint names the whole model's tensors and shapes (each
 rank of the first replica writes its slices). Then a
 checkpoint written at tp 2 resumes at tp 1 (one unsplit process), and one written at tp 1
 resumes at tp 2: epoch 2 of the resumed run equals the straight run's within 1e-5, so the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_checkpoint, run_horovod
+from helpers import copy_checkpoint, importing, run_horovod
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def train(np_: int, project: Path, ranks: Path, epochs: int, *overrides: str,
     """Metrics of each epoch, rank 0's output, and every rank's parameter digest (none for a pipeline)."""
     env = {"DIGEST": "parameters", "TF_CPP_MIN_LOG_LEVEL": "2"} | ({} if digest else {"SKIP_DIGEST": "1"})
     proc = run_horovod(np_, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
-                             "--train.epochs", str(epochs), *overrides], cwd=project, env=env, timeout=400)
+                             "--train.epochs", str(epochs), *overrides], cwd=project, env=env | importing(project), timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     digests = json.loads((ranks / "digests.json").read_text()) if digest else []
     return [json.loads(line) for line in lines], proc.stdout, digests

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import copy_checkpoint, run_horovod
+from helpers import copy_checkpoint, importing, run_horovod
 from test_pipeline_resume import assert_same
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -66,7 +66,7 @@ def train(project: Path, ranks: Path, epochs: int, *overrides: str, digest: bool
     env = {"DIGEST": "parameters"} if digest else {"SKIP_DIGEST": "1"}   # pipeline ranks hold different stages
     proc = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
                            "--train.epochs", str(epochs), "--tracking.enabled", "false", *overrides],
-                       cwd=project, env=env, timeout=400)
+                       cwd=project, env=env | importing(project), timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], proc.stdout
 

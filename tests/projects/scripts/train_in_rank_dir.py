@@ -4,7 +4,8 @@ Relative paths (checkpoints/, runs/, mlflow.db) then land in rankN/, so a test c
 what each rank wrote. At the end, rank 0 records a digest of every rank's parameters (DIGEST=parameters: torch
 parameters, or Keras trainable variables, only: leaving out BatchNorm's running statistics,
 which are each worker's own between checkpoints by design).
-usage: horovodrun ... python train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
+usage: PYTHONPATH=PROJECT horovodrun ... python train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
+(the project's modules import from PYTHONPATH: helpers.importing)
 
 Its work runs under `__main__`, as train.py's does: DataLoader workers start from a fork server and
 import this script again.
@@ -24,7 +25,6 @@ def enter_rank_dir() -> tuple[Path, Path, list[str]]:
     workdir = ranks_dir / f"rank{os.environ['HOROVOD_RANK']}"
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)
-    sys.path[0] = str(project)  # where `python PROJECT/train.py` starts: its own folder first, not this one's
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return project, ranks_dir, overrides
 
