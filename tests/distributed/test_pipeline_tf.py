@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hvd_runtime.pipeline.partition import PartitionError
+from hvd_runtime.pipeline.partition import PartitionError, partition
 from hvd_runtime.pipeline.timeline import load_timeline, step_bubble, step_replayed_bubble
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.p2p import decode, encode
@@ -58,7 +58,11 @@ def test_time_partition_counts_the_last_stages_loss_with_its_last_layer():
     assert len(seen) == 3
     np.testing.assert_allclose(seen[0], model(x), rtol=1e-6)
     assert with_tail.costs[-1] >= 0.05 > max(with_tail.costs[:-1] + plain.costs)
-    assert with_tail.bounds[-1] == (len(BLOCKS) - 1, len(BLOCKS))
+    # the cut is the one the costs with the loss give; where the other layers together stay under
+    # the loss (all but a machine so loaded that their timings swell), the last layer stands alone
+    assert with_tail.bounds == partition(with_tail.names, with_tail.costs, 2).bounds
+    if sum(with_tail.costs[:-1]) < 0.05:
+        assert with_tail.bounds[-1] == (len(BLOCKS) - 1, len(BLOCKS))
     normed = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
                                keras.layers.Dense(CLASSES)])
     before = [v.numpy() for v in normed.variables]

@@ -21,7 +21,7 @@ from torch import nn
 from helpers import horovodrun_path, run_horovod, venv_env
 from helpers.pipeline_checks import TOL, check_against_reference
 from helpers.pipeline_jobs import grid_jobs, model_split_job
-from hvd_runtime.pipeline.partition import PartitionError
+from hvd_runtime.pipeline.partition import PartitionError, partition
 from hvd_runtime.pipeline.timeline import load_timeline, replayed_bubble, step_bubble, step_replayed_bubble
 from hvd_runtime.torch.grid import PipelineConfigError
 from hvd_runtime.torch.model_split import ModelSplit
@@ -110,7 +110,11 @@ def test_time_partition_counts_the_last_stages_loss_with_its_last_block():
     assert len(seen) == 3 and all(out.requires_grad for out in seen)
     torch.testing.assert_close(seen[0], model(x), rtol=0, atol=0)
     assert with_tail.costs[-1] >= pause > max(with_tail.costs[:-1] + plain.costs)
-    assert with_tail.bounds[-1] == (blocks - 1, blocks)
+    # the cut is the one the costs with the loss give; where the other blocks together stay under
+    # the loss (all but a machine so loaded that their timings swell), the last block stands alone
+    assert with_tail.bounds == partition(with_tail.names, with_tail.costs, 2).bounds
+    if sum(with_tail.costs[:-1]) < pause:
+        assert with_tail.bounds[-1] == (blocks - 1, blocks)
     normed = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, CLASSES))
     before = {k: v.clone() for k, v in normed.state_dict().items()}
     plan_stages(normed, 2, "time", sample=x, tail=lambda out: out.square().mean())
