@@ -46,7 +46,7 @@ def main() -> None:
 
     from hvd_runtime.tf.context import init_horovod
     from hvd_runtime.tf.tensor_parallel import apply_tp
-    from hvd_runtime.tf.tensor_state import SplitVariables
+    from hvd_runtime.tf.tensor_state import SlicedVariables
     from hvd_runtime.tf.vocab_parallel import VocabObjective
 
     sys.path.insert(0, str(args.project))
@@ -55,7 +55,7 @@ def main() -> None:
     ctx = init_horovod(seed=0, threads_per_rank=args.threads, tp=args.tp)
     keras.utils.set_random_seed(0)  # one model on every rank and at every tp: the losses of tp 1 and tp 2 must agree
     model = apply_tp(build_model(model_config(args), (args.context,), VOCAB), ctx.tensor.group)
-    split = SplitVariables(model)
+    split = SlicedVariables(model)
     objective = VocabObjective.of(ctx.tensor.group, VOCAB)
     optimizer = keras.optimizers.AdamW(learning_rate=1e-3)
     variables = list(model.trainable_variables)

@@ -27,7 +27,7 @@ from bench.tp_worker_common import (VOCAB, model_config, parse_args, peak_rss_by
 from hvd_runtime.torch.context import init_horovod  # noqa: E402
 from hvd_runtime.torch.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,  # noqa: E402
                                                VocabParallelEmbedding, apply_tp)
-from hvd_runtime.torch.tensor_state import SplitParameters  # noqa: E402
+from hvd_runtime.torch.tensor_state import SlicedParameters  # noqa: E402
 from hvd_runtime.torch.vocab_parallel import VocabObjective  # noqa: E402
 
 SPLIT_NAMES = ("qkv", "proj", "mlp.0", "mlp.2", "tokens", "out")
@@ -51,7 +51,7 @@ def main() -> None:
     ctx = init_horovod(seed=0, threads_per_rank=args.threads, tp=args.tp)
     torch.manual_seed(0)  # one model on every rank and at every tp: the losses of tp 1 and tp 2 must agree
     model = apply_tp(build_model(model_config(args), (args.context,), VOCAB), ctx.tensor.group)
-    split = SplitParameters(model)
+    split = SlicedParameters(model)
     objective = VocabObjective.of(ctx.tensor.group, VOCAB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model_rss = peak_rss_bytes()

@@ -183,15 +183,15 @@ def misfit_message(detail: str) -> str:
 
 
 def root_payload(hvd, store: "CheckpointStore", snapshot: Callable, rng_state: Callable, model, optimizer, state,
-                 split=None) -> dict | None:
+                 slices=None) -> dict | None:
     """Every rank calls: the payload rank 0 writes (None on the other ranks), either framework.
 
-    Every rank's RNG state is gathered, and a tensor-parallel model's slices (`split`) are gathered
+    Every rank's RNG state is gathered, and a tensor-parallel model's slices (`slices`) are gathered
     whole, which needs every rank; otherwise only the writer takes the snapshot. `hvd` is
     horovod.torch or horovod.tensorflow; `snapshot` and `rng_state` are the framework's.
     """
     rngs = hvd.allgather_object(rng_state(), name="rng_states")
-    whole = snapshot(model, optimizer, state, rngs, split=split) if split is not None else None
+    whole = snapshot(model, optimizer, state, rngs, slices=slices) if slices is not None else None
     if not store.is_writer:
         return None
     return whole or snapshot(model, optimizer, state, rngs)

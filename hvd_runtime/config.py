@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hvd_runtime.errors import UserError
+from hvd_runtime.errors import UserError, launch_rank
 from hvd_runtime.nonfinite import POLICIES as NONFINITE_POLICIES
 
 
@@ -98,9 +99,9 @@ class ParallelConfig:
     stages: int = 2                 # model-split: devices per worker; pipeline: ranks per replica (-np = stages x replicas)
     micro_batches: int = 4          # each batch is cut into this many (a smaller batch: one per sample)
     schedule: str = "1f1b"          # pipeline: gpipe | 1f1b | zb-h1 (torch: a third of 1f1b's bubble, same memory)
-    #                                 | interleaved-1f1b (1f1b's bubble / virtual_stages; micro_batches a multiple of stages)
+    #                                 | interleaved-1f1b (1f1b's bubble / chunks; micro_batches a multiple of stages)
     #                                 | 1f1b-batched-w (torch: weight gradients in batches)
-    virtual_stages: int = 2         # interleaved-1f1b: the model's chunks per rank (Megatron's virtual pipeline)
+    chunks: int = 2                 # interleaved-1f1b: the model's chunks per rank (Megatron's virtual stages)
     partition: str = "time"         # time | params | block names or indices where stages 2.. start, e.g. "3" or "2,4"
     tp: int = 1                     # tensor: ranks per tensor-parallel group (-np = tp x replicas)
 
@@ -222,7 +223,7 @@ def partition_spec(text: str) -> str | list:
 
 
 # A pipeline's schedules by name (hvd_runtime.pipeline.schedule builds each), and those that give
-# each rank several chunks (parallel.virtual_stages).
+# each rank several chunks (parallel.chunks).
 SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "1f1b-batched-w")
 INTERLEAVED = ("interleaved-1f1b",)
 
@@ -259,7 +260,7 @@ CHOICES = {
 POSITIVE = ("train.grace_s", "optim.lr")
 AT_LEAST_ONE = ("train.epochs", "train.batch_size", "train.eval_batch_size", "checkpoint.keep",
                 "horovod.backward_passes_per_step", "horovod.elastic_commit_every", "parallel.stages",
-                "parallel.micro_batches", "parallel.virtual_stages", "model.width", "model.layers", "model.heads",
+                "parallel.micro_batches", "parallel.chunks", "model.width", "model.layers", "model.heads",
                 "model.context", "model.vocab_multiple", "data.image_size", "data.synthetic_samples",
                 "data.synthetic_features", "data.synthetic_classes")
 AT_LEAST_ZERO = ("data.workers", "optim.clip_norm", "optim.weight_decay", "optim.warmup_epochs",
@@ -289,11 +290,33 @@ def check_values(config) -> None:
         misfit = interleaved_misfit(flat["parallel.schedule"], flat["parallel.stages"], flat["parallel.micro_batches"])
         if misfit:
             raise ConfigError(misfit)
-        if flat["parallel.schedule"] in INTERLEAVED and flat["parallel.virtual_stages"] < 2:
-            raise ConfigError(f"parallel.virtual_stages {flat['parallel.virtual_stages']} gives each rank one chunk: "
+        if flat["parallel.schedule"] in INTERLEAVED and flat["parallel.chunks"] < 2:
+            raise ConfigError(f"parallel.chunks {flat['parallel.chunks']} gives each rank one chunk: "
                               f"{flat['parallel.schedule']} needs 2 or more (with one, use schedule 1f1b)")
     if flat.get("data.source") in ("npz", "image_folder", "tokens") and not flat.get("data.path"):
         raise ConfigError(f"data.source {flat['data.source']} needs data.path: e.g. --data.path my_data.npz")
+
+
+# Keys renamed in this release, old name -> new: the old one still works, rank 0 saying so in one line.
+RENAMED = {"parallel.virtual_stages": "parallel.chunks"}
+
+
+def _renamed(data: dict, where: str) -> dict:
+    """`data` with each renamed key under its new name."""
+    if not isinstance(data, dict):
+        return data   # _build says what it should be
+    for old, new in RENAMED.items():
+        (section, old_key), new_key = old.split("."), new.split(".")[1]
+        node = data.get(section)
+        if not isinstance(node, dict) or old_key not in node:
+            continue
+        if new_key in node:
+            raise ConfigError(f"{old} and {new} are both set {where}: keep {new} ({old} is its old name)")
+        data = {**data, section: {(new_key if key == old_key else key): value for key, value in node.items()}}
+        if launch_rank() == 0:
+            print(f"config: {old} is now called {new}; the old name works in this release: rename it {where}",
+                  file=sys.stderr)
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls=RunConfig):
@@ -303,7 +326,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = {}
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
-    config = _build(cls, _merge(data, parse_overrides(overrides or [])))
+    data = _renamed(data, f"in {path}")
+    config = _build(cls, _merge(data, _renamed(parse_overrides(overrides or []), "on the command line")))
     check_values(config)
     return config
 

@@ -1,4 +1,5 @@
-"""Which rows of a tensor each data-parallel rank owns under ZeRO, whatever the framework.
+"""ZeRO whatever the framework: which rows of a tensor each data-parallel rank owns, and the
+settings of a job it cannot run with.
 
 Rows are dealt as Horovod's reduce-scatter deals a tensor's first dimension over N ranks (the first
 `rows % N` ranks one row more), so the averaged rows a reduce-scatter hands a rank are the ones it
@@ -7,7 +8,9 @@ steps; a tensor with fewer rows than ranks is not cut.
 
 from __future__ import annotations
 
-__all__ = ["is_cut", "row_range"]
+import os
+
+__all__ = ["is_cut", "job_misfits", "row_range"]
 
 
 def row_range(rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -20,3 +23,15 @@ def row_range(rows: int, rank: int, size: int) -> tuple[int, int]:
 def is_cut(shape, size: int, dim: int = 0) -> bool:
     """Whether a tensor of `shape` is cut along `dim` over `size` ranks (each must get a row)."""
     return size > 1 and len(shape) > dim and shape[dim] >= size
+
+
+def job_misfits(hvd_cfg) -> list[tuple[bool, str]]:
+    """(applies, what and its fix) for the settings no framework's ZeRO serves; each framework's
+    parallelize adds its own and refuses the first that applies."""
+    return [
+        (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its rows with it): "
+                                                  "run without --min-np/--max-np, or set horovod.zero 0"),
+        (hvd_cfg.adasum, "horovod.adasum (Adasum reduces whole gradients): set one of them off"),
+        (hvd_cfg.fp16_compression, "horovod.fp16_compression (reduce-scatter sends the gradients as they are): "
+                                   "set it false"),
+    ]

@@ -153,14 +153,14 @@ class ProjectSpec:
                               "drop one of them")
 
     def _check_interleaved(self, model) -> None:
-        """Interleaved 1F1B cuts the model into stages x virtual_stages pieces and sends micro-batches
+        """Interleaved 1F1B cuts the model into stages x chunks pieces and sends micro-batches
         round the stages in groups of `stages`."""
-        pieces = self.stages * self.virtual_stages
+        pieces = self.stages * self.chunks
         if pieces > model.blocks:
             raise HvdgenError(f"--schedule {self.schedule} cuts the model into --stages {self.stages} x "
-                              f"{self.virtual_stages} chunks = {pieces} pieces, more than the {model.blocks} blocks of "
+                              f"{self.chunks} chunks = {pieces} pieces, more than the {model.blocks} blocks of "
                               f"the generated {self.model} ({model.block_names}): use --stages "
-                              f"{model.blocks // self.virtual_stages} or fewer, or --schedule 1f1b")
+                              f"{model.blocks // self.chunks} or fewer, or --schedule 1f1b")
         fits = interleaved_fit(self.schedule, self.stages, self.micro_batches)
         if fits is not None:
             raise HvdgenError(f"--micro-batches {self.micro_batches} is not a multiple of --stages {self.stages}: "
@@ -181,8 +181,8 @@ class ProjectSpec:
         return 2 * self.gpt_size.batch_size if self.model == "gpt" else TrainConfig.eval_batch_size
 
     @property
-    def virtual_stages(self) -> int:
-        """Chunks of the model per rank the generated config starts with (parallel.virtual_stages, used by
+    def chunks(self) -> int:
+        """Chunks of the model per rank the generated config starts with (parallel.chunks, used by
         the interleaved schedule): 2 halves 1F1B's bubble for twice its messages."""
         return 2
 

@@ -101,7 +101,7 @@ def vocab_range(vocab: int, parts: int, index: int) -> slice:
     return slice(start, start + size + (index < extra))
 
 
-def split_range(features: int, parts: int, index: int, what: str) -> slice:
+def slice_range(features: int, parts: int, index: int, what: str) -> slice:
     """The slice of `features` that part `index` of `parts` holds; one line if they do not divide."""
     if features % parts:
         raise TensorParallelError(f"{what} has {features} features, which do not split over tp {parts}: "

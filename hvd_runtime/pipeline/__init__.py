@@ -1,7 +1,7 @@
 """The framework-free half of pipeline parallelism, one concern a module.
 
     schedule     GPipe, 1F1B, ZB-H1 and interleaved 1F1B as action lists per stage; bubble and memory theory; a simulator
-    partition    contiguous stages by parameters, measured time or the user's split points
+    partition    contiguous stages by parameters, measured time or the user's stage starts
     grid         PipelineRank: this rank's stage, replica, neighbours and process sets
     engine       PipelineEngineBase: walks a stage's schedule (a step of hvd_runtime.loop)
     checkpoint   the one-file checkpoint of every stage, written by rank 0

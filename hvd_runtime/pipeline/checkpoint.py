@@ -16,14 +16,14 @@ from hvd_runtime.checkpoint import TrainState
 from hvd_runtime.config import ConfigError
 
 
-def _split_points(cut: dict) -> str:
+def _stage_starts(cut: dict) -> str:
     """Where stages 2.. start, as --parallel.partition takes it (block names)."""
     return ",".join(cut["names"][start] for start, _ in cut["bounds"][1:])
 
 
 def partition_to_resume(partition, names: list[str], pieces: int, newest_cut: Callable[[], dict | None]):
     """The partition to cut a pipeline by: `partition` (as config.partition_spec gives it), except
-    that `time` resumes at the newest checkpoint's split points when it cut these blocks into as
+    that `time` resumes at the newest checkpoint's stage starts when it cut these blocks into as
     many pieces; a fresh start, or a checkpoint of another model, times.
 
     Timing afresh would often cut elsewhere (stages a few tenths of a millisecond apart swap
@@ -53,8 +53,8 @@ def refuse_another_cut(payload: dict, plan, where: str) -> None:
     if saved["names"] != mine["names"] or len(saved["bounds"]) != len(mine["bounds"]) or saved == mine:
         return      # another model, or another count of stages or chunks: the part checks name those
     raise ConfigError(f"{where} was written by stages cut elsewhere (stages 2.. start at blocks "
-                      f"{_split_points(saved)} there, {_split_points(mine)} here): resume with --parallel.partition "
-                      f"{_split_points(saved)}, point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
+                      f"{_stage_starts(saved)} there, {_stage_starts(mine)} here): resume with --parallel.partition "
+                      f"{_stage_starts(saved)}, point --checkpoint.dir elsewhere, or pass --checkpoint.resume false")
 
 
 def own_stage(payload: dict, place, where: str) -> dict:
@@ -73,7 +73,7 @@ def own_stage(payload: dict, place, where: str) -> dict:
             return f"{chunks} chunks a stage (interleaved-1f1b)" if chunks > 1 else "one chunk a stage"
 
         raise ValueError(f"{where} was written by a pipeline of {shape(saved)}, this one has {shape(place.chunks)}: "
-                         "resume with the parallel.schedule and parallel.virtual_stages it was written with, point "
+                         "resume with the parallel.schedule and parallel.chunks it was written with, point "
                          "--checkpoint.dir elsewhere, or pass --checkpoint.resume false")
     return part
 

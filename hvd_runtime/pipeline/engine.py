@@ -115,7 +115,7 @@ class PipelineEngineBase:
         for i in micro_batches:
             self._backward_weight(c, i)
 
-    def _split_batch(self, t, sizes: list[int]) -> list:
+    def _micro_batches(self, t, sizes: list[int]) -> list:
         raise NotImplementedError
 
     def _begin_step(self) -> None:
@@ -250,8 +250,8 @@ class PipelineEngineBase:
         if self.place.is_last and y is None:
             raise PipelineConfigError(f"the last stage (rank {self.place.rank}) needs the targets y")
         sizes = micro_batch_sizes(n, min(self.micro_batches, n))  # a short last batch: fewer micro-batches
-        xs = self._split_batch(x, sizes) if x is not None else None
-        ys = self._split_batch(y, sizes) if y is not None else None
+        xs = self._micro_batches(x, sizes) if x is not None else None
+        ys = self._micro_batches(y, sizes) if y is not None else None
         return xs, ys, sizes, n
 
     def _sync_metric_names(self) -> None:

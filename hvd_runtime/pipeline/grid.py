@@ -90,10 +90,10 @@ class PipelineRank:
 
 
 def chunks_per_rank(parallel_cfg) -> int:
-    """The model's chunks each rank holds: parallel.virtual_stages for an interleaved schedule, else 1."""
+    """The model's chunks each rank holds: parallel.chunks for an interleaved schedule, else 1."""
     from hvd_runtime.config import INTERLEAVED
 
-    return parallel_cfg.virtual_stages if parallel_cfg.schedule in INTERLEAVED else 1
+    return parallel_cfg.chunks if parallel_cfg.schedule in INTERLEAVED else 1
 
 
 def check_chunks(stages: int, chunks: int, tp: int = 1) -> None:

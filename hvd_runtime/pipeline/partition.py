@@ -5,8 +5,8 @@ Costs are whatever the caller measured per block: parameter counts (memory balan
 compute) or seconds of forward + backward (speed balance; see `hvd_runtime.torch.stage`).
 
     plan = partition(names, costs, stages=2)                 # balanced
-    plan = partition(names, costs, stages=2, split=["fc3"])  # stage 1 starts at block "fc3"
-    plan = partition(names, costs, stages=2, split=[3])      # ... or at block index 3
+    plan = partition(names, costs, stages=2, starts=["fc3"])  # stage 1 starts at block "fc3"
+    plan = partition(names, costs, stages=2, starts=[3])      # ... or at block index 3
     plan.bounds -> [(0, 3), (3, 6)]
 
 Framework-free: blocks are given as names and costs.
@@ -104,29 +104,30 @@ def _balanced_bounds(costs: Sequence[float], stages: int) -> list[tuple[int, int
     return bounds[::-1]
 
 
-def _resolve_split(split: Sequence, names: Sequence[str], stages: int) -> list[int]:
-    if len(split) != stages - 1:
-        raise PartitionError(f"split needs {stages - 1} block(s) where stages 1..{stages - 1} start, got "
-                             f"{len(split)}: {list(split)!r} (e.g. split={[names[len(names) // 2]]!r})")
-    starts = []
-    for item in split:
+def _resolve_starts(starts: Sequence, names: Sequence[str], stages: int) -> list[int]:
+    if len(starts) != stages - 1:
+        raise PartitionError(f"stage starts need {stages - 1} block(s), where stages 1..{stages - 1} start, got "
+                             f"{len(starts)}: {list(starts)!r} (e.g. starts={[names[len(names) // 2]]!r})")
+    indices = []
+    for item in starts:
         if isinstance(item, bool) or not isinstance(item, (int, str)):
-            raise PartitionError(f"split entries are block names or indices, got {item!r}")
+            raise PartitionError(f"stage starts are block names or indices, got {item!r}")
         if isinstance(item, str):
             if item not in names:
-                raise PartitionError(f"split block {item!r} is not a block: blocks are {', '.join(names)}")
+                raise PartitionError(f"stage start {item!r} is not a block: blocks are {', '.join(names)}")
             item = list(names).index(item)
         if not 0 < item < len(names):
-            raise PartitionError(f"split index {item} is out of range: stage starts must be 1..{len(names) - 1}")
-        starts.append(item)
-    if starts != sorted(set(starts)):
-        raise PartitionError(f"split blocks must be distinct and in model order, got {list(split)!r}")
-    return starts
+            raise PartitionError(f"stage start {item} is out of range: stage starts must be 1..{len(names) - 1}")
+        indices.append(item)
+    if indices != sorted(set(indices)):
+        raise PartitionError(f"stage starts must be distinct blocks in model order, got {list(starts)!r}")
+    return indices
 
 
-def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: Sequence | None = None,
+def partition(names: Sequence[str], costs: Sequence[float], stages: int, starts: Sequence | None = None,
               unit: str = "") -> Partition:
-    """Split blocks into `stages` contiguous non-empty stages, balanced or where `split` says;
+    """Cut blocks into `stages` contiguous non-empty stages, balanced or where `starts` says (the
+    blocks where stages 1.. begin);
     `unit` names what the costs count (Partition.unit)."""
     names = [str(n) for n in names]
     if len(names) != len(costs):
@@ -140,9 +141,9 @@ def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: 
                              f"every stage needs a block; use stages <= {len(names)}")
     if any(c < 0 for c in costs):
         raise PartitionError(f"block costs must be >= 0, got {list(costs)}")
-    if split is not None:
-        starts = [0, *_resolve_split(split, names, stages), len(names)]
-        bounds = list(zip(starts[:-1], starts[1:]))
+    if starts is not None:
+        edges = [0, *_resolve_starts(starts, names, stages), len(names)]
+        bounds = list(zip(edges[:-1], edges[1:]))
     else:
         bounds = _balanced_bounds([float(c) for c in costs], stages)
     return Partition(tuple(names), tuple(float(c) for c in costs), tuple(bounds), unit)
@@ -150,7 +151,7 @@ def partition(names: Sequence[str], costs: Sequence[float], stages: int, split: 
 
 def plan_partition(names: Sequence[str], stages: int, by, param_costs: Callable[[], Sequence[float]],
                    time_costs: Callable[[], Sequence[float]] | None = None) -> Partition:
-    """by="params", by="time", split points (names or indices), or a ready Partition.
+    """by="params", by="time", stage starts (block names or indices), or a ready Partition.
 
     Costs come from callables so that only the chosen one is measured (timing runs the model).
     """
@@ -163,8 +164,8 @@ def plan_partition(names: Sequence[str], stages: int, by, param_costs: Callable[
             return partition(names, time_costs(), stages, unit="s")
         return partition(names, param_costs(), stages, unit="parameters")
     if isinstance(by, str):
-        raise PartitionError(f"partition {by!r} is unknown: use 'params', 'time', or split points like ['4']")
-    return partition(names, param_costs(), stages, split=list(by), unit="parameters")
+        raise PartitionError(f"partition {by!r} is unknown: use 'params', 'time', or stage starts like ['4']")
+    return partition(names, param_costs(), stages, starts=list(by), unit="parameters")
 
 
 def plan_on_rank0(plan: Callable[[], Partition], rank: int, broadcast: Callable[[object], object]) -> Partition:

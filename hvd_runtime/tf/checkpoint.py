@@ -57,9 +57,9 @@ def shared_variables(model, optimizer, local_variables=()) -> list:
     return [v for v in model.variables if is_state(v) and id(v) not in local] + list(optimizer.variables)
 
 
-def _model_entries(module, split) -> list[tuple[object, str, Placement]]:
+def _model_entries(module, slices) -> list[tuple[object, str, Placement]]:
     """(variable, `model/<name>`, where it sits in the whole variable) for what `module` holds."""
-    names, cuts = whole_names(module), (split.by_id if split is not None else {})
+    names, cuts = whole_names(module), (slices.by_id if slices is not None else {})
     entries, seen = [], set()
     for v in module.variables:
         if id(v) not in names or id(v) in seen:
@@ -95,9 +95,9 @@ def _optimizer_entries(optimizer, model_entries, zero=None) -> list[tuple[object
     return entries
 
 
-def held_variables(module, optimizer, split=None, zero=None) -> list[tuple[object, str, Placement]]:
+def held_variables(module, optimizer, slices=None, zero=None) -> list[tuple[object, str, Placement]]:
     """Everything this rank checkpoints: (variable, `model/<name>` or `optimizer/...`, Placement)."""
-    entries = _model_entries(module, split)
+    entries = _model_entries(module, slices)
     return entries if optimizer is None else entries + _optimizer_entries(optimizer, entries, zero)
 
 
@@ -151,7 +151,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
     zero = parallel.zero
 
     def write_shard(folder: Path, write_whole: bool) -> dict:
-        return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.split, zero), write_whole)
+        return _write_shard(folder, ctx.rank, held_variables(module, optimizer, parallel.slices, zero), write_whole)
 
     return sharded.write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(module),
                                     parallel.plan.cut() if parallel.plan else None, last,
@@ -167,15 +167,15 @@ def _built(module, optimizer, zero=None) -> None:
         optimizer.build(zero.stepped if zero is not None else module.trainable_variables)
 
 
-def wanted_shapes(module, split=None) -> dict[str, tuple[int, ...]]:
+def wanted_shapes(module, slices=None) -> dict[str, tuple[int, ...]]:
     """`model/<name>` of every variable this rank holds, with its whole shape."""
-    return {name: at.shape for _, name, at in _model_entries(module, split)}
+    return {name: at.shape for _, name, at in _model_entries(module, slices)}
 
 
-def _load_held(reader: ShardReader, module, optimizer, split=None, zero=None) -> None:
+def _load_held(reader: ShardReader, module, optimizer, slices=None, zero=None) -> None:
     """Assign this rank's variables (and optimizer slots) their rows of the checkpoint."""
     saved = reader.index["tensors"]
-    for v, name, at in held_variables(module, optimizer, split, zero):
+    for v, name, at in held_variables(module, optimizer, slices, zero):
         if name not in saved:
             raise DamagedCheckpoint(f"it holds no {name} (written with another optimizer?)")
         if tuple(saved[name]["shape"]) != at.shape:
@@ -225,8 +225,8 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
         # Horovod: every rank starts from rank 0's weights, then reads its rows of a checkpoint, if any
         hvd.broadcast_variables([v.value for v in module.variables if is_state(v)], root_rank=0)
     if ctx.coords is not None or zero is not None:
-        state = sharded.read_held(hvd, found, ctx, "np", lambda: wanted_shapes(module, parallel.split),
-                                  lambda reader: _load_held(reader, module, optimizer, parallel.split, zero),
+        state = sharded.read_held(hvd, found, ctx, "np", lambda: wanted_shapes(module, parallel.slices),
+                                  lambda reader: _load_held(reader, module, optimizer, parallel.slices, zero),
                                   (SafetensorError,), lambda payload: restore_legacy(payload, parallel, ctx),
                                   lambda state: set_rng_state(state, module))
         if zero is not None:

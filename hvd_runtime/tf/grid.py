@@ -36,7 +36,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
 
     p2p: "socket" (a TCP connection per neighbour pair, the default: fastest, see docs/pipeline.md)
     or "alltoall" (Horovod's alltoall in the pair's process set: nothing beside Horovod).
-    tp: each stage split over this many ranks (tensor parallelism, `place.tensor_group`, split_stage):
+    tp: each stage split over this many ranks (tensor parallelism, `place.tensor_group`, slice_stage):
     the grid is replicas x stages x tp, and each slice talks to the same slice of the neighbours.
     chunks: the model's chunks per rank (interleaved-1f1b): the stages then link in a ring.
     """

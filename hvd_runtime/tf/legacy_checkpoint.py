@@ -1,7 +1,7 @@
 """Checkpoints written before shards still resume: one `ckpt-<step>.pkl` file, from rank 0.
 
 Such a file holds the model's variables and the optimizer's as two lists, in their order: the
-whole model's (data parallelism, model-split; under tensor parallelism the unsplit model's,
+whole model's (data parallelism, model-split; under tensor parallelism the whole model's,
 gathered), or for a pipeline each stage's, as that stage held them. It resumes at the layout it
 was written at: any tp for the unsplit lists, the same stages cut at the same blocks for a
 pipeline. Rank 0 reads it; each rank keeps its part. The first checkpoint the resumed job writes
@@ -66,16 +66,16 @@ def restore_legacy(payload: dict | None, parallel, ctx) -> TrainState:
     import horovod.tensorflow as hvd
 
     payload = hvd.broadcast_object(payload, root_rank=0, name="legacy.restore")
-    module, optimizer, split = parallel.module, parallel.optimizer, parallel.split
+    module, optimizer, slices = parallel.module, parallel.optimizer, parallel.slices
     if getattr(module, "plan", None) is not None:
         return _restore_stage(hvd, payload, parallel, ctx)
     problem = PIPELINE_FILE if "stages" in payload else (
-        misfit(module.variables, payload["model"], "model", split.saved_model_shapes())
-        or misfit(optimizer.variables, payload["optimizer"], "optimizer", split.saved_optimizer_shapes(optimizer)))
+        misfit(module.variables, payload["model"], "model", slices.saved_model_shapes())
+        or misfit(optimizer.variables, payload["optimizer"], "optimizer", slices.saved_optimizer_shapes(optimizer)))
     if problem:
         raise ConfigError(problem)
-    _assign(module.variables, split.local_model_arrays(payload["model"]))
-    _assign(optimizer.variables, split.local_optimizer_arrays(optimizer, payload["optimizer"]))
+    _assign(module.variables, slices.local_model_arrays(payload["model"]))
+    _assign(optimizer.variables, slices.local_optimizer_arrays(optimizer, payload["optimizer"]))
     rngs = payload["rng"]
     if rngs and len(rngs) == ctx.size:
         set_host_rng_state(rngs[ctx.rank])
@@ -83,21 +83,21 @@ def restore_legacy(payload: dict | None, parallel, ctx) -> TrainState:
 
 
 def _restore_stage(hvd, payload: dict, parallel, ctx) -> TrainState:
-    stage, optimizer, split = parallel.module, parallel.optimizer, parallel.split
+    stage, optimizer, slices = parallel.module, parallel.optimizer, parallel.slices
 
     def misfit_of(part: dict) -> str | None:
-        shapes = None if split is None else split.saved_model_shapes()
+        shapes = None if slices is None else slices.saved_model_shapes()
         problem = misfit(stage.variables, part["model"], "stage", shapes)
         if problem is None and part["optimizer"] is not None:
-            shapes = None if split is None else split.saved_optimizer_shapes(optimizer)
+            shapes = None if slices is None else slices.saved_optimizer_shapes(optimizer)
             problem = misfit(optimizer.variables, part["optimizer"], "optimizer", shapes)
         return problem
 
     def load(mine: dict) -> None:
-        _assign(stage.variables, mine["model"] if split is None else split.local_model_arrays(mine["model"]))
+        _assign(stage.variables, mine["model"] if slices is None else slices.local_model_arrays(mine["model"]))
         if mine["optimizer"] is not None:
             moments = mine["optimizer"]
-            _assign(optimizer.variables, moments if split is None else split.local_optimizer_arrays(optimizer, moments))
+            _assign(optimizer.variables, moments if slices is None else slices.local_optimizer_arrays(optimizer, moments))
 
     return restore_own_stage(hvd, payload, ctx.pipeline, "the newest checkpoint", misfit_of, load, set_host_rng_state,
                              stage.plan)

@@ -16,7 +16,7 @@ variance-scaling ones (Glorot, He, LeCun) with their fans from the whole variabl
 run's seed, the variable's name in the whole model and each element's index in the whole
 variable (a counter-based generator: splitmix64 of the index, Box-Muller for normals, the inverse
 error function for truncated normals), so a rank holding columns 512..1023 of a kernel draws
-exactly those columns of the unsplit model's, without the others: unsplit, any pipeline cut and
+exactly those columns of the whole model's, without the others: unsplit, any pipeline cut and
 any tensor-parallel split start from the same model, and no rank allocates a variable, or a slice
 of one, that it does not hold. `take` is how tensor parallelism makes a split layer's variable
 from a meta one (its rows and/or columns of the whole one).

@@ -9,10 +9,10 @@ from device to device between stages (and gradients back). With micro_batches > 
 cut into chunks issued as a wavefront (stage s works on chunk i while stage s+1 works on chunk
 i-1): inside a tf.function the chunks of different stages have no data dependency, so on GPUs
 they run concurrently. The output is the whole batch's, so the loss and gradients are exactly
-those of the unsplit model (BatchNorm aside: it sees one chunk at a time).
+those of the whole model (BatchNorm aside: it sees one chunk at a time).
 
 The split holds no variables of its own: `variables` are the model's, in the model's order, so
-checkpoints, the broadcast of rank 0's weights and the exported model are the unsplit model's.
+checkpoints, the broadcast of rank 0's weights and the exported model are the whole model's.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class ModelSplit:
                         chunks[i] = self.stages[s](chunks[i], training=training)
         return tf.concat(chunks, axis=0) if m > 1 else chunks[0]
 
-    # what the training loop, checkpoints and the broadcast use: the unsplit model's own
+    # what the training loop, checkpoints and the broadcast use: the whole model's own
     @property
     def variables(self) -> list:
         return self.model.variables

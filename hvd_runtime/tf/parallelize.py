@@ -18,7 +18,6 @@ variables), the split model, or the stage.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import keras
@@ -36,7 +35,7 @@ from hvd_runtime.tf.meta_init import is_meta, materialize, whole
 from hvd_runtime.tf.model_split import ModelSplit
 from hvd_runtime.tf.names import is_state
 from hvd_runtime.tf.optim import make_optimizer
-from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, split_stage
+from hvd_runtime.tf.pipeline import PipelineEngine, Stage, build_stage, replica_context, slice_stage
 from hvd_runtime.tf.checkpoint import newest_cut
 from hvd_runtime.tf.precision import loss_scaled
 from hvd_runtime.tf.recompute import recompute_blocks
@@ -44,9 +43,10 @@ from hvd_runtime.tf.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.tf.step import TrainStep
 from hvd_runtime.tf.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.tf.tensor_parallel import apply_tp
-from hvd_runtime.tf.tensor_state import SplitVariables
+from hvd_runtime.tf.tensor_state import SlicedVariables
 from hvd_runtime.tf.vocab_parallel import VocabObjective
 from hvd_runtime.tf.zero import ZeroSync
+from hvd_runtime.zero_rows import job_misfits
 
 __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
@@ -56,10 +56,10 @@ __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeli
 class Parallel:
     """What parallelize made of the model on this rank."""
 
-    module: keras.Model | Stage              # what this rank checkpoints: the model, the split model or the stage
+    module: keras.Model | Stage              # what this rank checkpoints: the model, the sliced model or the stage
     optimizer: keras.optimizers.Optimizer
     step: TrainStep | PipelineEngine         # what hvd_runtime.loop drives
-    split: SplitVariables | None = None      # tensor parallelism: the checkpoints' view of the slices
+    slices: SlicedVariables | None = None    # tensor parallelism: the checkpoints' view of the slices
     plan: Partition | None = None            # where a pipeline or model-split cut the model, for the index
     zero: ZeroSync | None = None             # horovod.zero: the rows this rank steps, for the checkpoints
 
@@ -70,13 +70,13 @@ def apply_pipeline(model: keras.Model, place: PipelineRank, partition, sample, t
     `partition`: as config.partition_spec gives it; `sample` (a micro-batch) and `tail` (the last
     stage's loss and metrics) are what `time` times."""
     stage = build_stage(model, place, partition=partition, sample=sample, tail=tail)
-    return split_stage(stage, place)
+    return slice_stage(stage, place)
 
 
 def timing_sample(dataset, cfg) -> tuple:
     """What `partition: time` times the layers on: a micro-batch of the training set (stages run
     micro-batches, where a call's fixed cost weighs most), and the tail the last stage adds, the
-    metrics and the loss on its targets (the whole model's output: timing precedes any split)."""
+    metrics and the loss on its targets (the whole model's output: timing precedes any slices)."""
     x, y = dataset.train.examples(max(1, cfg.train.batch_size // cfg.parallel.micro_batches))
     objective, targets = VocabObjective.of(None, dataset.num_classes), tf.convert_to_tensor(y)
 
@@ -96,12 +96,12 @@ def apply_model_split(model: keras.Model, parallel_cfg, partition, sample=None, 
 
 
 def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
-                        split: SplitVariables | None = None
+                        slices: SlicedVariables | None = None
                         ) -> tuple[keras.optimizers.Optimizer, TrainStep, ZeroSync | None]:
     """The optimizer (LR scaled by the replicas, with warmup), the gradient allreduce between backward
     and update (over the replicas holding the same slices, under tensor parallelism), or ZeRO's
     reduce-scatter into this rank's rows (horovod.zero), and the TrainStep. A split model and ZeRO's
-    rows are clipped by the step, by the whole model's norm (`split`'s, the rows' summed);
+    rows are clipped by the step, by the whole model's norm (`slices`'s, the rows' summed);
     otherwise the optimizer clips the averaged gradients itself."""
     zero = None
     if cfg.horovod.zero:
@@ -109,10 +109,10 @@ def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, s
         zero = ZeroSync(trained.trainable_variables, cfg.horovod.zero, ctx.dp_set, ctx.data_rank, ctx.data_size,
                         ctx.device)
     optimizer = loss_scaled(make_optimizer(cfg.optim, cfg.horovod, ctx, steps_per_epoch,
-                                           clip=split is None and zero is None), cfg.train.precision)
-    sync = zero or (GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum) if split is None else
+                                           clip=slices is None and zero is None), cfg.train.precision)
+    sync = zero or (GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum) if slices is None else
                     GradientSync(cfg.horovod.fp16_compression, cfg.horovod.adasum, process_set=ctx.dp_set))
-    norm = zero.grad_norm if zero else split.grad_norm if split else None
+    norm = zero.grad_norm if zero else slices.grad_norm if slices else None
     step = TrainStep(trained, optimizer, objective.cross_entropy, sync, cfg.horovod.backward_passes_per_step,
                      clip_norm=cfg.optim.clip_norm, grad_norm=norm, accuracy_fn=objective.accuracy_sum,
                      guard=nonfinite_guard(cfg, ctx))
@@ -127,11 +127,7 @@ def refuse_zero_misfits(cfg, ctx: Context) -> None:
                        "project"),
         (ctx.pipeline is not None or ctx.tensor is not None or ctx.stage_devices is not None,
          "a Keras pipeline, tensor-parallel or model-split project: use horovod.zero 0 there, or --strategy data"),
-        (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its rows with it): "
-                                                  "run without --min-np/--max-np, or set horovod.zero 0"),
-        (hvd.adasum, "horovod.adasum (Adasum reduces whole gradients): set one of them off"),
-        (hvd.fp16_compression, "horovod.fp16_compression (reduce-scatter sends the gradients as they are): "
-                               "set it false"),
+        *job_misfits(hvd),
         (cfg.train.precision == "fp16", "train.precision fp16 in Keras (each rank's loss scale would judge only its "
                                         "rows): use bf16"),
     ]
@@ -171,7 +167,7 @@ def _pipeline(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch: i
     engine = PipelineEngine(stage, place, objective.cross_entropy, optimizer, schedule=cfg.parallel.schedule,
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             clip_norm=cfg.optim.clip_norm, guard=nonfinite_guard(cfg, ctx))
-    return Parallel(stage, optimizer, engine, SplitVariables(stage) if place.tensor_group else None, stage.plan)
+    return Parallel(stage, optimizer, engine, SlicedVariables(stage) if place.tensor_group else None, stage.plan)
 
 
 def _recompute(model, cfg) -> None:
@@ -200,7 +196,7 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         refuse_zero_misfits(cfg, ctx)
     if ctx.pipeline is not None:
         return _pipeline(model, ctx, cfg, dataset, steps_per_epoch)
-    group, split = None, None
+    group, slices = None, None
     if ctx.tensor is not None:   # this rank draws only its slices (and the variables kept whole)
         import horovod.tensorflow as hvd
 
@@ -210,7 +206,7 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         model = apply_tp(model, group)
         plan_and_check(model, ctx, cfg, "a larger parallel.tp")
         model = materialize(model, cfg.seed)
-        split = SplitVariables(model)
+        slices = SlicedVariables(model)
     else:                        # every rank holds the whole model: its own initializers' values
         plan_and_check(model, ctx, cfg, "a project that splits the model (hvdgen new --strategy pipeline or tensor)")
         model = whole(model)
@@ -222,5 +218,5 @@ def parallelize(model: keras.Model, ctx: Context, cfg, dataset, steps_per_epoch:
         trained = apply_model_split(model, cfg.parallel, resumed_partition(model, cfg.parallel.stages, ctx, cfg),
                                     *timing_sample(dataset, cfg))
     objective = VocabObjective.of(group, dataset.num_classes)
-    optimizer, step, zero = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, split)
-    return Parallel(model, optimizer, step, split, trained.plan if trained is not model else None, zero)
+    optimizer, step, zero = apply_data_parallel(trained, ctx, cfg, objective, steps_per_epoch, slices)
+    return Parallel(model, optimizer, step, slices, trained.plan if trained is not model else None, zero)

@@ -36,11 +36,11 @@ from hvd_runtime.tf.meta_init import is_meta
 from hvd_runtime.tf.names import is_state
 from hvd_runtime.tf.precision import poisoned
 from hvd_runtime.tf.stage import Stage, plan_stages, plan_timed_on_rank0, rank_stage
-from hvd_runtime.tf.tensor_parallel import split_layers
-from hvd_runtime.tf.tensor_state import SplitVariables
+from hvd_runtime.tf.tensor_parallel import slice_layers
+from hvd_runtime.tf.tensor_state import SlicedVariables
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "ReplicaContext", "build_stage",
-           "chunks_per_rank", "init_pipeline", "replica_context", "split_stage"]
+           "chunks_per_rank", "init_pipeline", "replica_context", "slice_stage"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def build_stage(model, place: PipelineRank, partition: Partition | str | list = 
     return rank_stage(model, place.stage, plan, place.stages)
 
 
-def split_stage(stage: Stage, place: PipelineRank) -> Stage:
+def slice_stage(stage: Stage, place: PipelineRank) -> Stage:
     """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
     group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
@@ -110,7 +110,7 @@ def split_stage(stage: Stage, place: PipelineRank) -> Stage:
         # Horovod: one model for the whole group, from its first rank
         hvd.broadcast_variables([v.value for v in stage.variables if is_state(v)], root_rank=root,
                                 process_set=group.process_set)
-    return stage.with_layers(split_layers(stage.layers, group))
+    return stage.with_layers(slice_layers(stage.layers, group))
 
 
 def stage_state_variables(stage: Stage, optimizer) -> list:
@@ -167,7 +167,7 @@ class PipelineEngine(PipelineEngineBase):
         self.stage, self.loss_fn, self.optimizer, self.clip_norm = stage, loss_fn, optimizer, clip_norm
         self.variables = list(stage.trainable_variables)
         # Tensor-parallel stages: the variables held as slices (the clip norm counts them apart)
-        split = set(SplitVariables(stage).by_id) if place.dims.tp > 1 else set()
+        split = set(SlicedVariables(stage).by_id) if place.dims.tp > 1 else set()
         self._whole_share = [1.0 if id(v) in split else 1.0 / place.dims.tp for v in self.variables]
         if not optimizer.built:
             optimizer.build(self.variables)
@@ -252,7 +252,7 @@ class PipelineEngine(PipelineEngineBase):
             return None
         return grads[0] if grads[0] is not None else tf.zeros_like(inp)
 
-    def _split_batch(self, t, sizes):
+    def _micro_batches(self, t, sizes):
         return tf.split(t, sizes, axis=0)
 
     def _begin_step(self):
@@ -281,7 +281,7 @@ class PipelineEngine(PipelineEngineBase):
     def _grad_norm(self, grads: list) -> float:
         """The whole model's gradient norm, not the stage's: squared norms summed over all ranks
         (every replica holds the same averaged gradients, so the sum is divided by the replicas),
-        what Keras' global_clipnorm computes on the unsplit model. The same on every rank."""
+        what Keras' global_clipnorm computes on the whole model. The same on every rank."""
         squares = self._squared_norm(grads) if grads else tf.zeros((), tf.float64)
         # Horovod: every rank's share of the squared norm, summed over the whole job
         return (float(self.hvd.allreduce(squares, op=self.hvd.Sum, name="pp.grad_norm")) / self.place.replicas) ** 0.5

@@ -3,7 +3,7 @@
 The user's model is a `keras.Sequential` (or a list of layers), each layer passing one tensor to
 the next. A stage is the layers of `[start, stop)`; it owns nothing, so its variables are the
 model's own objects, and training a stage trains the model. Blocks are named by layer name, and
-split points may be given by name or by index (`model.layers` order, Input excluded).
+stage starts may be given by name or by index (`model.layers` order, Input excluded).
 
     plan = plan_stages(model, stages=2, by="params")          # or by="time", sample=x
     stage = build_stage(model, 1, plan)                       # layers of stage 1
@@ -80,7 +80,7 @@ def _fastest_gradient(fn, x, variables, repeats: int) -> float:
 
 def plan_stages(model, stages: int, by: str | Sequence = "params", sample=None, tail=None) -> Partition:
     """Partition the model's layers: by="params", by="time" (needs sample; `tail` as time_costs'),
-    or split points."""
+    or stage starts."""
     names = [n for n, _ in named_blocks(model)]
     timing = (lambda: time_costs(model, sample, tail=tail)) if sample is not None else None
     plan = plan_partition(names, stages, by, lambda: param_costs(model), timing)

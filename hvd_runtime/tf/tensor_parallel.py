@@ -23,12 +23,12 @@ import tensorflow as tf
 from keras import ops
 
 from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
-                                                split_range, vocab_range)
+                                                slice_range, vocab_range)
 from hvd_runtime.tf.meta_init import take
 
 __all__ = ["BLOCK_PLAN", "ColumnParallelDense", "RowParallelDense", "TensorGroup", "TensorParallelBlock",
            "TensorParallelEmbedding", "TensorParallelError", "TensorParallelHead", "VocabParallelEmbedding", "apply_tp",
-           "is_transformer_block", "split_layers", "sum_over_group"]
+           "is_transformer_block", "slice_layers", "sum_over_group"]
 
 
 def _sum_over(tensor, group: TensorGroup):
@@ -86,7 +86,7 @@ class ColumnParallelDense(_SplitDense):
             raise TensorParallelError(f"Dense {dense.name!r} ({dense.units} units) does not divide into {chunks} "
                                       "equal chunks of output features")
         chunk = dense.units // chunks
-        part = part or split_range(chunk, group.size, group.rank,
+        part = part or slice_range(chunk, group.size, group.rank,
                                    f"column-parallel Dense {dense.name!r} ({dense.units} units)")
         index = np.concatenate([np.arange(c * chunk + part.start, c * chunk + part.stop) for c in range(chunks)])
         super().__init__(dense, group, index, column=True)
@@ -106,7 +106,7 @@ class RowParallelDense(_SplitDense):
             raise TensorParallelError(f"row-parallel Dense {dense.name!r} has an activation, which must follow the "
                                       "sum over the group: split a Dense without one")
         features = dense.kernel.shape[0]
-        part = split_range(features, group.size, group.rank, f"row-parallel Dense {dense.name!r} ({features} inputs)")
+        part = slice_range(features, group.size, group.rank, f"row-parallel Dense {dense.name!r} ({features} inputs)")
         super().__init__(dense, group, np.arange(part.start, part.stop), column=False)
 
     def call(self, x):
@@ -146,7 +146,7 @@ class TensorParallelBlock(keras.layers.Layer):
         heads = _check_heads(block, group.size)
         object.__setattr__(self, "source_call", type(block).call)  # not tracked: a function
         # The block's attributes in its order: the split model's variables line up with the
-        # unsplit model's (hvd_runtime.tf.tensor_state relies on it for checkpoints).
+        # whole model's (hvd_runtime.tf.tensor_state relies on it for checkpoints).
         for name, value in vars(block).items():
             if name.startswith("_") or name in vars(self) or name in ("name", "built", "trainable"):
                 continue
@@ -230,7 +230,7 @@ def _is_head(layer) -> bool:
             and isinstance(getattr(layer, "vocab", None), int))
 
 
-def split_layers(layers: list, group: TensorGroup) -> list:
+def slice_layers(layers: list, group: TensorGroup) -> list:
     """`layers` (a model's or a pipeline stage's, in order) with the transformer blocks, the token
     embedding and the head split over the group; the others as they are."""
     split, tokens = [], None
@@ -247,8 +247,8 @@ def split_layers(layers: list, group: TensorGroup) -> list:
 
 
 def apply_tp(model: keras.Model, group: TensorGroup) -> keras.Model:
-    """A keras.Sequential of `model`'s layers split over the group (split_layers); `model` itself for a
-    group of one (tp 1 is the unsplit model). Its logits are then split over the vocabulary: train
+    """A keras.Sequential of `model`'s layers split over the group (slice_layers); `model` itself for a
+    group of one (tp 1 is the whole model). Its logits are then split over the vocabulary: train
     with hvd_runtime.tf.vocab_parallel's loss and accuracy."""
     if not any(is_transformer_block(layer) for layer in model.layers):
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (attention with "
@@ -257,4 +257,4 @@ def apply_tp(model: keras.Model, group: TensorGroup) -> keras.Model:
     if group.size == 1:
         return model
     inputs = model.inputs[0]
-    return keras.Sequential([keras.Input(inputs.shape[1:], dtype=inputs.dtype), *split_layers(model.layers, group)])
+    return keras.Sequential([keras.Input(inputs.shape[1:], dtype=inputs.dtype), *slice_layers(model.layers, group)])

@@ -2,7 +2,7 @@
 
     weights = write_whole_model(checkpoint, run_dir / "model.safetensors")    # rank 0, no collective
     model = load_whole_model(build_model(...), weights)                      # wherever it is served
-    tracker.log_model(model_file(checkpoints, unsplit, out), ...)            # rank 0: the newest, logged
+    tracker.log_model(model_file(checkpoints, build_whole, out), ...)            # rank 0: the newest, logged
 
 The TensorFlow side of hvd_runtime.torch.whole_model: every TF run ends with its model written
 from the newest checkpoint's shards (hvd_runtime.whole_file), so a model split over ranks is
@@ -33,7 +33,7 @@ def write_whole_model(checkpoint: Path, out: Path, build=None) -> Path:
     """Write the model of the checkpoint folder `checkpoint` to `out` as one safetensors file of
     whole variables, one in memory at a time; returns `out`, never a partial file. A
     `ckpt-<step>.pkl` from before shards holds the variables in order, without names: `build()`
-    (the unsplit model) names them."""
+    (the whole model) names them."""
     if checkpoint.is_dir():
         return write_whole_file(checkpoint, out, "np")
     from safetensors.numpy import save_file
@@ -75,7 +75,7 @@ def _built_with(build, weights: str):
 
 def model_file(store: CheckpointStore, build, out: Path, discard: bool = False) -> ModelFile:
     """Rank 0: the model of the store's newest checkpoint written to `out` (write_whole_model), as
-    the record a tracker logs: the unsplit model `build()` makes, loaded with these weights where
+    the record a tracker logs: the whole model `build()` makes, loaded with these weights where
     it is logged (`discard`: `out` is removed once logged)."""
     weights = str(write_whole_model(store.newest(), Path(out), build))
     return ModelFile(weights, partial(_built_with, build, weights), discard, flavor="tensorflow")

@@ -48,7 +48,7 @@ from hvd_runtime.torch.zero import ZeroOptimizer, rows_by_parameter
 
 # -- what this rank holds, by whole-model name ----------------------------------------------------
 
-def _model_placements(module: nn.Module, split) -> dict[str, Placement]:
+def _model_placements(module: nn.Module, slices) -> dict[str, Placement]:
     """Where each of the module's state_dict entries sits in the whole model's (a tensor-parallel
     slice, ZeRO 3's rows, or whole)."""
     placements = {}
@@ -56,7 +56,7 @@ def _model_placements(module: nn.Module, split) -> dict[str, Placement]:
     for name, t in module.state_dict(keep_vars=True).items():
         held = rows.get(id(t))
         shape = list(t.shape if held is None else held.shape)   # as tensor parallelism holds it
-        cut = split.by_name.get(name) if split is not None else None
+        cut = slices.by_name.get(name) if slices is not None else None
         if cut is not None:
             shape[cut.dim] = cut.size
             at = Placement.slice(shape, cut.dim, cut.index.tolist())
@@ -75,7 +75,7 @@ def _slot_placement(param_at: Placement, shape, like_param: bool) -> Placement:
 def _parameters(module: nn.Module, optimizer, placements: dict[str, Placement]
                 ) -> list[tuple[str, torch.Tensor, Placement]]:
     """The tensors the optimizer steps in its own order, with their names in the whole model (the
-    module's state_dict keys: a model-split's are the unsplit model's, not its attributes') and
+    module's state_dict keys: a model-split's are the whole model's, not its attributes') and
     where they sit there (ZeRO's: this rank's rows of a parameter the model holds whole)."""
     if isinstance(optimizer, ZeroOptimizer):   # stages 1 and 2 step rows of a parameter held whole
         return [(s.name, s.stepped, placements[s.name] if s.stepped is s.param or s.rows is None
@@ -86,10 +86,10 @@ def _parameters(module: nn.Module, optimizer, placements: dict[str, Placement]
     return [(names[id(p)], p, placements[names[id(p)]]) for group in optimizer.param_groups for p in group["params"]]
 
 
-def held_tensors(module: nn.Module, optimizer, split=None) -> dict[str, tuple[object, Placement | None]]:
+def held_tensors(module: nn.Module, optimizer, slices=None) -> dict[str, tuple[object, Placement | None]]:
     """Everything this rank checkpoints: `model/<name>` and `optimizer/<parameter>/<slot>`, each a
     tensor with its Placement, or a value that is not a tensor (Placement None)."""
-    placements = _model_placements(module, split)
+    placements = _model_placements(module, slices)
     held: dict[str, tuple[object, Placement | None]] = {
         MODEL + name: (t, placements[name]) for name, t in module.state_dict().items()}
     if optimizer is None:
@@ -154,7 +154,7 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
     zero = optimizer.stage if isinstance(optimizer, ZeroOptimizer) else 0
 
     def write_shard(folder: Path, write_whole: bool) -> dict:
-        return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.split), write_whole,
+        return _write_shard(folder, ctx.rank, held_tensors(module, optimizer, parallel.slices), write_whole,
                             model=zero not in (1, 2) or ctx.data_rank == 0)
 
     return write_checkpoint(hvd, store, ctx, state, write_shard, rng_state(),
@@ -164,14 +164,14 @@ def save_checkpoint(store: CheckpointStore, parallel, state, ctx: Context, last:
 
 # -- reading ----------------------------------------------------------------------------------------
 
-def wanted_shapes(module: nn.Module, split=None) -> dict[str, tuple[int, ...]]:
+def wanted_shapes(module: nn.Module, slices=None) -> dict[str, tuple[int, ...]]:
     """`model/<name>` of every tensor this rank holds, with its whole shape."""
-    return {MODEL + name: at.shape for name, at in _model_placements(module, split).items()}
+    return {MODEL + name: at.shape for name, at in _model_placements(module, slices).items()}
 
 
-def _load_held(reader: ShardReader, module: nn.Module, optimizer, split=None) -> None:
+def _load_held(reader: ShardReader, module: nn.Module, optimizer, slices=None) -> None:
     """Load this rank's tensors (and optimizer slots) from the checkpoint, as this rank holds them."""
-    placements = _model_placements(module, split)
+    placements = _model_placements(module, slices)
     module.load_state_dict({name: reader.read(MODEL + name, at) for name, at in placements.items()})
     if optimizer is None:
         return
@@ -216,8 +216,8 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     found = _newest_on_root(store, ctx, resume)
     if ctx.coords is None and not isinstance(parallel.optimizer, ZeroOptimizer):
         return _restore_whole(found, parallel, ctx)
-    return read_held(hvd, found, ctx, "pt", lambda: wanted_shapes(parallel.module, parallel.split),
-                     lambda reader: _load_held(reader, parallel.module, parallel.optimizer, parallel.split),
+    return read_held(hvd, found, ctx, "pt", lambda: wanted_shapes(parallel.module, parallel.slices),
+                     lambda reader: _load_held(reader, parallel.module, parallel.optimizer, parallel.slices),
                      (SafetensorError,), lambda payload: restore_legacy(payload, parallel, ctx), set_rng_state)
 
 

@@ -1,7 +1,7 @@
 """Checkpoints written before shards still resume: one `ckpt-<step>.pt` file, from rank 0.
 
 Such a file holds the whole model's state (data parallelism, model-split; under tensor
-parallelism the unsplit model's, gathered) or, for a pipeline, each stage's state as that stage
+parallelism the whole model's, gathered) or, for a pipeline, each stage's state as that stage
 held it. It resumes at the layout it was written at: any tp for the unsplit state, the same
 stages cut at the same blocks for a pipeline. Rank 0 reads it and broadcasts it; each rank keeps
 its part. The first checkpoint the resumed job writes is a folder of shards
@@ -41,8 +41,8 @@ def _json_rngs(rngs: list | None) -> list | None:
              "torch": tensor_text(s["torch"]), "cuda": [tensor_text(c) for c in s["cuda"]]} for s in rngs]
 
 
-def _unsplit_shapes(module: nn.Module, split=None) -> dict[str, tuple[int, ...]]:
-    return split.saved_shapes() if split is not None else {k: tuple(v.shape) for k, v in module.state_dict().items()}
+def _whole_shapes(module: nn.Module, slices=None) -> dict[str, tuple[int, ...]]:
+    return slices.saved_shapes() if slices is not None else {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
 def legacy_payload(payload: dict, module: nn.Module) -> dict:
@@ -51,7 +51,7 @@ def legacy_payload(payload: dict, module: nn.Module) -> dict:
         return {"misfit": "the newest checkpoint was written by a pipeline before checkpoints were sharded: resume "
                           "it with --strategy pipeline as it was written, point --checkpoint.dir elsewhere, or pass "
                           "--checkpoint.resume false"}
-    misfit = model_misfit(payload["model"], _unsplit_shapes(module))
+    misfit = model_misfit(payload["model"], _whole_shapes(module))
     return {"misfit": misfit} if misfit else {**payload, "rng": _json_rngs(payload.get("rng"))}
 
 
@@ -60,27 +60,27 @@ def restore_legacy(payload: dict | None, parallel, ctx) -> TrainState:
     unsplit state, a pipeline stage its own stage's part (the cut checked first)."""
     import horovod.torch as hvd
 
-    module, optimizer, split = parallel.module, parallel.optimizer, parallel.split
+    module, optimizer, slices = parallel.module, parallel.optimizer, parallel.slices
     if payload is not None:
         payload = {**payload, "rng": _json_rngs(payload.get("rng"))}
     payload = hvd.broadcast_object(payload, root_rank=0, name="checkpoint.legacy")
     if ctx.pipeline is not None:
         def load(mine: dict) -> None:
-            module.load_state_dict(mine["model"] if split is None else split.local_model_state(mine["model"]))
+            module.load_state_dict(mine["model"] if slices is None else slices.local_model_state(mine["model"]))
             if optimizer is not None and mine["optimizer"] is not None:
                 moments = mine["optimizer"]
-                optimizer.load_state_dict(moments if split is None else split.local_optimizer_state(optimizer, moments))
+                optimizer.load_state_dict(moments if slices is None else slices.local_optimizer_state(optimizer, moments))
 
         return restore_own_stage(hvd, payload, ctx.pipeline, "the newest checkpoint",
-                                 lambda part: model_misfit(part["model"], _unsplit_shapes(module, split)), load,
+                                 lambda part: model_misfit(part["model"], _whole_shapes(module, slices)), load,
                                  set_rng_state, getattr(module, "plan", None))
     if "stages" in payload:
         raise ConfigError(legacy_payload(payload, module)["misfit"])
-    misfit = model_misfit(payload["model"], _unsplit_shapes(module, split))
+    misfit = model_misfit(payload["model"], _whole_shapes(module, slices))
     if misfit:
         raise ConfigError(misfit)
-    module.load_state_dict(split.local_model_state(payload["model"]))
-    optimizer.load_state_dict(split.local_optimizer_state(optimizer, payload["optimizer"]))
+    module.load_state_dict(slices.local_model_state(payload["model"]))
+    optimizer.load_state_dict(slices.local_optimizer_state(optimizer, payload["optimizer"]))
     rngs = payload.get("rng")
     if rngs and len(rngs) == ctx.size:
         set_rng_state(rngs[ctx.rank])

@@ -13,7 +13,7 @@ parameter and buffer then carries that recipe and its name in the whole model (`
 `materialize` draws what a module holds from its recipes. Random values are a function of the
 run's seed, the tensor's name in the whole model and each element's index in the whole tensor
 (a counter-based generator: splitmix64 of the index, Box-Muller for normals), so a rank holding
-rows 512..1023 of a weight draws exactly those rows of the unsplit model's, without the others:
+rows 512..1023 of a weight draws exactly those rows of the whole model's, without the others:
 unsplit, any pipeline cut and any tensor-parallel split start from the same model, and no rank
 allocates a parameter, or a slice of one, that it does not hold. `take` is how tensor
 parallelism slices a meta parameter (rows and/or columns of the whole one).

@@ -8,9 +8,9 @@ Activations move from device to device between stages. With micro_batches > 1 th
 into chunks issued as a wavefront (stage s works on chunk i while stage s+1 works on chunk i-1);
 CUDA runs kernels asynchronously, so on GPUs the stages overlap. On CPU the result is the same,
 only without overlap. The output is the whole batch's, so the loss and the gradients are exactly
-those of the unsplit model (BatchNorm aside: it sees one chunk at a time).
+those of the whole model (BatchNorm aside: it sees one chunk at a time).
 
-Its state_dict() is the unsplit model's, under the model's own keys ("2.0.weight", not
+Its state_dict() is the whole model's, under the model's own keys ("2.0.weight", not
 "stages.1.2.0.weight"): a checkpoint does not depend on where the stages cut (`partition: time`
 may cut elsewhere at the next start) and loads into the plain model too.
 """

@@ -84,14 +84,14 @@ def gradient_groups(model: nn.Module, device: torch.device, adasum: bool) -> lis
                              lambda p: p.numel() * p.element_size()) or None
 
 
-def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int, split=None):
+def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per_epoch: int, slices=None):
     """Build the optimizer, wrap it for Horovod, and return it with its LR schedule.
 
     Under tensor parallelism (ctx.tensor) gradients are averaged over the data-parallel process
     set only, and with a single replica the optimizer is left unwrapped: nothing to average.
     horovod.zero 1-3: the optimizer steps this rank's rows of each parameter, its state and (2, 3)
-    its gradients sharded over the replicas (hvd_runtime.torch.zero); `split`: tensor parallelism's
-    SplitParameters of `model`, whose slices ZeRO cuts along tensor parallelism's dimension.
+    its gradients sharded over the replicas (hvd_runtime.torch.zero); `slices`: tensor parallelism's
+    SlicedParameters of `model`, whose slices ZeRO cuts along tensor parallelism's dimension.
 
     Raises ConfigError for horovod.adasum on a job without Adasum (Gloo): at start-up, not as
     a HorovodInternalError at the first step.
@@ -106,7 +106,7 @@ def make_optimizer(model: nn.Module, optim_cfg, hvd_cfg, ctx: Context, steps_per
     if hvd_cfg.zero and ctx.dp_set is not None:
         # Horovod: gradients reduce-scattered over the replicas, each rank steps its rows, rows all-gathered
         return ZeroOptimizer(model, lambda tensors: plain_optimizer(tensors, optim_cfg, lr), hvd_cfg.zero,
-                             ctx.dp_set, ctx.data_rank, ctx.data_size, split), schedule
+                             ctx.dp_set, ctx.data_rank, ctx.data_size, slices), schedule
     optimizer = plain_optimizer(model.parameters(), optim_cfg, lr)
     if ctx.dp_set is None:  # a lone tensor-parallel replica: nothing to average
         return optimizer, schedule

@@ -45,16 +45,17 @@ from hvd_runtime.torch.memory_plan import activations_of, pipeline_in_flight, pl
 from hvd_runtime.torch.meta_init import is_meta, materialize, whole
 from hvd_runtime.torch.model_split import ModelSplit
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
-from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, split_stage
+from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, slice_stage
 from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.recompute import recompute_blocks
 from hvd_runtime.torch.stage import named_blocks, plan_timed_on_rank0
 from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.sync_batchnorm import use_sync_batchnorm
 from hvd_runtime.torch.tensor_parallel import apply_tp
-from hvd_runtime.torch.tensor_state import SplitParameters
+from hvd_runtime.torch.tensor_state import SlicedParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch.zero import ZeroOptimizer, shard_parameters
+from hvd_runtime.zero_rows import job_misfits
 
 __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
@@ -64,10 +65,10 @@ __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeli
 class Parallel:
     """What parallelize made of the model on this rank."""
 
-    module: nn.Module                        # what this rank trains and checkpoints: the model, its split or its stage
+    module: nn.Module                        # what this rank trains and checkpoints: the model (sliced under tp), its ModelSplit or its stage
     optimizer: torch.optim.Optimizer
     step: TrainStep | PipelineEngine         # what hvd_runtime.loop drives
-    split: SplitParameters | None = None     # tensor parallelism: the checkpoints' view of the slices
+    slices: SlicedParameters | None = None   # tensor parallelism: the checkpoints' view of the slices
     plan: Partition | None = None            # where a pipeline or model-split cut the model, for the index
 
 
@@ -77,7 +78,7 @@ def apply_pipeline(model: nn.Module, place: PipelineRank, partition, sample: tor
     `partition`: as config.partition_spec gives it; `sample` (a micro-batch) and `tail` (the last
     stage's loss and metrics) are what `time` times."""
     stage = build_stage(model, place, partition=partition, sample=sample, tail=tail)
-    return split_stage(stage, place)
+    return slice_stage(stage, place)
 
 
 def batch_sample(dataset, cfg) -> torch.Tensor:
@@ -90,7 +91,7 @@ def batch_sample(dataset, cfg) -> torch.Tensor:
 def timing_sample(dataset, cfg) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """What `partition: time` times the blocks on: a micro-batch of the training set (stages run
     micro-batches, where a call's fixed cost weighs most), and the tail the last stage adds, the
-    metrics and the loss on its targets (the whole model's output: timing precedes any split)."""
+    metrics and the loss on its targets (the whole model's output: timing precedes any slices)."""
     micro_batch = max(1, cfg.train.batch_size // cfg.parallel.micro_batches)
     x, y = (torch.from_numpy(a) for a in dataset.train.examples(micro_batch))
     objective = VocabObjective.of(None, dataset.num_classes)
@@ -113,13 +114,13 @@ def apply_model_split(model: nn.Module, parallel_cfg, partition, sample: torch.T
 
 
 def apply_data_parallel(module: nn.Module, ctx: Context, cfg, objective: VocabObjective, steps_per_epoch: int,
-                        split: SplitParameters | None = None) -> tuple[torch.optim.Optimizer, TrainStep]:
+                        slices: SlicedParameters | None = None) -> tuple[torch.optim.Optimizer, TrainStep]:
     """Horovod's DistributedOptimizer over the replicas (ctx.dp_set), or ZeRO's (horovod.zero), LR
     scaled by their number with warmup, and the TrainStep: fp16 loss scaling and clipping (by the
-    whole model's norm: `split`'s under tensor parallelism, the rows' summed under ZeRO) wait for
+    whole model's norm: `slices`'s under tensor parallelism, the rows' summed under ZeRO) wait for
     the averaged gradients."""
-    optimizer, schedule = make_optimizer(module, cfg.optim, cfg.horovod, ctx, steps_per_epoch, split)
-    norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else split.grad_norm if split else None
+    optimizer, schedule = make_optimizer(module, cfg.optim, cfg.horovod, ctx, steps_per_epoch, slices)
+    norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else slices.grad_norm if slices else None
     precision = Precision(cfg.train.precision, ctx.device, cfg.optim.clip_norm, norm)
     step = TrainStep(module, optimizer, schedule, objective.cross_entropy, ctx, cfg.horovod.backward_passes_per_step,
                      precision, accuracy_fn=objective.accuracy_sum, guard=nonfinite_guard(cfg, ctx))
@@ -154,11 +155,7 @@ def refuse_zero_misfits(cfg, ctx: Context) -> None:
         (ctx.pipeline is not None and ctx.pipeline.dims.tp > 1,
          "a pipeline's tensor parallelism (parallel.tp): use horovod.zero 0 there, or parallel.tp 1"),
         (ctx.stage_devices is not None, "model-split: use --strategy data"),
-        (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its shard with it): "
-                                                  "run without --min-np/--max-np, or set horovod.zero 0"),
-        (hvd.adasum, "horovod.adasum (Adasum reduces whole gradients): set one of them off"),
-        (hvd.fp16_compression, "horovod.fp16_compression (reduce-scatter sends the gradients as they are): "
-                               "set it false"),
+        *job_misfits(hvd),
     ]
     for misfit, fix in misfits:
         if misfit:
@@ -203,7 +200,7 @@ def _pipeline(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: int
                             micro_batches=cfg.parallel.micro_batches, metrics_fn=objective.accuracy, timeline=True,
                             precision=cfg.train.precision, clip_norm=cfg.optim.clip_norm, lr_schedule=schedule,
                             guard=nonfinite_guard(cfg, ctx))
-    return Parallel(stage, optimizer, engine, SplitParameters(stage) if place.tensor_group else None, stage.plan)
+    return Parallel(stage, optimizer, engine, SlicedParameters(stage) if place.tensor_group else None, stage.plan)
 
 
 def _recompute(model: nn.Module, cfg) -> None:
@@ -242,7 +239,7 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
             ctx.data_size > 1 else ""
         plan_and_check(model, per_block, ctx, cfg, f"{shards}a larger parallel.tp", scale=1 / ctx.tensor.group.size)
         if zero == 3 and ctx.dp_set is not None:   # each slice cut where tensor parallelism cut it
-            cut_dims = {name: cut.dim for name, cut in SplitParameters(model).by_name.items()}
+            cut_dims = {name: cut.dim for name, cut in SlicedParameters(model).by_name.items()}
             model = shard_parameters(model, ctx.dp_set, ctx.data_rank, ctx.data_size, cut_dims)
         model = materialize(model, cfg.seed, ctx.device)
     else:        # every rank holds the whole model (ZeRO 3: its rows of each parameter)
@@ -264,10 +261,10 @@ def parallelize(model: nn.Module, ctx: Context, cfg, dataset, steps_per_epoch: i
                                     *timing_sample(dataset, cfg))
     else:
         model = model.to(ctx.device)
-    split = SplitParameters(model) if tensor else None
-    objective = VocabObjective.of(ctx.tensor.group if split else None, dataset.num_classes)
+    slices = SlicedParameters(model) if tensor else None
+    objective = VocabObjective.of(ctx.tensor.group if slices else None, dataset.num_classes)
     # before the optimizer's gradient hooks: a warm-up step of its own
     if wanted(cfg.train.compile, ctx.device, zero3=zero == 3):
         apply_compile(model, ctx, cfg, dataset, objective)
-    optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, split)
-    return Parallel(model, optimizer, step, split, model.plan if isinstance(model, ModelSplit) else None)
+    optimizer, step = apply_data_parallel(model, ctx, cfg, objective, steps_per_epoch, slices)
+    return Parallel(model, optimizer, step, slices, model.plan if isinstance(model, ModelSplit) else None)

@@ -36,16 +36,16 @@ from hvd_runtime.torch.meta_init import is_meta
 from hvd_runtime.torch.precision import Precision, poisoned
 from hvd_runtime.torch.split_backward import SplitBackward, WeightWork
 from hvd_runtime.torch.stage import build_stage, plan_stages
-from hvd_runtime.torch.tensor_parallel import split_model
-from hvd_runtime.torch.tensor_state import SplitParameters
+from hvd_runtime.torch.tensor_parallel import slice_model
+from hvd_runtime.torch.tensor_state import SlicedParameters
 from hvd_runtime.torch.zero import ZeroOptimizer
 
 __all__ = ["ParallelDims", "PipelineConfigError", "PipelineEngine", "PipelineRank", "build_stage", "chunks_per_rank",
            "init_pipeline",
-           "micro_batch_sizes", "plan_stages", "split_stage"]
+           "micro_batch_sizes", "plan_stages", "slice_stage"]
 
 
-def split_stage(stage: torch.nn.Module, place: PipelineRank) -> torch.nn.Module:
+def slice_stage(stage: torch.nn.Module, place: PipelineRank) -> torch.nn.Module:
     """The stage with its transformer blocks, token embedding and head split over its tensor-parallel
     group (init_pipeline's tp; the last stage's logits are then split over the vocabulary).
 
@@ -61,7 +61,7 @@ def split_stage(stage: torch.nn.Module, place: PipelineRank) -> torch.nn.Module:
     if not is_meta(stage):
         # Horovod: one model for the whole group, from its first rank
         _broadcast_state(stage, place.dims.tp_ranks(place.rank)[0], group.process_set, "tp.init")
-    return split_model(stage, group)
+    return slice_model(stage, group)
 
 
 def _broadcast_state(module: torch.nn.Module, root: int, process_set, prefix: str) -> None:
@@ -95,7 +95,7 @@ class PipelineEngine(PipelineEngineBase):
         self._autocast = Precision(precision, self.device).autocast
         self.clip_norm, self.lr_schedule = clip_norm, lr_schedule
         # Tensor-parallel stages: the parameters held as slices, found once (the clip norm counts them apart)
-        self._split_ids = set(SplitParameters(stage).by_param) if place.dims.tp > 1 else set()
+        self._split_ids = set(SlicedParameters(stage).by_param) if place.dims.tp > 1 else set()
         self.sharded = isinstance(optimizer, ZeroOptimizer)   # horovod.zero 1: the replicas' rows
         self._saved: dict[tuple, tuple] = {}   # (chunk, micro-batch) -> (input, output to backpropagate, module calls)
         self.split_backward = SplitBackward(stage) if schedule in SPLIT_BACKWARD else None
@@ -155,7 +155,7 @@ class PipelineEngine(PipelineEngineBase):
     def _metrics(self, out, y):
         return self.metrics_fn(out.detach(), y.to(out.device))
 
-    def _split_batch(self, t, sizes):
+    def _micro_batches(self, t, sizes):
         return list(t.tensor_split(len(sizes)))
 
     def _set_training(self, train):
@@ -196,7 +196,7 @@ class PipelineEngine(PipelineEngineBase):
     def _grad_norm(self) -> float:
         """The whole model's gradient norm, not the stage's: squared norms summed over all ranks,
         each gradient divided by the ranks holding the same one, what torch.nn.utils.clip_grad_norm_
-        computes on the unsplit model. The same on every rank."""
+        computes on the whole model. The same on every rank."""
         # A gradient averaged over the replicas is held by each of them (ZeRO: its rows by one); a
         # parameter kept whole under tensor parallelism by each of the tp ranks of its stage.
         terms = [stepped.grad.detach().double().pow(2).sum()

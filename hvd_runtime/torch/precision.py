@@ -24,7 +24,7 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Precision:
     def __init__(self, name: str, device: torch.device, clip_norm: float = 0.0, grad_norm=None):
         """grad_norm(parameters): the global gradient norm, where the parameters alone do not give
-        it (a tensor-parallel model: hvd_runtime.torch.tensor_state.SplitParameters.grad_norm)."""
+        it (a tensor-parallel model: hvd_runtime.torch.tensor_state.SlicedParameters.grad_norm)."""
         if name not in DTYPES:
             raise ConfigError(f"train.precision is {name!r}: choose one of {', '.join(DTYPES)}")
         if name == "fp16" and torch.device(device).type != "cuda":

@@ -90,7 +90,7 @@ def _fastest_forward_backward(fn, x: torch.Tensor, repeats: int) -> float:
 def plan_stages(model, stages: int, by: str | Sequence = "params", sample: torch.Tensor | None = None,
                 tail=None) -> Partition:
     """Partition the model's blocks: by="params", by="time" (needs sample; `tail` as time_costs'),
-    or split points (names/indices)."""
+    or stage starts (names/indices)."""
     names = [n for n, _ in named_blocks(model)]
     timing = (lambda: time_costs(model, sample, tail=tail)) if sample is not None else None
     plan = plan_partition(names, stages, by, lambda: param_costs(model), timing)

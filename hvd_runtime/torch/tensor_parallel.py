@@ -46,11 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvd_runtime.parallel.tensor_groups import (TensorGroup, TensorParallelError, check_block_splits, check_no_dropout,
-                                                split_range, vocab_range)
+                                                slice_range, vocab_range)
 from hvd_runtime.torch.meta_init import take
 
 __all__ = ["BLOCK_PLAN", "ColumnParallelLinear", "Columnwise", "RowParallelLinear", "Rowwise", "TensorGroup",
-           "TensorParallelError", "VocabParallelEmbedding", "apply_tp", "split_model", "transformer_blocks"]
+           "TensorParallelError", "VocabParallelEmbedding", "apply_tp", "slice_model", "transformer_blocks"]
 
 
 def _sum_over(tensor: torch.Tensor, group: TensorGroup, name: str) -> torch.Tensor:
@@ -106,7 +106,7 @@ class ColumnParallelLinear(nn.Module):
         if linear.out_features % chunks:
             raise TensorParallelError(f"{linear} does not divide into {chunks} equal chunks of output features")
         chunk = linear.out_features // chunks
-        part = part or split_range(chunk, group.size, group.rank, f"column-parallel {linear}")
+        part = part or slice_range(chunk, group.size, group.rank, f"column-parallel {linear}")
         self.source_index = torch.cat([torch.arange(c * chunk + part.start, c * chunk + part.stop)
                                        for c in range(chunks)])
         self.group = group
@@ -128,7 +128,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group: TensorGroup, name: str = "tp.row"):
         super().__init__()
         self.name = name  # names this layer's allreduces: unique per layer
-        part = split_range(linear.in_features, group.size, group.rank, f"row-parallel {linear}")
+        part = slice_range(linear.in_features, group.size, group.rank, f"row-parallel {linear}")
         self.source_index = torch.arange(part.start, part.stop)  # the original input features (columns) held
         self.source_size = linear.in_features   # the whole layer's columns
         self.group = group
@@ -269,12 +269,12 @@ def _join(owner: str, child: str) -> str:
     return f"{owner}.{child}" if owner else child
 
 
-def split_model(model: nn.Module, group: TensorGroup) -> nn.Module:
+def slice_model(model: nn.Module, group: TensorGroup) -> nn.Module:
     """Split whatever `model` holds of the GPT over the group, in place, and return it: each
     transformer block's linear layers swapped as BLOCK_PLAN says and its `heads` set to this rank's
     share, the token embedding (the `tokens` nn.Embedding of a module) and the head (the `out`
     nn.Linear of a module with a `norm`) by vocabulary rows. Every module keeps its name, so the
-    split model's state_dict names are the unsplit model's. A pipeline stage may hold any of them,
+    split model's state_dict names are the whole model's. A pipeline stage may hold any of them,
     or none; the modules it shares with the whole model are copied before they change."""
     owner = _Owner(model)
     for name in transformer_blocks(model):
@@ -302,11 +302,11 @@ def split_model(model: nn.Module, group: TensorGroup) -> nn.Module:
 
 
 def apply_tp(model: nn.Module, group: TensorGroup) -> nn.Module:
-    """Split `model` over the group, in place (split_model); returns the model (unchanged for a group
-    of one: tp 1 is the unsplit model). Its logits are then split over the vocabulary:
+    """Split `model` over the group, in place (slice_model); returns the model (unchanged for a group
+    of one: tp 1 is the whole model). Its logits are then split over the vocabulary:
     train with hvd_runtime.torch.vocab_parallel's loss and accuracy."""
     if not transformer_blocks(model):
         raise TensorParallelError(f"{type(model).__name__} has no transformer blocks to split (linear layers "
                                   f"{', '.join(BLOCK_PLAN)}): tensor parallelism splits the gpt model; "
                                   "use --strategy data, model-split or pipeline for this one")
-    return model if group.size == 1 else split_model(model, group)
+    return model if group.size == 1 else slice_model(model, group)

@@ -2,12 +2,12 @@
 
     weights = write_whole_model(checkpoint, run_dir / "model.safetensors")    # rank 0, no collective
     model = load_whole_model(build_model(...), weights)                      # wherever it is served
-    tracker.log_model(model_file(checkpoints, unsplit, out), ...)            # rank 0: the newest, logged
+    tracker.log_model(model_file(checkpoints, build_whole, out), ...)            # rank 0: the newest, logged
 
 Every torch run ends with its model written this way (hvd_runtime.whole_file: from the shards,
 a tensor at a time, so a model split over ranks is never gathered whole into a training
 process), and its MLflow models are logged from such files (hvd_runtime.tracking.models.ModelFile).
-The file is an ordinary safetensors file of the unsplit model's state_dict (a tied weight under
+The file is an ordinary safetensors file of the whole model's state_dict (a tied weight under
 each of its names), which `safetensors.torch.load_file` and `load_whole_model` read.
 """
 
@@ -53,7 +53,7 @@ def _write_legacy(checkpoint: Path, out: Path, partial: Path) -> Path:
 
 
 def load_whole_model(model: nn.Module, weights: Path) -> nn.Module:
-    """`model` (the unsplit model, built for real) with the file's weights; returns it."""
+    """`model` (the whole model, built for real) with the file's weights; returns it."""
     from safetensors.torch import load_file
 
     model.load_state_dict(load_file(str(weights)))
@@ -66,7 +66,7 @@ def _built_with(build, weights: str) -> nn.Module:
 
 def model_file(store: CheckpointStore, build, out: Path, discard: bool = False) -> ModelFile:
     """Rank 0: the model of the store's newest checkpoint written to `out` (write_whole_model), as
-    the record a tracker logs: the unsplit model `build()` makes, loaded with these weights where
+    the record a tracker logs: the whole model `build()` makes, loaded with these weights where
     it is logged (`discard`: `out` is removed once logged)."""
     weights = str(write_whole_model(store.newest(), Path(out)))
     return ModelFile(weights, partial(_built_with, build, weights), discard)

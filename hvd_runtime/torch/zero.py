@@ -247,7 +247,7 @@ def _run_gathered(module: nn.Module, forward, args, kwargs):
     params, dims = [p for p, _ in held.values()], tuple(d for _, d in held.values())
     name = f"zero3.{sharded[0][2].name}"
     gathered = _Gather.apply((dp_set, name, dims), *params) if grad else _allgather(params, dims, dp_set, name)
-    full = {id(p): t for p, t in zip(params, gathered)}
+    whole = {id(p): t for p, t in zip(params, gathered)}
     # Autograd would keep each gathered tensor it saves until backward: a marker instead, and the
     # block gathered again when backward first needs one, dropped once the last marker is read.
     index = {t.untyped_storage().data_ptr(): (i, t.dtype) for i, t in enumerate(gathered)}
@@ -277,7 +277,7 @@ def _run_gathered(module: nn.Module, forward, args, kwargs):
     rows = [(owner, key, owner._parameters[key]) for owner, key, _ in sharded]
     try:
         for owner, key, p in rows:
-            owner._parameters[key] = full[id(p)]
+            owner._parameters[key] = whole[id(p)]
         with hooks:
             return forward(*args, **kwargs)
     finally:
@@ -312,12 +312,12 @@ class ZeroOptimizer:
     DistributedOptimizer: zero_grad, synchronize, skip_synchronize, step, param_groups, state."""
 
     def __init__(self, model: nn.Module, make_optimizer, stage: int, dp_set, dp_rank: int, dp_size: int,
-                 split=None):
-        """`make_optimizer(tensors)`: the framework optimizer over the tensors to step. `split`:
-        tensor parallelism's SplitParameters of `model`, whose slices are cut along the dimension
+                 slices=None):
+        """`make_optimizer(tensors)`: the framework optimizer over the tensors to step. `slices`:
+        tensor parallelism's SlicedParameters of `model`, whose slices are cut along the dimension
         it cut them (stage 3: as shard_parameters cut them) and counted once by the norm."""
         self.stage, self.dp_set, self.dp_size = stage, dp_set, dp_size
-        self.tp_split = {} if split is None else {pid: cut.group.size for pid, cut in split.by_param.items()}
+        self.tp_split = {} if slices is None else {pid: cut.group.size for pid, cut in slices.by_param.items()}
         self.tp = max(self.tp_split.values(), default=1)
         self.shards: list[Shard] = []
         held_rows = rows_by_parameter(model) if stage == 3 else {}
@@ -327,7 +327,7 @@ class ZeroOptimizer:
                 self.shards.append(Shard(name, p, tuple(p.shape), None, p) if held is None else
                                    Shard(name, p, held.shape, held.rows, p, held.dim))
                 continue
-            dim = split.by_param[id(p)].dim if split is not None and id(p) in split.by_param else 0
+            dim = slices.by_param[id(p)].dim if slices is not None and id(p) in slices.by_param else 0
             if is_cut(p.shape, dp_size, dim):
                 rows = row_range(p.shape[dim], dp_rank, dp_size)
                 view = p.detach().narrow(dim, rows[0], rows[1] - rows[0])   # stepped in place

@@ -27,7 +27,7 @@ log = logging.getLogger("hvd_runtime.tracking")
 @dataclass(frozen=True)
 class ModelFile:
     """A model kept as a safetensors file of its whole weights (hvd_runtime.torch.whole_model,
-    hvd_runtime.tf.whole_model), and `load`, which builds the unsplit model with those weights:
+    hvd_runtime.tf.whole_model), and `load`, which builds the whole model with those weights:
     what a run logs in place of a live model, so that no training process holds the whole model
     while it trains to log it. Whoever logs it loads it (`live`: a torch model in the tracking
     process, a Keras one where it is logged, or the spool when the server is down). `discard`: the

@@ -1,4 +1,4 @@
-"""TensorFlow pipeline and model-split: the same numbers as the unsplit model in one process.
+"""TensorFlow pipeline and model-split: the same numbers as the whole model in one process.
 
 Fast tests check stage cutting, the message format and model-split in-process; the slow ones run
 real `horovodrun --gloo` jobs whose every rank compares itself with a single-process reference
@@ -75,7 +75,7 @@ def test_stage_cutting_refuses_what_it_cannot_split():
     with pytest.raises(PartitionError, match="cannot split a Functional: give a keras.Sequential"):
         x = keras.Input((3,))
         plan_stages(keras.Model(x, keras.layers.Dense(2)(x)), 2)
-    with pytest.raises(PartitionError, match="split block 'nope' is not a block"):
+    with pytest.raises(PartitionError, match="stage start 'nope' is not a block"):
         plan_stages(make_model(), 2, by=["nope"])
     with pytest.raises(PartitionError, match="planned for another model"):
         build_stage(make_model(), 0, plan_stages(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), 1))
@@ -181,7 +181,7 @@ def test_generated_keras_models_split_into_a_pipeline_match_single_process(pipel
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
 
 
-# Recomputed blocks (model.recompute: blocks, tf.recompute_grad) against the unsplit model that keeps
+# Recomputed blocks (model.recompute: blocks, tf.recompute_grad) against the whole model that keeps
 # its activations, each on the grid of a case here (its job):
 # (model, np, stages, schedule, micro-batches, clip norm, steps, batch, tp, what it covers)
 RECOMPUTE_CASES = [

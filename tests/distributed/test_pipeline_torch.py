@@ -1,4 +1,4 @@
-"""PyTorch pipeline and model-split: the same numbers as the unsplit model in one process.
+"""PyTorch pipeline and model-split: the same numbers as the whole model in one process.
 
 Fast tests check the grid arithmetic, stage cutting and model-split in-process; the slow ones run
 real `horovodrun --gloo` jobs whose every rank compares itself with a single-process reference.
@@ -197,7 +197,7 @@ WORKLOAD_CASES = [
      "ResNet-18 pp=2, batched weight gradients: convolutions and norms a micro-batch at a time, the head's Linear as one"),
 ]
 WORKLOAD_BLOCKS = {"resnet18": [str(i) for i in range(10)], "gpt": [str(i) for i in range(4)]}
-# Recomputed blocks (model.recompute: blocks) against the unsplit model that keeps its activations,
+# Recomputed blocks (model.recompute: blocks) against the whole model that keeps its activations,
 # each on the grid of a case here (its job): (model, np, stages, schedule, micro-batches, clip, tp, what)
 RECOMPUTE_CASES = [
     ("gpt", 4, 2, "1f1b", 2, 0.1, 2, "recomputed GPT pp=2 x tp=2: the split layers' collectives again in backward"),
@@ -250,7 +250,7 @@ ZERO_CASES = [
 @pytest.mark.parametrize("model,np_,stages,schedule,m,p2p,clip,what", ZERO_CASES, ids=[c[-1] for c in ZERO_CASES])
 def test_zero_pipeline_stages_match_the_unsplit_model(pipeline_jobs, model, np_, stages, schedule, m, p2p, clip, what):
     """Two steps of pipeline stages whose replicas each hold half of the stage's optimizer state
-    (momentum) equal the unsplit model's, momentum and all."""
+    (momentum) equal the whole model's, momentum and all."""
     results, _ = pipeline_jobs(what)
     check_against_reference(results, np_, stages, schedule, m, ALL_BLOCKS if model == "mlp" else WORKLOAD_BLOCKS[model])
     assert all(all(r["clipped"]) for r in results) if clip else not any(any(r["clipped"]) for r in results)
@@ -309,7 +309,7 @@ TIMELINE_SPLITS = {"1f1b": "4", "zb-h1": "4", "interleaved-1f1b": "2,4,6"}
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", TIMELINES)
 def test_pipeline_records_a_timeline_the_cli_can_draw(pipeline_jobs, schedule):
-    """Also the zero-bubble schedule's plain case (pp=2 dp=1, equal to the unsplit model)."""
+    """Also the zero-bubble schedule's plain case (pp=2 dp=1, equal to the whole model)."""
     chunks = timeline_chunks(schedule)
     results, run = pipeline_jobs(f"timeline: {schedule}")
     check_against_reference(results, 2, 2, schedule, 4, ALL_BLOCKS, chunks=chunks)

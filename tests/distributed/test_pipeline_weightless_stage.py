@@ -1,6 +1,6 @@
 """A pipeline stage without weights (the generated MLP's flatten, alone in stage 0 at --stages 4)
 trains in step with the others: no backward through it, an optimizer step with nothing to
-update, nothing to average over its replicas. Checked against the unsplit model in one process,
+update, nothing to average over its replicas. Checked against the whole model in one process,
 for each framework (2 stages x 2 replicas: the flatten alone in stage 0, replicated)."""
 
 import json

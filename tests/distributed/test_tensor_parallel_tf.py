@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "tf_tp_step.py"
                          ids=["gpt-tp2", "gpt-tp2xdp2-tied-odd-vocab"])
 def test_split_gpt_gradient_matches_the_unsplit_model(tmp_path, tf_workload_projects, np_, gpt_args):
     """Logits (this rank's vocabulary rows), loss, accuracy and every variable's gradient equal the
-    unsplit model's (their slice of it) within 1e-5 relative; each rank holds half of the split
+    whole model's (their slice of it) within 1e-5 relative; each rank holds half of the split
     layers' weights (about half, for a vocabulary of 17 split 9 + 8). A tied head stays tied."""
     out = tmp_path / "r.json"
     run_horovod(np_, [sys.executable, str(SCRIPT), "--tp", "2", "--project", str(tf_workload_projects["gpt"]),

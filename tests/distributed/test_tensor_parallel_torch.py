@@ -34,11 +34,11 @@ def test_sizes_that_do_not_split_are_refused_in_one_line():
                                                       (4, 2, "gpt", ["--vocab", "17", "--tied"])],
                          ids=["mlp-tp2", "mlp-tp2xdp2", "gpt-tp2", "gpt-tp2xdp2-tied-odd-vocab"])
 def test_split_step_matches_the_unsplit_model(tmp_path, workload_projects, np_, tp, model, gpt_args):
-    """Outputs, the MLP input's gradient and every parameter's gradient equal the unsplit model's
+    """Outputs, the MLP input's gradient and every parameter's gradient equal the whole model's
     (their slice of it) within 1e-5 relative; each rank holds 1/tp of the split layers' weights.
     gpt is the generated project's model split by apply_tp (heads, the MLP, the embedding and head
     by vocabulary), its loss and accuracy computed on logits split over the vocabulary: they too
-    equal the unsplit model's. A vocabulary of 17 splits 9 + 8; a tied head stays tied."""
+    equal the whole model's. A vocabulary of 17 splits 9 + 8; a tied head stays tied."""
     out = tmp_path / "r.json"
     project = ["--project", str(workload_projects["gpt"]), *gpt_args] if model == "gpt" else []
     run_horovod(np_, [sys.executable, str(SCRIPT), "--tp", str(tp), "--model", model, *project, "--out", str(out)],

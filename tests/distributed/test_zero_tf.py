@@ -1,4 +1,4 @@
-"""ZeRO 1 and 2 for Keras (hvd_runtime.tf.zero): steps against the unsplit model, checkpoints that
+"""ZeRO 1 and 2 for Keras (hvd_runtime.tf.zero): steps against the whole model, checkpoints that
 resume at another dp, another stage and unsplit.
 
 Three real `horovodrun --gloo` jobs serve every check (tests/distributed/scripts/tf_zero_step.py,
@@ -68,7 +68,7 @@ def worst(errors: dict[str, float]) -> tuple[str, float]:
 @pytest.mark.parametrize("np_", [4, 2])
 @pytest.mark.parametrize("name", list(FRESH))
 def test_keras_zero_steps_match_the_unsplit_model(reports, name, np_):
-    """Two updates, then a third, equal the unsplit model's within 1e-5 on every rank: variables
+    """Two updates, then a third, equal the whole model's within 1e-5 on every rank: variables
     and optimizer slots (each rank's rows of them); each rank holds about 1/np of the slots."""
     ranks = reports[(np_, name)]
     assert sorted(r["rank"] for r in ranks) == list(range(np_))
@@ -85,7 +85,7 @@ def test_keras_zero_steps_match_the_unsplit_model(reports, name, np_):
 def test_a_keras_zero_checkpoint_resumes_in_another_layout(reports, np_, name):
     """A ZeRO 2 checkpoint written at dp 4 restores every variable and optimizer slot the unsplit
     run holds at that step, under ZeRO 1 at dp 2 or in one unsplit process, and the next update
-    still equals the unsplit model's."""
+    still equals the whole model's."""
     for r in reports[(np_, name)]:
         assert r["restored_step"] == 4
         assert any("/" in key for key in r["restored"]), "no optimizer slot was compared"

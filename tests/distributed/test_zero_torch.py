@@ -1,4 +1,4 @@
-"""ZeRO 1, 2 and 3 on Horovod (hvd_runtime.torch.zero), PyTorch: steps against the unsplit model,
+"""ZeRO 1, 2 and 3 on Horovod (hvd_runtime.torch.zero), PyTorch: steps against the whole model,
 and checkpoints that resume at another dp, another stage and unsplit.
 
 Four real `horovodrun --gloo` jobs serve every check (tests/distributed/scripts/zero_step.py,
@@ -140,7 +140,7 @@ def test_zero3_under_bf16_follows_the_unsplit_model(reports):
 def test_a_zero_checkpoint_resumes_in_another_layout(reports, np_, tp, name):
     """A checkpoint written at dp 4 (or tp 2 x dp 2) restores every parameter and optimizer slot
     the unsplit run holds at that step, at dp 2, another ZeRO stage, tp 2 x dp 2, or in one unsplit
-    process, and the next update still equals the unsplit model's."""
+    process, and the next update still equals the whole model's."""
     for r in reports[(np_, tp, name)]:
         assert r["restored_step"] == (2 if "zero3" in name.split("-at-")[0] else 4)
         assert any("/" in key for key in r["restored"]), "no optimizer slot was compared"

@@ -213,7 +213,7 @@ def test_stage_options_reach_the_config(tmp_path, schedule, stages):
                  "--micro-batches", "8", "--schedule", schedule)
     assert result.exit_code == 0, result.output
     config = yaml.safe_load((tmp_path / "proj" / "config.yaml").read_text())
-    assert config["parallel"] == {"stages": stages, "micro_batches": 8, "schedule": schedule, "virtual_stages": 2,
+    assert config["parallel"] == {"stages": stages, "micro_batches": 8, "schedule": schedule, "chunks": 2,
                                   "partition": "time"}
     from hvd_runtime.config import load_config    # the runtime takes what the generator wrote
     assert load_config(tmp_path / "proj" / "config.yaml").parallel.schedule == schedule

@@ -45,7 +45,7 @@ def applicable_keys(framework: str, strategy: str, model: str) -> set[str]:
     if not (strategy == "tensor" or (strategy == "pipeline" and model == "gpt")):
         expected.discard("parallel.tp")
     if strategy != "pipeline":   # the chunks per rank of the interleaved pipeline schedule
-        expected.discard("parallel.virtual_stages")
+        expected.discard("parallel.chunks")
     else:                        # a stage runs eager
         expected.discard("train.compile")
     if not (strategy == "data" or framework == "torch" and strategy in ("tensor", "pipeline")):   # ZeRO

@@ -41,4 +41,4 @@ def check_against_reference(results, np, stages, schedule, m, all_blocks, tp=1, 
             assert [b for r in ranks for b in r["blocks"]] == list(all_blocks)
         assert [r["stage"] for r in ranks] == list(range(stages))
     if tp > 1:  # the split layers were split, and compared slice against slice
-        assert all(r["split_params"] for r in results if r["update_err"])
+        assert all(r["sliced_params"] for r in results if r["update_err"])

@@ -19,7 +19,7 @@ def check_tp_reports(reports: list[dict], np_: int, tp: int, even: bool = True) 
     assert sorted(r["rank"] for r in reports) == list(range(np_))
     assert [r["tp_rank"] for r in sorted(reports, key=lambda r: r["rank"])] == [i % tp for i in range(np_)]
     for r in reports:
-        assert r["uncompared"] == [], f"parameters of the unsplit model with no split counterpart: {r['uncompared']}"
+        assert r["uncompared"] == [], f"parameters of the whole model with no split counterpart: {r['uncompared']}"
         worst = max(r["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, f"rank {r['rank']}: {worst[0]} off by {worst[1]:.2e} (relative): {r['errors']}"
         assert r["split_share"] == pytest.approx(1 / tp) if even else abs(r["split_share"] - 1 / tp) < 0.05

@@ -90,7 +90,7 @@ def assert_one_run_with_a_model_per_epoch(store: Path, experiment: str, epochs: 
 @pytest.mark.parametrize("strategy, override, message", [
     ("pipeline", [], "config error: world size 1 (horovodrun -np) is not stages 2 x replicas: "
                      "use -np 2, 4, 6... or a --stages that divides 1"),
-    ("model-split", ["--parallel.partition", "nope"], "config error: split block 'nope' is not a block: blocks are "),
+    ("model-split", ["--parallel.partition", "nope"], "config error: stage start 'nope' is not a block: blocks are "),
     ("pipeline", ["--parallel.schedule", "interleaved-1f1b", "--parallel.micro_batches", "3"],
      "config error: parallel.micro_batches 3 is not a multiple of parallel.stages 2: interleaved-1f1b sends "
      "micro-batches round the stages in groups of 2; use 4"),

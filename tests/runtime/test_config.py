@@ -66,9 +66,9 @@ def test_a_number_is_accepted_where_text_is_wanted(tmp_path):
     (["--parallel.schedule", "interleaved-1f1b", "--parallel.micro_batches", "3"],
      "parallel.micro_batches 3 is not a multiple of parallel.stages 2: interleaved-1f1b sends micro-batches round "
      "the stages in groups of 2; use 4"),
-    (["--parallel.schedule", "interleaved-1f1b", "--parallel.virtual_stages", "1"],
-     "parallel.virtual_stages 1 gives each rank one chunk: interleaved-1f1b needs 2 or more"),
-    (["--parallel.virtual_stages", "0"], "parallel.virtual_stages must be at least 1"),
+    (["--parallel.schedule", "interleaved-1f1b", "--parallel.chunks", "1"],
+     "parallel.chunks 1 gives each rank one chunk: interleaved-1f1b needs 2 or more"),
+    (["--parallel.chunks", "0"], "parallel.chunks must be at least 1"),
     (["--horovod.threads_per_rank", "-2"], "horovod.threads_per_rank must be 0 or more, got -2"),
     (["--horovod.cycle_time_ms", "-1"], "horovod.cycle_time_ms must be 0 or more, got -1.0"),
     (["--checkpoint.every_steps", "-5"], "checkpoint.every_steps must be 0 or more, got -5"),
@@ -90,3 +90,28 @@ def test_flatten_uses_dotted_keys():
     flat = flatten(RunConfig())
     assert flat["optim.lr"] == RunConfig().optim.lr
     assert "model.hidden" in flat
+
+
+def test_a_renamed_key_still_works_and_rank_0_says_its_new_name(tmp_path, monkeypatch, capsys):
+    """parallel.virtual_stages is parallel.chunks now: a config file or an override that uses the
+    old name trains as before; rank 0 says, in one line, what to rename; the others say nothing."""
+    path = tmp_path / "config.yaml"
+    path.write_text("parallel:\n  schedule: interleaved-1f1b\n  virtual_stages: 3\n  micro_batches: 6\n  stages: 2\n")
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("HOROVOD_RANK", rank)
+        assert load_config(path).parallel.chunks == 3
+        assert load_config(None, ["--parallel.virtual_stages", "4"]).parallel.chunks == 4
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == (2 if says else 0), lines
+        if says:
+            assert lines[0] == (f"config: parallel.virtual_stages is now called parallel.chunks; the old name works "
+                                f"in this release: rename it in {path}")
+            assert lines[1].endswith("rename it on the command line")
+
+
+def test_a_key_set_under_both_names_is_refused(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("parallel:\n  chunks: 2\n  virtual_stages: 3\n")
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages and parallel.chunks are both set in .*: keep "
+                                          r"parallel.chunks \(parallel.virtual_stages is its old name\)$"):
+        load_config(path)

@@ -96,7 +96,7 @@ def test_a_vocabulary_smaller_than_tp_is_refused_in_one_line():
 ])
 def test_each_strategy_starts_horovod_as_cfg_parallel_lays_it_out(strategy, started):
     """layout.start: the call and the layout each strategy starts Horovod with, seed, threads and
-    cycle time always from cfg; the interleaved schedule's chunks from parallel.virtual_stages."""
+    cycle time always from cfg; the interleaved schedule's chunks from parallel.chunks."""
     from hvd_runtime.config import RunConfig
     from hvd_runtime.parallel.layout import start
 
@@ -117,7 +117,7 @@ def test_each_strategy_starts_horovod_as_cfg_parallel_lays_it_out(strategy, star
     common = {"seed": 7, "threads_per_rank": 2, "cycle_time_ms": 1.5}
     assert calls == [(started[0], {**started[1], **common})]
     if strategy == "pipeline":
-        cfg.parallel.schedule, cfg.parallel.virtual_stages = "interleaved-1f1b", 2
+        cfg.parallel.schedule, cfg.parallel.chunks = "interleaved-1f1b", 2
         start(cfg, strategy, init_horovod, init_pipeline)
         assert calls[-1][1]["chunks"] == 2
 

@@ -40,12 +40,12 @@ def test_balance_by_parameter_count_of_a_typical_mlp():
     assert plan.stage_names(1) == ["relu2", "fc3", "relu3", "head"]
     assert plan.imbalance() == pytest.approx(16576 / ((16576 + 8906) / 2))
     assert "stage 0: fc1..fc2 (3 blocks, cost 16576)" in plan.describe()
-    assert "stage 1: head (1 block, cost 650)" in partition(names, params, 2, split=["head"]).describe()
+    assert "stage 1: head (1 block, cost 650)" in partition(names, params, 2, starts=["head"]).describe()
 
 
 def test_the_log_line_names_what_the_costs_count():
     """plan_partition says whether it balanced seconds or parameters, so a `time` run that resumed
-    at its checkpoint's cut (planned from split points, hence parameter counts) does not print
+    at its checkpoint's cut (planned from stage starts, hence parameter counts) does not print
     parameter counts as if they were timings."""
     names, params, seconds = ["fc1", "fc2", "head"], [8320, 8256, 650], [0.0012, 0.0011, 0.0004]
     by_time = plan_partition(names, 2, "time", lambda: params, lambda: seconds)
@@ -60,19 +60,19 @@ def test_the_log_line_names_what_the_costs_count():
 
 def test_override_by_names_and_by_indices_agree():
     names = ["a", "b", "c", "d", "e"]
-    by_name = partition(names, [1, 1, 1, 1, 1], 3, split=["b", "e"])
-    by_index = partition(names, [1, 1, 1, 1, 1], 3, split=[1, 4])
+    by_name = partition(names, [1, 1, 1, 1, 1], 3, starts=["b", "e"])
+    by_index = partition(names, [1, 1, 1, 1, 1], 3, starts=[1, 4])
     assert by_name.bounds == by_index.bounds == ((0, 1), (1, 4), (4, 5))
 
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(stages=4), "cannot split 3 blocks into 4 stages: every stage needs a block; use stages <= 3"),
     (dict(stages=0), "stages must be a positive integer, got 0"),
-    (dict(stages=2, split=["z"]), "split block 'z' is not a block: blocks are a, b, c"),
-    (dict(stages=2, split=[0]), "split index 0 is out of range: stage starts must be 1..2"),
-    (dict(stages=3, split=["c", "b"]), "split blocks must be distinct and in model order"),
-    (dict(stages=3, split=["b"]), "split needs 2 block(s) where stages 1..2 start, got 1"),
-    (dict(stages=2, split=[1.5]), "split entries are block names or indices, got 1.5"),
+    (dict(stages=2, starts=["z"]), "stage start 'z' is not a block: blocks are a, b, c"),
+    (dict(stages=2, starts=[0]), "stage start 0 is out of range: stage starts must be 1..2"),
+    (dict(stages=3, starts=["c", "b"]), "stage starts must be distinct blocks in model order"),
+    (dict(stages=3, starts=["b"]), "stage starts need 2 block(s), where stages 1..2 start, got 1"),
+    (dict(stages=2, starts=[1.5]), "stage starts are block names or indices, got 1.5"),
 ])
 def test_errors_are_one_line_and_name_the_bad_value(kwargs, message):
     with pytest.raises(PartitionError) as err:

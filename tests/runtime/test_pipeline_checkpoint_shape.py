@@ -32,5 +32,5 @@ def test_a_checkpoint_of_other_chunks_is_refused_saying_how_to_resume(saved, now
     with pytest.raises(ValueError) as refused:
         own_stage(payload(saved), rank(0, chunks=now), "ckpt")
     message = str(refused.value)
-    assert message.startswith(said) and "resume with the parallel.schedule and parallel.virtual_stages" in message
+    assert message.startswith(said) and "resume with the parallel.schedule and parallel.chunks" in message
     assert "\n" not in message

@@ -4,7 +4,7 @@ hvd_runtime.tf.checkpoint names each variable by its path through the model's la
 tensor-parallel split layer sits under the attribute of the layer it replaces, so its slice has
 the unsplit variable's name and a Placement of the unsplit shape. Checked here in one process,
 with the splits of a two-rank group made the way apply_tp makes them (no collective is called
-while splitting): every name is the unsplit model's, every slice holds exactly its placement's
+while splitting): every name is the whole model's, every slice holds exactly its placement's
 rows of the unsplit variable, and two such shards make, through write_whole_model, a file that
 a freshly built model (its layers auto-named differently) loads bit for bit.
 """
@@ -28,8 +28,8 @@ from hvd_runtime.shards import INDEX, merge_index, write_json  # noqa: E402
 from hvd_runtime.tf.checkpoint import _write_shard, held_variables  # noqa: E402
 from hvd_runtime.tf.names import whole_names  # noqa: E402
 from hvd_runtime.tf.stage import Stage  # noqa: E402
-from hvd_runtime.tf.tensor_parallel import split_layers  # noqa: E402
-from hvd_runtime.tf.tensor_state import SplitVariables  # noqa: E402
+from hvd_runtime.tf.tensor_parallel import slice_layers  # noqa: E402
+from hvd_runtime.tf.tensor_state import SlicedVariables  # noqa: E402
 from hvd_runtime.tf.whole_model import load_whole_model, model_file, write_whole_model  # noqa: E402
 
 
@@ -68,7 +68,7 @@ NAMES = {"0.0.kernel", "0.0.bias", "1.norm1.gamma", "1.norm1.beta", "1.qkv.kerne
 def split(model, rank: int) -> Stage:
     """Rank `rank`'s layers of a group of two, as a stage holding all of them (a Sequential of them
     would be called, and so reach for the group's collectives)."""
-    return Stage(split_layers(model.layers, TensorGroup(rank, 2, None)), 0, None)
+    return Stage(slice_layers(model.layers, TensorGroup(rank, 2, None)), 0, None)
 
 
 def test_every_variable_is_named_by_its_path_whatever_keras_named_the_layers():
@@ -85,7 +85,7 @@ def test_a_tensor_parallel_slice_has_the_unsplit_name_and_holds_its_rows():
     covered = {}
     for rank in (0, 1):
         model = split(unsplit, rank)
-        held = held_variables(model, None, SplitVariables(model))
+        held = held_variables(model, None, SlicedVariables(model))
         assert {name.removeprefix("model/") for _, name, _ in held} == NAMES
         for v, name, at in held:
             name = name.removeprefix("model/")
@@ -110,7 +110,7 @@ def write_checkpoint(folder, unsplit) -> None:
     shards = []
     for rank in (0, 1):
         model = split(unsplit, rank)
-        shards.append(_write_shard(folder, rank, held_variables(model, None, SplitVariables(model)), rank == 0))
+        shards.append(_write_shard(folder, rank, held_variables(model, None, SlicedVariables(model)), rank == 0))
     write_json(folder / INDEX, merge_index(shards, step=7, state={}, rng=None, cut=None))
 
 

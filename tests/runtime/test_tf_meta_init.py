@@ -4,8 +4,8 @@ A slice drawn alone equals the same slice of the whole variable drawn whole, for
 and both; a generated model of each kind is drawn with its own initializers' distributions
 (GPT-2's normals, Glorot's and He's bounds from the whole shape, LayerNorm and BatchNorm
 constants), its tied head still tied; a GPT split the way apply_tp splits it draws, on each tp
-rank, exactly the rows and columns of the unsplit model that rank holds, and gives no variable of
-the unsplit model a value; an initializer that is not element-wise is refused in one line, and a
+rank, exactly the rows and columns of the whole model that rank holds, and gives no variable of
+the whole model a value; an initializer that is not element-wise is refused in one line, and a
 whole model takes its own initializers' values, those of a model built for real.
 """
 
@@ -29,8 +29,8 @@ from hvd_runtime.parallel.tensor_groups import TensorGroup  # noqa: E402
 from hvd_runtime.tf.meta_init import MetaInitError, build_on_meta, draw, is_meta, materialize, take, whole  # noqa: E402
 from hvd_runtime.tf.names import whole_names  # noqa: E402
 from hvd_runtime.tf.stage import Stage  # noqa: E402
-from hvd_runtime.tf.tensor_parallel import split_layers  # noqa: E402
-from hvd_runtime.tf.tensor_state import SplitVariables  # noqa: E402
+from hvd_runtime.tf.tensor_parallel import slice_layers  # noqa: E402
+from hvd_runtime.tf.tensor_state import SlicedVariables  # noqa: E402
 from helpers.tp_checks import load_generated_model  # noqa: E402
 
 GPT = ModelConfig(width=32, heads=4, layers=2, context=8)
@@ -119,11 +119,11 @@ def test_each_tp_rank_draws_exactly_its_slices_of_the_unsplit_model(models, tp):
     for rank in range(tp):
         meta = build_on_meta(models["gpt"], GPT, (8,), 52)
         # rank's layers of the group, as a stage (a Sequential of them would reach for the group's collectives)
-        split = Stage(split_layers(meta.layers, TensorGroup(rank, tp, None)), 0, None)
+        split = Stage(slice_layers(meta.layers, TensorGroup(rank, tp, None)), 0, None)
         assert is_meta(split)
         materialize(split, seed=3)
-        assert is_meta(meta), "the unsplit model was given values"
-        cuts, names = SplitVariables(split).by_id, whole_names(split)
+        assert is_meta(meta), "the whole model was given values"
+        cuts, names = SlicedVariables(split).by_id, whole_names(split)
         for v in split.variables:
             if id(v) not in names:
                 continue

@@ -5,7 +5,7 @@ safetensors file of the slices it holds, an index merged from their descriptions
 column-parallel weight cut in fused-q/k/v runs, a row-parallel one, a vocabulary-split embedding
 tied to the head, whole tensors written once, a bf16 buffer. The file write_whole_model makes
 from it is an ordinary safetensors file: safetensors reads it back as the unsplit state_dict,
-bit for bit, and the unsplit model loads it. While it is written, no tensor larger than the
+bit for bit, and the whole model loads it. While it is written, no tensor larger than the
 largest single tensor of the model is ever allocated: the whole model never is.
 """
 

@@ -4,7 +4,7 @@
     horovodrun -np 2 --gloo python model_split_step.py --model gpt --project DIR --clip-norm 0.1 --out r.json
     horovodrun -np 2 --gloo python model_split_step.py --cases cases.json   # several cases, one job
 
-Every rank also trains the unsplit model on the whole global batch in-process and compares the
+Every rank also trains the whole model on the whole global batch in-process and compares the
 losses and its parameters after the steps (for a model with BatchNorm, the reference sees each
 worker's micro-batches one after the other, since BatchNorm's statistics are a micro-batch's).
 With --clip-norm, the split model steps as generated projects do (hvd_runtime Precision:

@@ -1,4 +1,4 @@
-"""Train a few steps with the pipeline and, in the same process, with the unsplit model; compare.
+"""Train a few steps with the pipeline and, in the same process, with the whole model; compare.
 
     horovodrun -np 2 --gloo python pipeline_step.py --stages 2 --schedule 1f1b --micro-batches 4 --out r.json
 
@@ -25,8 +25,8 @@ from torch import nn
 from hvd_runtime.torch.objective import accuracy_sum, cross_entropy
 from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
 from hvd_runtime.torch.recompute import recompute_blocks
-from hvd_runtime.torch.tensor_parallel import split_model
-from hvd_runtime.torch.tensor_state import SplitParameters
+from hvd_runtime.torch.tensor_parallel import slice_model
+from hvd_runtime.torch.tensor_state import SlicedParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch.zero import ZeroOptimizer
 
@@ -55,7 +55,7 @@ def mlp_batch(g, n):
 
 
 def reference_step(ref, opt, x, y, micro_batches: int | None, clip_norm: float) -> tuple[float, float, bool]:
-    """One SGD step of the unsplit model: the whole batch, or (BatchNorm) the pipeline's micro-batches.
+    """One SGD step of the whole model: the whole batch, or (BatchNorm) the pipeline's micro-batches.
 
     With micro-batches each chunk's loss is weighted by its share of the batch, so the summed
     gradients are the whole batch's mean. Returns loss, accuracy and whether clipping acted.
@@ -86,7 +86,7 @@ def main():
 
 
 def run_case(args, place) -> dict:
-    """Train args.steps steps with this rank's stage and with the unsplit model; return what to compare."""
+    """Train args.steps steps with this rank's stage and with the whole model; return what to compare."""
     work = load_workload(args.model, args.project, lambda: make_model(args.flatten_first), mlp_batch)
     g = torch.Generator().manual_seed(7)
     global_batch = args.batch * place.replicas
@@ -112,7 +112,7 @@ def run_case(args, place) -> dict:
     # the pipeline: this rank's stage of a fresh copy of the same model
     stage = build_stage(work.build(), place, partition=args.partition, sample=xs[0][: args.batch])
     if args.tp > 1:  # each stage's blocks, embedding and head split over its tensor-parallel group
-        stage = split_model(stage, place.tensor_group)
+        stage = slice_model(stage, place.tensor_group)
     if args.recompute:  # each micro-batch's blocks run again in its backward
         recompute_blocks(stage)
     # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
@@ -128,18 +128,18 @@ def run_case(args, place) -> dict:
     run = drive_pipeline(engine, place, xs, ys, x_val, y_val, args)
 
     after = ref.state_dict()
-    splits = SplitParameters(stage).by_name  # tensor parallelism: this rank holds a slice of these
+    slicings = SlicedParameters(stage).by_name  # tensor parallelism: this rank holds a slice of these
 
     def held(name, tensor):
         """The part of a reference tensor this rank's stage holds."""
-        split = splits.get(name)
-        return tensor if split is None else tensor.index_select(split.dim, split.index)
+        slicing = slicings.get(name)
+        return tensor if slicing is None else tensor.index_select(slicing.dim, slicing.index)
 
     update_err = {name: rel(p.detach() - held(name, before[name]), held(name, after[name] - before[name]))
                   for name, p in stage.state_dict().items()}
     result = {"rank": place.rank, "stage": place.stage, "replica": place.replica,
               "tp_rank": place.tensor_group.rank if place.tensor_group else 0,
-              "split_params": sorted(splits), "blocks": list(stage.plan.stage_names(place.stage)),
+              "sliced_params": sorted(slicings), "blocks": list(stage.plan.stage_names(place.stage)),
               "chunk_blocks": stage.chunk_names,
               "ref_losses": ref_losses, "ref_accs": ref_accs, "ref_val_loss": ref_val, "update_err": update_err,
               "clipped": clipped, "weights": sum(1 for p in stage.parameters() if p.requires_grad),

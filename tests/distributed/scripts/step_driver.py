@@ -36,7 +36,7 @@ def parse_args(pipeline: bool, p2p: str = "torch", cases: bool = False) -> argpa
         ap.add_argument("--schedule", default="1f1b")
         ap.add_argument("--chunks", type=int, default=1, help="the model's chunks per rank (interleaved-1f1b)")
         ap.add_argument("--p2p", default=p2p, help="torch: torch, socket, alltoall or broadcast; TF: socket or alltoall")
-        ap.add_argument("--partition", default="params", help="params, time, or comma-separated split blocks")
+        ap.add_argument("--partition", default="params", help="params, time, or comma-separated stage starts")
         ap.add_argument("--run-dir", default=None)
         ap.add_argument("--hvd-init-first", action="store_true", help="torch only: hvd.init() before init_pipeline")
         ap.add_argument("--flatten-first", action="store_true",

@@ -7,7 +7,7 @@
 Each worker sees two logical CPU devices (GPUs when it has them) and runs one stage on each;
 gradients are averaged across workers by the same TrainStep a generated project uses, and with
 --clip-norm the optimizer clips them after the allreduce, as a generated project's does. Every
-rank also trains the unsplit model on the whole global batch in-process (for a model with
+rank also trains the whole model on the whole global batch in-process (for a model with
 BatchNorm, each worker's micro-batches one after the other, since BatchNorm's statistics are a
 micro-batch's) and compares the losses and its trainable variables after the steps (BatchNorm's
 moving statistics are each worker's own by design). Rank 0 writes all ranks' results as JSON.

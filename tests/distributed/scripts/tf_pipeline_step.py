@@ -1,4 +1,4 @@
-"""TensorFlow: train a few steps with the pipeline and, in the same process, with the unsplit model.
+"""TensorFlow: train a few steps with the pipeline and, in the same process, with the whole model.
 
     horovodrun -np 2 --gloo python tf_pipeline_step.py --stages 2 --schedule 1f1b --micro-batches 4 --out r.json
 
@@ -9,8 +9,8 @@ the engine's start-up broadcast is what makes them agree. Rank 0 writes all resu
 (the format tests/helpers/pipeline_checks.py judges). `--model resnet18|gpt --project DIR` splits a
 generated project's model instead of the MLP here (for BatchNorm, the reference sees the same
 micro-batches one after the other); `--clip-norm` clips by the whole model's norm. `--tp N` splits
-each stage's transformer blocks over N ranks (split_stage); the ranks of a tp group build from
-different seeds too, so split_stage's start-up broadcast is checked as well, and each slice's
+each stage's transformer blocks over N ranks (slice_stage); the ranks of a tp group build from
+different seeds too, so slice_stage's start-up broadcast is checked as well, and each slice's
 update is compared with its slice of the reference's.
 """
 
@@ -21,10 +21,10 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 from hvd_runtime.tf.objective import accuracy_sum
-from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline, split_stage
+from hvd_runtime.tf.pipeline import PipelineEngine, build_stage, init_pipeline, slice_stage
 from hvd_runtime.tf.recompute import recompute_blocks
 from hvd_runtime.tf.vocab_parallel import VocabObjective
-from hvd_runtime.tf.tensor_state import SplitVariables
+from hvd_runtime.tf.tensor_state import SlicedVariables
 
 from step_driver import drive_pipeline, each_case, parse_args, write_results
 from tf_workloads import VOCAB, load_workload
@@ -73,7 +73,7 @@ def sized_chunks(x, y, parts: int) -> list:
 
 def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, pieces=None, clip_norm: float = 0.0,
               lr: float = 0.5, trainable_only: bool = False):
-    """The unsplit model trained in this process: losses, accuracies, val loss, updates, whether clipping acted.
+    """The whole model trained in this process: losses, accuracies, val loss, updates, whether clipping acted.
 
     `pieces(x, y)` gives (x, y, weight) parts whose weighted losses add up to the batch's mean
     loss (a model with BatchNorm must see the micro-batches the split model sees); default: whole.
@@ -108,7 +108,7 @@ def main():
 
 
 def run_case(args, place) -> dict:
-    """Train args.steps steps with this rank's stage and with the unsplit model; return what to compare."""
+    """Train args.steps steps with this rank's stage and with the whole model; return what to compare."""
     work = load_workload(args.model, args.project,
                          lambda seed=1234: make_model(seed, args.flatten_first, args.regularize), mlp_batch,
                          (["flat"] if args.flatten_first else []) + BLOCKS)
@@ -127,7 +127,7 @@ def run_case(args, place) -> dict:
     before = {k: v.numpy().copy() for k, v in named_variables(stage.layers).items()}
     names = list(before)  # the unsplit stage's float variables, in order: a split stage's line up with them
     if args.tp > 1:
-        stage = split_stage(stage, place)
+        stage = slice_stage(stage, place)
     if args.recompute:  # each micro-batch's blocks run again in its backward
         recompute_blocks(stage)
     # the last stage's logits are split over the vocabulary at tp > 1: its loss and accuracy sum over the group
@@ -142,7 +142,7 @@ def run_case(args, place) -> dict:
         before = {k: start[k].numpy().copy() for k in before}
     run = drive_pipeline(engine, place, xs, ys, x_val, y_val, args)
 
-    splits = SplitVariables(stage).by_id  # tensor parallelism: this rank holds a slice of these
+    splits = SlicedVariables(stage).by_id  # tensor parallelism: this rank holds a slice of these
     held = [v for layer in stage.layers for v in layer.variables if "float" in str(v.dtype)]
     assert len(held) == len(names), (len(held), len(names))
 
@@ -154,7 +154,7 @@ def run_case(args, place) -> dict:
     update_err = {k: rel(v.numpy() - part(v, before[k]), part(v, ref_updates[k])) for k, v in zip(names, held)}
     split_names = sorted(k for k, v in zip(names, held) if id(v) in splits)
     result = {"rank": place.rank, "stage": place.stage, "replica": place.replica, "tp_rank": tp_rank,
-              "split_params": split_names,
+              "sliced_params": split_names,
               "blocks": list(stage.plan.stage_names(place.stage)),
               "chunk_blocks": [[layer.name for layer in stage.chunk_layers(c)] for c in range(place.chunks)], "ref_losses": ref_losses, "ref_accs": ref_accs,
               "ref_val_loss": ref_val, "update_err": update_err, "clipped": clipped, **run}

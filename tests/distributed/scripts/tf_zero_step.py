@@ -1,4 +1,4 @@
-"""Keras training steps under ZeRO (horovod.zero 1, 2) against the unsplit model in the same process.
+"""Keras training steps under ZeRO (horovod.zero 1, 2) against the whole model in the same process.
 
     horovodrun -np 4 --gloo python tf_zero_step.py --cases cases.json
     horovodrun -np 2 --gloo python tf_zero_step.py --cases resume.json     # a case with "resume": DIR
@@ -63,7 +63,7 @@ def batches(seed: int, n: int, k: int):
 
 
 class Reference:
-    """The unsplit model in this process, trained on whole global batches (the LR is not scaled by
+    """The whole model in this process, trained on whole global batches (the LR is not scaled by
     the replicas: a checkpoint resumed at another np goes on at the same LR)."""
 
     def __init__(self, case, optim_cfg):

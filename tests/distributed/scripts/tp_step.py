@@ -1,4 +1,4 @@
-"""One training step of a model split by tensor parallelism, against the unsplit model in the same process.
+"""One training step of a model split by tensor parallelism, against the whole model in the same process.
 
     horovodrun -np 2 --gloo python tp_step.py --tp 2 --out r.json                      # the MLP, tp=2
     horovodrun -np 4 --gloo python tp_step.py --tp 2 --out r.json                      # tp=2 x dp=2

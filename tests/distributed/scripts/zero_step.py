@@ -1,4 +1,4 @@
-"""Training steps under ZeRO (horovod.zero 1, 2, 3) against the unsplit model in the same process.
+"""Training steps under ZeRO (horovod.zero 1, 2, 3) against the whole model in the same process.
 
     horovodrun -np 4 --gloo python zero_step.py --cases cases.json
     horovodrun -np 2 --gloo python zero_step.py --cases resume.json     # a case with "resume": DIR
@@ -43,7 +43,7 @@ from hvd_runtime.torch.precision import Precision
 from hvd_runtime.torch.recompute import recompute_blocks
 from hvd_runtime.torch.step import TrainStep
 from hvd_runtime.torch.tensor_parallel import apply_tp
-from hvd_runtime.torch.tensor_state import SplitParameters
+from hvd_runtime.torch.tensor_state import SlicedParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch import zero as zero_module
 from hvd_runtime.torch.zero import STAGE2_BUCKET_BYTES, ZeroOptimizer, rows_by_parameter, shard_parameters
@@ -76,7 +76,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Reference:
-    """The unsplit model in this process, trained on whole global batches."""
+    """The whole model in this process, trained on whole global batches."""
 
     def __init__(self, build, case, ctx, schedule, objective):
         self.model = materialize(build_on_meta(build), SEED)
@@ -104,7 +104,7 @@ def zero_model(build, case, ctx):
     if ctx.tensor is not None:
         model = apply_tp(model, ctx.tensor.group)
     if case["zero"] == 3:
-        cut_dims = {name: cut.dim for name, cut in SplitParameters(model).by_name.items()}
+        cut_dims = {name: cut.dim for name, cut in SlicedParameters(model).by_name.items()}
         model = shard_parameters(model, ctx.dp_set, ctx.data_rank, ctx.data_size, cut_dims)
     if case["recompute"]:
         recompute_blocks(model)
@@ -115,7 +115,7 @@ def param_errors(model, reference, optimizer=None, ref_optimizer=None) -> dict[s
     """Each parameter (its tp slice, and its rows under ZeRO 3) against the reference's; with the
     optimizers, each optimizer slot shaped like its parameter too (`<name>/<slot>`)."""
     rows = rows_by_parameter(model)
-    splits = SplitParameters(model).by_name
+    splits = SlicedParameters(model).by_name
     ref = dict(reference.named_parameters())
 
     def part(name, t, cut=None):
@@ -163,7 +163,7 @@ def run_case(case, ctx):
     model = zero_model(build, case, ctx)
     zero_module.STAGE2_BUCKET_BYTES = case.get("bucket_bytes", STAGE2_BUCKET_BYTES)   # ZeRO 2's buckets
     optimizer, _ = make_optimizer(model, optim_cfg, hvd_cfg, ctx, steps_per_epoch=4,
-                                  split=SplitParameters(model) if ctx.tensor else None)
+                                  slices=SlicedParameters(model) if ctx.tensor else None)
     norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else None
     step = TrainStep(model, optimizer, schedule, objective.cross_entropy, ctx, case["bpps"],
                      Precision(case["precision"], ctx.device, case["clip"], norm))
@@ -185,7 +185,7 @@ def run_case(case, ctx):
         saved_n = case["saved_np"]   # the reference alone, as the saving job's: the checkpoint holds the rest
         for update in range(case["steps"]):
             reference.update([batch(g, BATCH * saved_n) for _ in range(k)], update, saved_n)
-        parallel = Parallel(model, optimizer, step, SplitParameters(model) if ctx.tensor else None)
+        parallel = Parallel(model, optimizer, step, SlicedParameters(model) if ctx.tensor else None)
         state = restore_checkpoint(checkpoint_store(CheckpointConfig(dir=case["resume"]), ctx),
                                    parallel, ctx)
         report["restored_step"] = state.step
@@ -194,7 +194,7 @@ def run_case(case, ctx):
         for update in range(case["steps"]):
             train(update)
         if case.get("save"):
-            parallel = Parallel(model, optimizer, step, SplitParameters(model) if ctx.tensor else None)
+            parallel = Parallel(model, optimizer, step, SlicedParameters(model) if ctx.tensor else None)
             save_checkpoint(checkpoint_store(CheckpointConfig(dir=case["save"]), ctx), parallel,
                             TrainState(step=case["steps"] * k, epoch=0), ctx)
     report["errors"] = param_errors(model, reference.model, optimizer, reference.optimizer)

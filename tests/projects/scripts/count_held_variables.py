@@ -93,7 +93,7 @@ def main() -> None:
     train.train(train.load_config(train.CONFIG_FILE, overrides))
 
     parallel = kept["parallel"]
-    entries = held_variables(parallel.module, parallel.optimizer, parallel.split)
+    entries = held_variables(parallel.module, parallel.optimizer, parallel.slices)
     trained = {id(v) for v in parallel.module.trainable_variables}
     held = {name[len("model/"):]: list(v.shape) for v, name, _ in entries if name.startswith("model/") and id(v) in trained}
     state: dict[str, list[int]] = {}
