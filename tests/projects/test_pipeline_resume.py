@@ -32,12 +32,13 @@ def generate(tmp_path: Path, framework: str, strategy: str) -> Path:
     return tmp_path / "proj"
 
 
-def train(project: Path, ranks: Path, epochs: int, *overrides: str, env=None, np_: int = 2) -> tuple[list[dict], str]:
+def train(project: Path, ranks: Path, epochs: int, *overrides: str, env: dict | None = None,
+          np_: int = 2) -> tuple[list[dict], str]:
     """Untracked: MLflow never changes what is trained, and tracked pipelines are
     test_tracking_project's (torch) and test_staged_projects' (TensorFlow)."""
     proc = run_horovod(np_, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project), str(ranks),
                            "--train.epochs", str(epochs), "--tracking.enabled", "false", *overrides],
-                       cwd=project, env=env | importing(project), timeout=400)
+                       cwd=project, env=(env or {}) | importing(project), timeout=400)
     lines = (ranks / "rank0" / "runs" / "latest" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], proc.stdout
 
