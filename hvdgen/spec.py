@@ -183,8 +183,8 @@ class ProjectSpec:
     @property
     def chunks(self) -> int:
         """Chunks of the model per rank the generated config starts with (parallel.chunks, used by
-        the interleaved schedule): 2 halves 1F1B's bubble for twice its messages."""
-        return 2
+        the interleaved schedule): the config's default; 2 halves 1F1B's bubble for twice its messages."""
+        return ParallelConfig.chunks
 
     def _check_tensor(self) -> None:
         heads = self.model_info.heads
