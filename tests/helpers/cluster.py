@@ -292,7 +292,7 @@ def _main() -> None:
     state.write_text(json.dumps({"netns": [p.netns for p in cluster.pods] + [cluster.switch]}))
     print(f"pods: {', '.join(p.name + ' ' + p.address for p in cluster.pods)}")
     print(f"enter the launcher: {shlex.join(cluster.command(launcher, ['bash']))}")
-    print(f"tear down: python {sys.argv[0]} down --base {args.base}")
+    print(f"tear down: PYTHONPATH=tests python -m {__spec__.name} down --base {args.base}")
 
 
 if __name__ == "__main__":

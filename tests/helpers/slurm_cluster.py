@@ -286,7 +286,7 @@ def _main() -> None:
     state.write_text(json.dumps({"namespaces": made.namespaces}))
     print(f"nodes: {', '.join(made.nodes)}; submit from the login namespace:")
     print(f"  {shlex.join(made.command('ctl', ['bash']))}   # SLURM_CONF={made.conf}")
-    print(f"tear down: python {sys.argv[0]} down --base {args.base}")
+    print(f"tear down: PYTHONPATH=tests python -m {__spec__.name} down --base {args.base}")
 
 
 if __name__ == "__main__":
