@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -188,6 +189,23 @@ def test_a_warm_ranks_loader_workers_start_warm_and_inherited_descriptors_pass(t
     assert (warm[1][-1], plain[1][-1]) == ("server.py", "rank"), "the fork server did not start warm"
 
 
+def test_a_descriptor_the_rank_closes_reads_as_closed_while_it_runs(tmp_path):
+    """The launcher keeps no copy of what it handed over: a pipe the rank closes is closed, as a
+    cold rank's is (horovodrun's middleman learns that horovodrun died when its pipe closes)."""
+    script = tmp_path / "closes.py"
+    script.write_text("import os, sys, time\nimport torch\nos.close(int(sys.argv[1]))\ntime.sleep(120)\n")
+    read, write = os.pipe()
+    launcher = subprocess.Popen(["python", str(script), str(write)], pass_fds=[write], env=venv_env())
+    os.close(write)
+    try:
+        ready = select.select([read], [], [], 60)[0]
+        assert ready and os.read(read, 1) == b"" and launcher.poll() is None, "the pipe stayed open"
+    finally:
+        os.close(read)
+        launcher.kill()
+        launcher.wait()
+
+
 PROJECT_TEST = """\
 import json, os, subprocess, sys
 from pathlib import Path
@@ -268,6 +286,75 @@ def test_rank0s_tracking_process_starts_warm(tmp_path):
     finally:
         rank.communicate("\n", timeout=60)
     assert rank.returncode == 0
+
+
+HELD = """\
+import os, sys, time
+from pathlib import Path
+
+Path(sys.argv[1], os.environ["HOROVOD_RANK"]).write_text(str(os.getpid()))
+while not Path(sys.argv[1], "go").exists():
+    time.sleep(0.05)
+"""
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1 and _stat(pid):
+        pid = int(_stat(pid)[1])
+        chain.append(pid)
+    return chain
+
+
+@pytest.mark.timeout(300)
+def test_horovodrun_and_its_middlemen_start_warm(tmp_path, cold):
+    """The tests' horovodrun (helpers.horovodrun_path) is forked from the `runner` server, which
+    imported horovod.runner once, and so are the per-rank middlemen it starts through
+    multiprocessing's spawn: the server's children are an ancestor of each rank (its middleman) and
+    two more that write to the launcher's own output (horovodrun, and the resource tracker it
+    starts for its semaphores). Cold, the server has none."""
+    from helpers import horovodrun_path
+
+    script = tmp_path / "held.py"
+    script.write_text(HELD)
+
+    def run(out: Path) -> tuple[int, set[int], set[int]]:
+        out.mkdir()
+        job = subprocess.Popen([horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", "python", str(script),
+                                str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=venv_env())
+        try:
+            deadline = time.monotonic() + 120
+            while not all((out / r).exists() and (out / r).read_text() for r in "01"):
+                assert time.monotonic() < deadline and job.poll() is None, job.stdout.read().decode()[-3000:]
+                time.sleep(0.05)
+            root = Path(os.environ.get(warm_start.VARIABLE, "/nonexistent:0:0").rsplit(":", 2)[0])
+            servers = {int(p.read_text()) for p in root.glob("runner-*/pid")}
+            forked = {pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                      if int((_stat(pid) or [0, 0])[1]) in servers}
+            output = os.readlink(f"/proc/{job.pid}/fd/1")
+            writing = {pid for pid in forked if _fd(pid, 1) == output}
+            ranks = [int((out / r).read_text()) for r in "01"]
+            middlemen = {pid for pid in forked if any(pid in _ancestors(rank) for rank in ranks)}
+            (out / "go").write_text("")
+            assert job.wait(timeout=120) == 0, job.stdout.read().decode()[-3000:]
+            return len(servers), writing, middlemen
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+
+    servers, writing, middlemen = run(tmp_path / "warm")
+    assert servers == 1 and len(middlemen) == 2, "the ranks' middlemen did not start warm"
+    assert len(writing - middlemen) == 2, "horovodrun (and the resource tracker it starts) did not start warm"
+    cold()
+    assert run(tmp_path / "cold")[1:] == (set(), set())
+
+
+def _fd(pid: int, fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return None
 
 
 def started(tmp_path: Path, body: str) -> tuple[subprocess.Popen, int]:

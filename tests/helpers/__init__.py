@@ -23,8 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def horovodrun_path() -> str:
-    """horovodrun beside the running interpreter (the venv), else on PATH."""
-    local = Path(sys.executable).with_name("horovodrun")
+    """horovodrun beside the running interpreter (the venv), else on PATH; the warm start's while it
+    is on (tests/warm_start: it starts the venv's, forked from a warm interpreter)."""
+    from warm_start import bin_folder
+
+    local = Path(bin_folder() or Path(sys.executable).parent) / "horovodrun"
     found = str(local) if local.exists() else shutil.which("horovodrun")
     if not found:
         pytest.fail("horovodrun not found: run `hvdgen install-horovod` first")

@@ -68,7 +68,10 @@ def install() -> Path:
     server = repr(str(LAUNCHER.with_name("server.py")))
     launcher = f"#!{sys.executable} -IS\n" + LAUNCHER.read_text().replace(
         'os.path.join(os.path.dirname(os.path.realpath(__file__)), "server.py")', server)
-    for name in ("python", "python3"):
+    names = ["python", "python3"]
+    if Path(sys.executable).with_name("horovodrun").exists():   # horovodrun too, and what it starts
+        names.append("horovodrun")
+    for name in names:
         (root / "bin" / name).write_text(launcher)
         (root / "bin" / name).chmod(0o755)
     netns = os.stat("/proc/self/ns/net").st_ino

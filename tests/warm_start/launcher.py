@@ -43,7 +43,9 @@ def inherited_fds() -> list:
 INHERITED = inherited_fds()
 REAL = sys.executable
 SERVER = os.path.join(os.path.dirname(os.path.realpath(__file__)), "server.py")
-ARGS = sys.argv[1:]
+# Installed as `horovodrun` too: then this launches the real one, beside the real interpreter.
+HOROVODRUN = os.path.basename(sys.argv[0]) == "horovodrun"
+ARGS = ([os.path.join(os.path.dirname(REAL), "horovodrun")] if HOROVODRUN else []) + sys.argv[1:]
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM, signal.SIGCONT)
 # The environment a framework may read while it loads: a server serves only launches that agree on it.
@@ -58,6 +60,10 @@ TRACKING = re.compile(r"^import sys; from hvd_runtime\.tracking\.remote import s
 # A script's own imports, at its top level (unindented).
 TF = re.compile(r"^(import|from) +(tensorflow|keras|horovod\.tensorflow|horovod\.keras|hvd_runtime\.tf)\b", re.M)
 TORCH = re.compile(r"^(import|from) +(torch|horovod\.torch|hvd_runtime\.torch)\b", re.M)
+# What horovodrun starts through multiprocessing: spawn's per-rank middleman and its resource tracker.
+SPAWNED = re.compile(r"^from multiprocessing\.(spawn|resource_tracker) import")
+# A script of horovodrun's kind: it, and SPAWNED, fork from the server that imported horovod.runner.
+RUNNER = re.compile(r"^(import|from) +horovod\.runner\b", re.M)
 LEAN = re.compile(r"^(import|from) +(hvd_runtime\.tf\b|(sklearn|matplotlib|pandas)\b)", re.M)
 
 
@@ -89,6 +95,8 @@ def profile_of(text: str, args: list):
     named (a test's wrapper that runs `train.py` after it patched something;
     tests/projects/scripts/train_in_rank_dir.py's arguments; pytest's working folder); None where
     that is neither or both."""
+    if HOROVODRUN or SPAWNED.match(text):   # (what HVDGEN_WARM_PROFILE names is the ranks')
+        return "runner"
     chosen = os.environ.get("HVDGEN_WARM_PROFILE")
     if chosen:
         return chosen
@@ -99,6 +107,8 @@ def profile_of(text: str, args: list):
         names = [name.strip("'\" ") for name in fork_server.group(1).split(",")]
         text = "".join(f"import {name}\n" for name in names if name)
     if not TF.search(text) and not TORCH.search(text):
+        if RUNNER.search(text):
+            return "runner"
         projects = [path for path in (arg if os.path.basename(arg) == "train.py" else os.path.join(arg, "train.py")
                                       for arg in args) if os.path.isfile(path)]
         if len(projects) != 1:
@@ -217,7 +227,10 @@ def launch_state(script, code, module, unbuffered) -> dict:
         argv = [script, *ARGS[ARGS.index(script) + 1:]]
     return {"argv": argv, "orig_argv": [REAL, *ARGS], "code": code, "module": module, "cwd": os.getcwd(),
             "env": dict(os.environ), "umask": umask, "rlimits": limits, "ignored": ignored, "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, []),
-            "unbuffered": unbuffered, "fds": [0, 1, 2, *INHERITED]}
+            "unbuffered": unbuffered, "fds": [0, 1, 2, *INHERITED],
+            # a rank's own process group (its signals to the group do not reach the server); not for
+            # horovodrun's processes: its middleman starts a session, which a group's leader cannot
+            "own_group": not (HOROVODRUN or SPAWNED.match(code or ""))}
 
 
 def run(connection: socket.socket, state: dict) -> None:
@@ -241,6 +254,11 @@ def run(connection: socket.socket, state: dict) -> None:
     payload = pickle.dumps(state)
     connection.sendmsg([struct.pack("!I", len(payload)) + payload],
                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(state['fds'])}i", *state["fds"]))])
+    # The rank holds the inherited descriptors now, as a cold one would alone: a pipe it closes, or
+    # that closes when it ends, must read as closed at the other end (horovodrun's middleman learns
+    # so that horovodrun has died).
+    for fd in state["fds"][3:]:
+        os.close(fd)
     replies = connection.makefile("rb")
     for line in replies:
         kind, number = line.split()

@@ -49,6 +49,8 @@ PROFILES = {
     # flavor and torch.export it imports once the run is open (hvd_runtime.tracking.sink.prepare_flavor).
     "tracking": ("numpy", "mlflow"),
     "tracking-torch": ("numpy", "torch", "mlflow", "mlflow.pytorch", "torch.export"),
+    # horovodrun, and its per-rank middlemen and resource tracker (multiprocessing's spawn).
+    "runner": ("horovod.runner.launch", "multiprocessing.spawn", "multiprocessing.resource_tracker"),
 }
 KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
 HEADER = struct.Struct("!I")
@@ -87,6 +89,7 @@ def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]
     saved = os.dup(2)
     os.dup2(captured.fileno(), 2)
     hidden = [name for name in KERAS_EXTRAS if name not in sys.modules] if profile == "tf-lean" else []
+    allowed = threads()
     try:
         for name in hidden:
             sys.modules[name] = None  # type: ignore[assignment]
@@ -220,7 +223,8 @@ def standard_stream(fd: int, mode: str, like: io.TextIOWrapper, unbuffered: bool
 
 def become(launch: dict, fds: list[int], notices: bytes, imports_set: dict) -> dict:
     """Take over the launcher's process state; return the globals of a fresh __main__."""
-    os.setpgid(0, 0)   # a rank that signals its own process group must not reach the server
+    if launch["own_group"]:   # a rank that signals its own process group must not reach the server
+        os.setpgid(0, 0)
     # Each of the launcher's descriptors at its own number: first all out of the way of those numbers.
     above = max(launch["fds"]) + 1
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in fds]
