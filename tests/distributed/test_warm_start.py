@@ -106,6 +106,7 @@ ENDINGS = {
     "exception": "def f():\n    raise ValueError('bad value')\nf()",
     "KeyboardInterrupt": "raise KeyboardInterrupt",
     "killed by a signal": "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)",
+    "killed outright": "os.kill(os.getpid(), signal.SIGKILL); time.sleep(30)",
     "exit hooks": "import atexit\natexit.register(lambda: print('at exit', flush=True))\nprint('bye', end='')",
     "a thread still running":
         "import threading\nthreading.Thread(target=lambda: (time.sleep(0.5), print('joined'))).start()",
@@ -134,6 +135,7 @@ def test_a_warm_rank_ends_as_a_cold_one(tmp_path, cold):
     plain = {name: end(tmp_path, body) for name, body in ENDINGS.items()}
     assert warm == plain
     assert warm["KeyboardInterrupt"][0] == -signal.SIGINT and warm["killed by a signal"][0] == -signal.SIGTERM
+    assert warm["killed outright"][0] == -signal.SIGKILL
 
 
 LOADER = """\

@@ -35,13 +35,14 @@ its newest checkpoint, moved to another disk, resumes to the straight run's weig
 last checkpoint failing stops it, with no trained model written.
 
 The pause only gives the test its moment; the faults and their handling are the real ones. The
-hang, kill and stop tests' ranks start cold (plain_start): the stopped and the killed process
-must be the rank itself, and horovodrun must see it end as it would in a user's job.
+stopped and the killed process is the rank itself, also where it starts warm (forked by the
+tests' warm start, whose launcher stops, ends and is killed as its rank is:
+tests/distributed/test_warm_start.py); the torch data case's hang, kill and stop start cold
+(plain_start), as users' ranks do.
 
-Cost: about 350 CPU-s (8% of the suite, 2026-12-06): 20 cold 2-rank jobs for the hang, the kill
-and the stop (a fault's whole point is the restart), and 17 warm ones for the NaN and the full
-disk, each fault in both frameworks and both strategies; the straight runs are one per case,
-warm, shared by the file's tests.
+Cost: about 300 CPU-s (7% of the suite, 2026-12-06): 37 2-rank jobs, 5 of them cold, each fault
+in both frameworks and both strategies (a fault's whole point is the restart); the straight runs
+are one per case, warm, shared by the file's tests.
 """
 
 from __future__ import annotations
@@ -220,8 +221,13 @@ def weights(run_dir: Path) -> dict[str, np.ndarray]:
     return load_file(str(run_dir / "model.safetensors"))
 
 
-@pytest.mark.plain_start
-@pytest.mark.parametrize("framework, strategy", list(WAITS_IN), ids=["-".join(case) for case in WAITS_IN])
+# The torch data case starts its ranks as users do, a cold interpreter each (plain_start); the
+# others start warm, where the rank stopped or killed is the forked process itself.
+CASES = [pytest.param(*case, id="-".join(case), marks=[pytest.mark.plain_start] if case == ("torch", "data") else [])
+         for case in WAITS_IN]
+
+
+@pytest.mark.parametrize("framework, strategy", CASES)
 def test_a_hung_then_a_killed_rank_are_restarted_to_the_same_weights(tmp_path, framework, strategy, straight):
     project, straight_run = straight(framework, strategy)
     training = [*TRAINING, *UNTRACKED]
@@ -284,8 +290,7 @@ def test_a_job_that_fails_at_the_same_step_every_time_is_given_up(tmp_path, stra
         "--max-restarts 2); exit status 1, the last failure's"]
 
 
-@pytest.mark.plain_start
-@pytest.mark.parametrize("framework, strategy", list(WAITS_IN), ids=["-".join(case) for case in WAITS_IN])
+@pytest.mark.parametrize("framework, strategy", CASES)
 def test_a_stop_signal_checkpoints_where_every_rank_stops_and_the_restart_goes_on_exactly(tmp_path, framework,
                                                                                            strategy, straight):
     project, straight_run = straight(framework, strategy)

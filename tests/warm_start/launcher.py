@@ -273,8 +273,9 @@ def run(connection: socket.socket, state: dict) -> None:
         else:   # killed by a signal: so is this process
             signum = int(number)
             resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-            signal.signal(signum, signal.SIG_DFL)
+            if signum != signal.SIGKILL:   # (which no process can catch, block or ignore)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+                signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             os._exit(128 + signum)
     os.write(2, b"warm start: the server went away before the rank ended\n")
