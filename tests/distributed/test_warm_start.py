@@ -208,6 +208,18 @@ def test_a_descriptor_the_rank_closes_reads_as_closed_while_it_runs(tmp_path):
         launcher.wait()
 
 
+def test_a_start_up_hook_on_the_import_path_runs_as_in_a_cold_start(tmp_path):
+    """A sitecustomize on PYTHONPATH (the multi-host tests' ranks have one) runs at a cold start; the
+    server, started without PYTHONPATH, never ran it, so such a launch starts cold."""
+    (tmp_path / "hooks").mkdir()
+    (tmp_path / "hooks" / "sitecustomize.py").write_text("print('hook ran')\n")
+    script = tmp_path / "hooked.py"
+    script.write_text("import torch\nprint('script ran')\n")
+    proc = subprocess.run(["python", str(script)], env=venv_env(PYTHONPATH=str(tmp_path / "hooks")),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == ["hook ran", "script ran"], proc.stdout + proc.stderr[-2000:]
+
+
 PROJECT_TEST = """\
 import json, os, subprocess, sys
 from pathlib import Path

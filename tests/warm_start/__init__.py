@@ -1,11 +1,12 @@
 """Ranks that start in milliseconds for the test suite: a warm interpreter forks each one.
 
-`install()` (a session fixture in tests/conftest.py) writes launcher.py as `python` and
-`python3` into a folder of its own and puts that folder first on PATH, so every `python ...`
-a test starts, horovodrun's ranks included, goes through it: a script that imports torch or
+`install()` (a session fixture in tests/conftest.py) writes launcher.py as `python`, `python3`
+and `horovodrun` into a folder of its own and puts that folder first on PATH, so every `python
+...` a test starts, horovodrun's ranks included, goes through it: a script that imports torch or
 TensorFlow (or a generated project's `python -m pytest`) is forked from server.py, a process
 that imported that framework once (nothing initialised, no thread started), with the launch's
-own process state taken over; anything else runs the real interpreter.
+own process state taken over; horovodrun and the processes it starts are forked from one that
+imported horovod.runner; anything else runs the real interpreter.
 tests/distributed/test_warm_start.py shows a rank cannot tell.
 
 What a rank can still tell: its parent process is the server, not horovodrun's shell; its

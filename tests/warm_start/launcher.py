@@ -11,7 +11,8 @@ the same signal). A DataLoader's fork server, which a warm rank starts through t
 is forked from the torch server too, and so is a generated project's `python -m pytest` (its
 train.py names the framework). Anything it does not recognise runs the real interpreter in its
 place (execv): other options, other modules, a script that imports neither or both frameworks,
-MPI's launches, another network namespace, or no warm start asked for.
+MPI's ranks, a launch whose import path holds a start-up hook (sitecustomize), another network
+namespace, or no warm start asked for.
 """
 
 import hashlib
@@ -60,6 +61,9 @@ TRACKING = re.compile(r"^import sys; from hvd_runtime\.tracking\.remote import s
 # A script's own imports, at its top level (unindented).
 TF = re.compile(r"^(import|from) +(tensorflow|keras|horovod\.tensorflow|horovod\.keras|hvd_runtime\.tf)\b", re.M)
 TORCH = re.compile(r"^(import|from) +(torch|horovod\.torch|hvd_runtime\.torch)\b", re.M)
+# A process an MPI launcher started as a rank (mpirun's daemon, srun's PMI): it stays the process
+# that launcher started, which MPI_Init reports to. (Settings such as OMPI_MCA_* do not count.)
+MPI_STARTED = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "PMI_FD")
 # What horovodrun starts through multiprocessing: spawn's per-rank middleman and its resource tracker.
 SPAWNED = re.compile(r"^from multiprocessing\.(spawn|resource_tracker) import")
 # A script of horovodrun's kind: it, and SPAWNED, fork from the server that imported horovod.runner.
@@ -73,7 +77,8 @@ def plain():
 
 def parse():
     """(script, code, module, unbuffered), two of the first three None; or None where this is no
-    launch to warm. The one module run warm is pytest (a generated project's `make test`)."""
+    launch to warm. The modules run warm are pytest (a generated project's `make test`) and
+    horovodrun's own (horovod.runner.task_fn: the task service it starts on each host)."""
     unbuffered, args = False, list(ARGS)
     # -B where PYTHONDONTWRITEBYTECODE is set already (the server's flags then have it): what
     # multiprocessing adds from that flag to a DataLoader's fork server and its spawned processes.
@@ -82,8 +87,8 @@ def parse():
         unbuffered, args = unbuffered or args[0] == "-u", args[1:]
     if args[:1] == ["-c"] and len(args) > 1:
         return None, args[1], None, unbuffered
-    if args[:2] == ["-m", "pytest"]:
-        return None, None, "pytest", unbuffered
+    if args[:1] == ["-m"] and len(args) > 1 and (args[1] == "pytest" or args[1].startswith("horovod.runner.")):
+        return None, None, args[1], unbuffered
     if not args or args[0].startswith("-") or not os.path.isfile(args[0]):
         return None
     return args[0], None, None, unbuffered
@@ -150,10 +155,16 @@ def start_server(folder: str, profile: str, owner: str, unbuffered: bool) -> Non
     os.wait()
 
 
+# What a cold start's `site` imports from the import path (the server, started without
+# PYTHONPATH, did not): a launch whose path has one starts cold.
+STARTUP_HOOKS = ("sitecustomize", "usercustomize")
+
+
 def shadows(folder: str, first: str) -> bool:
     """Whether this launch's import path would find one of the modules the server imported (its
     names file) somewhere else first: in the script's folder (or, for -c, the working folder) or a
-    PYTHONPATH entry the server's path lacks. A cold start would import that one instead."""
+    PYTHONPATH entry the server's path lacks. A cold start would import that one instead, and
+    would run a start-up hook found there."""
     import importlib.machinery
     import json
 
@@ -176,7 +187,7 @@ def shadows(folder: str, first: str) -> bool:
                 name = next((item.name[:-len(x)] for x in suffixes if item.name.endswith(x)), None)
                 if item.is_dir() and any(os.path.exists(os.path.join(item.path, "__init__" + x)) for x in suffixes):
                     name = item.name
-                if name in modules:
+                if name in modules or name in STARTUP_HOOKS:
                     return True
     return False
 
@@ -287,7 +298,7 @@ def run(connection: socket.socket, state: dict) -> None:
 def main() -> None:
     warm = os.environ.get("HVDGEN_WARM_START")
     parsed = parse() if warm else None
-    mpi = any(k.startswith(("OMPI_", "PMIX_")) for k in os.environ)
+    mpi = any(k in os.environ for k in MPI_STARTED)
     if parsed is None or mpi or len(INHERITED) > 250:   # (one message carries 253 descriptors at most)
         plain()
     root, owner, netns = warm.rsplit(":", 2)
@@ -306,7 +317,10 @@ def main() -> None:
                 text = source.read().decode(errors="replace")
         except OSError:
             plain()
-    profile = profile_of(text, [os.getcwd()] if module else ARGS)
+    if module is not None and module != "pytest":   # horovodrun's own (a host's task service)
+        profile = "runner"
+    else:
+        profile = profile_of(text, [os.getcwd()] if module else ARGS)
     first = os.path.dirname(os.path.realpath(script)) if script is not None else os.getcwd()
     connection = connect(root, owner, profile, unbuffered, first) if profile else None
     if connection is None:
