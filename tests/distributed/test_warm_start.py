@@ -332,7 +332,7 @@ def test_horovodrun_and_its_middlemen_start_warm(tmp_path, cold):
     script = tmp_path / "held.py"
     script.write_text(HELD)
 
-    def run(out: Path) -> tuple[int, set[int], set[int]]:
+    def run(out: Path) -> tuple[set[int], set[int]]:
         out.mkdir()
         job = subprocess.Popen([horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", "python", str(script),
                                 str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=venv_env())
@@ -351,17 +351,18 @@ def test_horovodrun_and_its_middlemen_start_warm(tmp_path, cold):
             middlemen = {pid for pid in forked if any(pid in _ancestors(rank) for rank in ranks)}
             (out / "go").write_text("")
             assert job.wait(timeout=120) == 0, job.stdout.read().decode()[-3000:]
-            return len(servers), writing, middlemen
+            return writing, middlemen
         finally:
             if job.poll() is None:
                 job.kill()
                 job.wait()
 
-    servers, writing, middlemen = run(tmp_path / "warm")
-    assert servers == 1 and len(middlemen) == 2, "the ranks' middlemen did not start warm"
+    # (a worker may hold several runner servers: one per value of the variables read at start-up)
+    writing, middlemen = run(tmp_path / "warm")
+    assert len(middlemen) == 2, "the ranks' middlemen did not start warm"
     assert len(writing - middlemen) == 2, "horovodrun (and the resource tracker it starts) did not start warm"
     cold()
-    assert run(tmp_path / "cold")[1:] == (set(), set())
+    assert run(tmp_path / "cold") == (set(), set())
 
 
 def _fd(pid: int, fd: int) -> str | None:
