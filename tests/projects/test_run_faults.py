@@ -40,7 +40,7 @@ tests' warm start, whose launcher stops, ends and is killed as its rank is:
 tests/distributed/test_warm_start.py); the torch data case's hang, kill and stop start cold
 (plain_start), as users' ranks do.
 
-Cost: about 300 CPU-s (7% of the suite, 2026-12-06): 37 2-rank jobs, 5 of them cold, each fault
+Cost: about 230 CPU-s (5.4% of the suite, 2026-12-07): 37 2-rank jobs, 5 of them cold, each fault
 in both frameworks and both strategies (a fault's whole point is the restart); the straight runs
 are one per case, warm, shared by the file's tests.
 """
