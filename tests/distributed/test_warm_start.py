@@ -293,10 +293,8 @@ def test_rank0s_tracking_process_starts_warm(tmp_path):
                             stdout=subprocess.PIPE, text=True, env=venv_env(), cwd=tmp_path)
     try:
         assert len(rank.stdout.readline().strip()) == 32, "no run opened"
-        root = os.environ[warm_start.VARIABLE].rsplit(":", 2)[0]
-        servers = {int(p.read_text()) for p in Path(root).glob("tracking-torch-*/pid")}
-        forked = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if int((_stat(pid) or [0, 0])[1]) in servers]
-        assert servers and forked, "the tracking process was not forked from a warm server"
+        servers = _servers("tracking-torch")
+        assert servers and _forked_by(servers), "the tracking process was not forked from a warm server"
     finally:
         rank.communicate("\n", timeout=60)
     assert rank.returncode == 0
@@ -332,7 +330,7 @@ def test_horovodrun_and_its_middlemen_start_warm(tmp_path, cold):
     script = tmp_path / "held.py"
     script.write_text(HELD)
 
-    def run(out: Path) -> tuple[set[int], set[int]]:
+    def run(out: Path, servers: set[int]) -> tuple[set[int], set[int]]:
         out.mkdir()
         job = subprocess.Popen([horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo", "python", str(script),
                                 str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=venv_env())
@@ -341,10 +339,7 @@ def test_horovodrun_and_its_middlemen_start_warm(tmp_path, cold):
             while not all((out / r).exists() and (out / r).read_text() for r in "01"):
                 assert time.monotonic() < deadline and job.poll() is None, job.stdout.read().decode()[-3000:]
                 time.sleep(0.05)
-            root = Path(os.environ.get(warm_start.VARIABLE, "/nonexistent:0:0").rsplit(":", 2)[0])
-            servers = {int(p.read_text()) for p in root.glob("runner-*/pid")}
-            forked = {pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                      if int((_stat(pid) or [0, 0])[1]) in servers}
+            forked = _forked_by(servers)
             output = os.readlink(f"/proc/{job.pid}/fd/1")
             writing = {pid for pid in forked if _fd(pid, 1) == output}
             ranks = [int((out / r).read_text()) for r in "01"]
@@ -358,11 +353,22 @@ def test_horovodrun_and_its_middlemen_start_warm(tmp_path, cold):
                 job.wait()
 
     # (a worker may hold several runner servers: one per value of the variables read at start-up)
-    writing, middlemen = run(tmp_path / "warm")
+    writing, middlemen = run(tmp_path / "warm", _servers("runner"))
     assert len(middlemen) == 2, "the ranks' middlemen did not start warm"
     assert len(writing - middlemen) == 2, "horovodrun (and the resource tracker it starts) did not start warm"
+    servers = _servers("runner")   # the same servers, still running: a cold job forks nothing from them
     cold()
-    assert run(tmp_path / "cold") == (set(), set())
+    assert servers and run(tmp_path / "cold", servers) == (set(), set())
+
+
+def _servers(profile: str) -> set[int]:
+    """The pids of this worker's warm servers of `profile` (one per value of the load-time variables)."""
+    return {int(p.read_text()) for p in Path(warm_start.bin_folder()).parent.glob(f"{profile}-*/pid")}
+
+
+def _forked_by(servers: set[int]) -> set[int]:
+    """The processes those servers forked that are running now."""
+    return {pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if int((_stat(pid) or [0, 0])[1]) in servers}
 
 
 def _fd(pid: int, fd: int) -> str | None:

@@ -71,6 +71,11 @@ RUNNER = re.compile(r"^(import|from) +horovod\.runner\b", re.M)
 LEAN = re.compile(r"^(import|from) +(hvd_runtime\.tf\b|(sklearn|matplotlib|pandas)\b)", re.M)
 
 
+def horovodruns(code: str) -> bool:
+    """Whether this launch is horovodrun itself or a process it starts through multiprocessing."""
+    return HOROVODRUN or bool(SPAWNED.match(code))
+
+
 def plain():
     os.execv(REAL, [REAL, *ARGS])
 
@@ -100,7 +105,7 @@ def profile_of(text: str, args: list):
     named (a test's wrapper that runs `train.py` after it patched something;
     tests/projects/scripts/train_in_rank_dir.py's arguments; pytest's working folder); None where
     that is neither or both."""
-    if HOROVODRUN or SPAWNED.match(text):   # (what HVDGEN_WARM_PROFILE names is the ranks')
+    if horovodruns(text):   # (what HVDGEN_WARM_PROFILE names is the ranks')
         return "runner"
     chosen = os.environ.get("HVDGEN_WARM_PROFILE")
     if chosen:
@@ -241,7 +246,7 @@ def launch_state(script, code, module, unbuffered) -> dict:
             "unbuffered": unbuffered, "fds": [0, 1, 2, *INHERITED],
             # a rank's own process group (its signals to the group do not reach the server); not for
             # horovodrun's processes: its middleman starts a session, which a group's leader cannot
-            "own_group": not (HOROVODRUN or SPAWNED.match(code or ""))}
+            "own_group": not horovodruns(code or "")}
 
 
 def run(connection: socket.socket, state: dict) -> None:
