@@ -13,7 +13,8 @@ What a rank can still tell: its parent process is the server, not horovodrun's s
 sys.executable is the warm `python` it was started as (so a process it starts with it, a
 generated project's test starting its ranks say, starts warm too), not the interpreter that one
 runs; its string hashes share one seed with the other ranks of its kind (PYTHONHASHSEED, drawn
-once per server); the imports it shares were made before its script began. Tests marked
+once per server); the imports it shares were made before its script began (a torch rank's
+torch._dynamo too, which a cold rank imports at its first optimizer step: server.LATER). Tests marked
 `plain_start` run without it, so the start-up users get is still exercised for every framework
 and strategy.
 """

@@ -35,13 +35,14 @@ import struct
 import sys
 import tempfile
 import types
+import warnings
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from pathlib import Path
 
 # What each profile imports, in order, and whether TensorFlow comes in hvd_runtime.tf's way
 # (Keras' unused extras hidden while it loads: hvd_runtime/tf/lean_import.py).
 PROFILES = {
-    "torch": ("numpy", "torch", "horovod.torch"),
+    "torch": ("numpy", "torch", "horovod.torch", "torch._dynamo"),
     # (multiprocessing.spawn, which torch imports: so that rank 0's tracking process starts warm too)
     "tf-lean": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn"),
     "tf": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn"),
@@ -52,6 +53,11 @@ PROFILES = {
     # horovodrun, and its per-rank middlemen and resource tracker (multiprocessing's spawn).
     "runner": ("horovod.runner.launch", "multiprocessing.spawn", "multiprocessing.resource_tracker"),
 }
+# Modules a rank imports later on its own, imported ahead (last): torch._dynamo, which a torch
+# rank's first optimizer step or a model built on the meta device imports, about 0.9 CPU-s. A cold
+# rank makes their changes to the environment (TORCHINDUCTOR_CACHE_DIR) and to the warnings
+# filters (sympy's) only then, so a child starts without them.
+LATER = ("torch._dynamo",)
 KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
 HEADER = struct.Struct("!I")
 VARIABLE = "HVDGEN_WARM_START"   # warm_start.VARIABLE (this file imports nothing of the suite's)
@@ -77,12 +83,17 @@ def native_notice_filter():
     return lambda line: not any(p.search(line) for p in patterns)
 
 
+def environment_changes(before: dict[str, str]) -> dict[str, tuple[str | None, str]]:
+    """The variables set since `before`, each with the value it had then."""
+    return {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
+
+
 def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]]:
     """Import the profile's packages; return what they wrote to stderr (a rank writes it at its
     start), the threads the process had after numpy (OpenBLAS' pool, which it stops itself before
     a fork, pthread_atfork, and starts again in the child when needed; no other may be running),
-    and the variables the imports set in the environment (TensorFlow sets some), each with the
-    value it had before."""
+    and the variables the imports but the LATER ones set in the environment (TensorFlow sets
+    some), each with the value it had before. The LATER imports' warnings filters are undone."""
     before = dict(os.environ)
     captured = tempfile.TemporaryFile()
     sys.stderr.flush()
@@ -90,10 +101,13 @@ def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]
     os.dup2(captured.fileno(), 2)
     hidden = [name for name in KERAS_EXTRAS if name not in sys.modules] if profile == "tf-lean" else []
     allowed = threads()
+    changed, filters = None, None   # as the imports before the LATER ones left them
     try:
         for name in hidden:
             sys.modules[name] = None  # type: ignore[assignment]
         for module in PROFILES[profile]:
+            if module in LATER and changed is None:
+                changed, filters = environment_changes(before), list(warnings.filters)
             __import__(module)
             if module == "numpy":
                 allowed = threads()
@@ -101,6 +115,9 @@ def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]
         for name in hidden:
             if sys.modules.get(name, False) is None:
                 del sys.modules[name]
+        if filters is not None:
+            warnings.filters[:] = filters
+            warnings._filters_mutated()
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
@@ -110,8 +127,7 @@ def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]
         keep = native_notice_filter()
         lines = written.decode(errors="surrogateescape").splitlines(keepends=True)
         written = "".join(line for line in lines if keep(line.rstrip("\n"))).encode(errors="surrogateescape")
-    changed = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
-    return written, allowed, changed
+    return written, allowed, environment_changes(before) if changed is None else changed
 
 
 def receive(connection: socket.socket) -> tuple[dict, list[int]]:
