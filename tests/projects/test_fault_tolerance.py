@@ -176,7 +176,7 @@ def wait_until_stopped(rank: int, marker: str, job: Job) -> int:
 ])
 def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strategy):
     project = generate(tmp_path, "--framework", framework, "--strategy", strategy, "--elastic")
-    epochs, batch, commit_every = 6, 8, 5
+    epochs, batch, commit_every = 3, 8, 5
     steps_per_epoch = math.ceil(math.ceil(N_TRAIN / 2) / batch)
     # The victim stops (then dies) 2 steps past a commit early in epoch 2: the survivor's last commit
     # is that one, since the next needs steps that the victim never joins.
