@@ -13,7 +13,8 @@ command runs in a private mount namespace, under the pod's own host name, where
   as its image installs them,
 - /root/.ssh is the job's key pair laid out as the MPI Operator mounts its Secret (id_rsa,
   id_rsa.pub, authorized_keys) at spec.sshAuthMountPath; the rest of /root is the machine's
-  under a layer of the pod's own, so nothing a pod writes there reaches the machine,
+  under a layer of the pod's own, so nothing a pod writes there reaches the machine (its
+  ~/.bashrc there skips `pyenv rehash`, which an image would not run),
 - or, for non-root jobs (sshAuthMountPath /home/mpiuser/.ssh), every command runs as the images'
   user `mpiuser` (uid 1000, in the pod's own /etc/passwd), the keys at /home/mpiuser/.ssh as a
   Secret volume with `fsGroup: 1000` leaves them (root:1000; the private key 0640, which is also
@@ -201,6 +202,11 @@ class Cluster:
             f"mount -t overlay overlay -o lowerdir=/root,upperdir={layer}/upper,workdir={layer}/work /root",
             "mkdir -p -m 0700 /root/.ssh",
             f"mount --bind {keys} /root/.ssh",
+            # The machine's ~/.bashrc may run `pyenv rehash` in every ssh session; a pod's sessions,
+            # started together under load, then wait on its lock (60 s, past gloo's rendezvous).
+            # An image has no pyenv to rehash: the pod's own layer skips it.
+            "if grep -qs 'pyenv init -)' /root/.bashrc; then sed -i 's/pyenv init -)/pyenv init - --no-rehash)/' "
+            "/root/.bashrc; fi",
             f"mount --bind {shlex.quote(str(pod.files / 'hosts'))} /etc/hosts",
             f"mount --bind {shlex.quote(str(pod.files / 'etc-ssh'))} /etc/ssh",
             f"mount --bind {shlex.quote(str(pod.files / 'workspace'))} {shlex.quote(str(self.workspace))}",
