@@ -18,7 +18,7 @@ def cpu_threads(local_size: int, requested: int = 0) -> int:
 
 # Horovod's cycle on CPU ranks, as measured by bench/cycle_time_bench.py (docs/benchmarks-cycle-time.md).
 CPU_CYCLE_TIME_MS = 5.0
-# With the wake-up (below) the cycle is only the longest idle wait: work no longer waits for it.
+# With the wake-up (below) the cycle is only the longest idle wait: work does not wait for it.
 WAKING_CPU_CYCLE_TIME_MS = 100.0
 # ... except where some ranks' loops idle while others' need a collective (set_cycle_time's `staggered`).
 STAGGERED_CPU_CYCLE_TIME_MS = CPU_CYCLE_TIME_MS

@@ -7,8 +7,8 @@ connection of its own, set up once through Horovod's object collectives: every r
 address, a random key comes from rank 0, each stage connects to the next, and
 `multiprocessing.connection`'s HMAC handshake proves the key. Two stages in one network namespace
 of one running kernel (the ranks of one host, the usual case: a node's GPUs) connect through a
-Unix-domain socket in Linux's abstract namespace, which skips TCP/IP (`bench/p2p_bench.py`: a
-few µs less per small message, up to half the time for 16 MiB) and leaves no file behind. Stages
+Unix-domain socket in Linux's abstract namespace, which skips TCP/IP (`bench/p2p_bench.py`
+compares the two; docs/pipeline.md) and leaves no file behind. Stages
 on different hosts, or in different network namespaces of one, connect over TCP. From then on a message is a
 fixed-size frame (header words, body length, tag length), the tag, and the body's raw bytes
 received straight into their final buffer; nothing is ever unpickled.
@@ -58,8 +58,8 @@ class SocketLink:
         When no earlier send is still under way, the calling thread first hands the kernel what
         its socket buffer takes at once (a non-blocking sendmsg: a small message goes whole);
         only what is left goes to the sender thread. A message handed to a thread waits for that
-        thread to get the GIL, up to Python's switch interval (5 ms) while the stage runs Python
-        code: the 2-4 ms hand-offs seen between stages. Order is kept: the thread is idle, and
+        thread to get the GIL, up to Python's switch interval while the stage runs Python code,
+        so the stage's next neighbour would wait that long. Order is kept: the thread is idle, and
         whatever it is given goes out before anything posted later.
         """
         body = memoryview(body).cast("B")

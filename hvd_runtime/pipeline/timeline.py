@@ -39,8 +39,7 @@ class TimelineRecorder:
     `keep_steps` (0: all) bounds memory by keeping only the last that many steps begun with
     `begin_step`. The last, not the first: a run's first steps share the cores with its start-up
     (rank 0 imports MLflow and opens its store on a background thread while training starts),
-    which a generated pipeline project's timeline measured as stage compute 2-4x slower per
-    micro-batch and a bubble of 0.55-0.64 instead of 0.38-0.40 (TensorFlow, digits MLP, 2 cores).
+    which slows their compute and inflates their bubble (docs/pipeline.md).
     """
 
     rank: int

@@ -49,7 +49,7 @@ from hvd_runtime.zero_rows import is_cut, row_range
 __all__ = ["ZeroOptimizer", "in_lockstep", "rows_by_parameter", "shard_parameters"]
 
 # Stage 2's buckets: backward holds about two of them whole (the one filling, the one in flight),
-# so they are smaller than a fusion buffer; 16 MB measured best of 8, 16 and 64 (benchmarks-zero.md).
+# so they are smaller than a fusion buffer (docs/zero.md weighs 8, 16 and 64 MB).
 STAGE2_BUCKET_BYTES = 16 * 2**20
 
 
