@@ -27,7 +27,7 @@ from . import records, settings
 from .sender import Sender
 from .spool import Spool
 from .handover import HandoverTracker
-from .system import start_system_metrics
+from .system import SystemMetrics, start_system_metrics
 from .tracker import NullTracker, OneWarning, Tracker
 
 log = logging.getLogger("hvd_runtime.tracking")
@@ -67,4 +67,4 @@ def start_tracking(config, *, rank: int, world_size: int, framework: str, strate
         return NullTracker()
 
 
-__all__ = ["start_tracking", "start_system_metrics", "HandoverTracker", "Tracker", "NullTracker"]
+__all__ = ["start_tracking", "start_system_metrics", "SystemMetrics", "HandoverTracker", "Tracker", "NullTracker"]
