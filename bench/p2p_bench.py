@@ -2,8 +2,8 @@
 
     horovodrun -np 2 -H localhost:2 --gloo python bench/p2p_bench.py [--quick]
 
-Ping-pong between ranks 0 and 1 through each `hvd_runtime.torch.p2p` link, the same code the
-pipeline runs: one-way time is half the round trip. "header" rows send a message whose shape the
+Ping-pong between ranks 0 and 1 through the socket link (`hvd_runtime.torch.p2p`, the code the
+pipeline runs) and the links of bench/p2p_links.py: one-way time is half the round trip. "header" rows send a message whose shape the
 receiver does not know (activations); "known" rows skip the header (gradients).
 Rank 0 prints a Markdown table.
 """
@@ -16,7 +16,8 @@ import horovod.torch as hvd
 import torch
 
 from hvd_runtime.pipeline.socket_link import connect_neighbours
-from hvd_runtime.torch.p2p import AlltoallLink, BroadcastLink, SocketTensorLink, TorchDistLink, init_torch_distributed
+from hvd_runtime.torch.p2p import SocketTensorLink
+from p2p_links import AlltoallLink, BroadcastLink, TorchDistLink, init_torch_distributed
 from pingpong import SIZES, iterations, pingpong, print_table
 
 

@@ -2,8 +2,8 @@
 
     horovodrun -np 2 -H localhost:2 --gloo python bench/p2p_bench_tf.py [--quick]
 
-The same ping-pong as bench/p2p_bench.py, through `hvd_runtime.tf.p2p`'s two links, the code the
-TensorFlow pipeline runs, taking turns size by size. Rank 0 prints a Markdown table.
+The same ping-pong as bench/p2p_bench.py, through `hvd_runtime.tf.p2p`'s socket link (the code the
+TensorFlow pipeline runs) and bench/p2p_links_tf.py's alltoall, taking turns size by size. Rank 0 prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from hvd_runtime.tf.context import init_horovod
 from hvd_runtime.pipeline.socket_link import connect_neighbours
-from hvd_runtime.tf.p2p import AlltoallLink, SocketTensorLink
+from hvd_runtime.tf.p2p import SocketTensorLink
+from p2p_links_tf import AlltoallLink
 from pingpong import SIZES, iterations, pingpong, print_table
 
 

@@ -101,9 +101,10 @@ def worker(steps: int, full_steps: int, out: Path, p2p: str) -> None:
 
     from hvd_runtime.pipeline.timeline import COMPUTE, load_timeline, step_bubble, step_replayed_bubble
     from hvd_runtime.torch.pipeline import PipelineEngine, build_stage, init_pipeline
+    from p2p_links import links
 
     # a ring, for the interleaved schedule
-    _, ring = init_pipeline(stages=2, threads_per_rank=1, p2p=p2p, chunks=CHUNKS)
+    _, ring = init_pipeline(stages=2, threads_per_rank=1, chunks=CHUNKS, links=links(p2p))
     line = dataclasses.replace(ring, chunks=1)   # the other schedules: one chunk a rank, the same links
     base = Baseline() if hvd.rank() == 0 else None
     rows = []
@@ -277,7 +278,7 @@ def main() -> None:
     ap.add_argument("--full-steps", type=int, default=6,
                     help=f"timed steps of each schedule at batch {FULL_BATCH} (0: leave them out)")
     ap.add_argument("--p2p", default="socket", help="the link between stages: socket (the default of generated "
-                    "projects), torch, alltoall or broadcast")
+                    "projects), torch, alltoall or broadcast (bench/p2p_links.py)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--docs", type=Path, default=REPO / "docs")
     args = ap.parse_args()

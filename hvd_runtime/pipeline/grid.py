@@ -11,13 +11,33 @@ Framework-free: `hvd_runtime.torch.grid` and `hvd_runtime.tf.pipeline` initialis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hvd_runtime.parallel.dims import ParallelConfigError, ParallelDims
+from hvd_runtime.parallel.tensor_groups import TensorGroup
 from hvd_runtime.parallel.world import process_set_of
 
 
 class PipelineConfigError(ParallelConfigError):
     """A pipeline setting that does not fit: the schedule, the micro-batches, a stage's inputs."""
+
+
+class Links(Protocol):
+    """Links between neighbouring stages other than the socket link, which `init_pipeline` opens
+    when given none (the generated projects' only link). bench/p2p_links.py holds Horovod's
+    collectives as links, so that the benchmark and the tests can set them beside it.
+
+    pairs: whether each neighbour pair needs a Horovod process set of its own, made at start-up.
+    start(hvd): once Horovod runs, before the first link (a second communicator's rendezvous).
+    link(rank, peer, process_set): this rank's link to `peer`; process_set is the pair's, or None
+    when `pairs` is false.
+    """
+
+    pairs: bool
+
+    def start(self, hvd) -> None: ...
+
+    def link(self, rank: int, peer: int, process_set): ...
 
 
 @dataclass
@@ -27,11 +47,10 @@ class PipelineRank:
 
     dims: ParallelDims
     rank: int
-    p2p: str
     dp_set: object = None                 # Horovod ProcessSet of this stage's replicas, None if alone
     tensor_group: object = None           # TensorGroup of this stage's tensor-parallel slices (tp > 1)
-    prev: object = None                   # p2p Link to the previous stage
-    next: object = None                   # p2p Link to the next stage
+    prev: object = None                   # the link to the previous stage
+    next: object = None                   # the link to the next stage
     chunks: int = 1                       # interleaved schedules: this rank's chunks of the model (virtual stages)
     _sets: dict = field(default_factory=dict, repr=False)
 
@@ -87,6 +106,36 @@ class PipelineRank:
 
     def process_set(self, ranks: list[int]):
         return process_set_of(ranks, self.dims.world, self._sets)
+
+
+def placed(dims: ParallelDims, rank: int, chunks: int, sets: dict) -> PipelineRank:
+    """This rank's place in a started grid, with its stage's replicas' process set and its tensor
+    group. sets: the process sets Horovod started with, by their ranks (a tuple)."""
+    place = PipelineRank(dims=dims, rank=rank, chunks=chunks, _sets=sets)
+    if dims.dp > 1:
+        place.dp_set = place.process_set(dims.dp_ranks(rank))
+    if dims.tp > 1:
+        place.tensor_group = TensorGroup.of(dims, rank, sets)
+    return place
+
+
+def link_neighbours(place: PipelineRank, hvd, links: Links | None, tensor_link: type) -> None:
+    """Link `place` to its neighbouring stages through `links`, or, when None, over a connection of
+    each pair's own (hvd_runtime.pipeline.socket_link) that `tensor_link`, the framework's
+    SocketTensorLink, carries its tensors over."""
+    if links is None:
+        from hvd_runtime.pipeline.socket_link import connect_neighbours
+
+        neighbours = connect_neighbours(hvd, place.prev_rank, place.next_rank)
+        place.prev, place.next = (tensor_link(link) if link else None for link in neighbours)
+        return
+    if place.prev_rank is None and place.next_rank is None:
+        return
+    links.start(hvd)
+    for side, peer in (("prev", place.prev_rank), ("next", place.next_rank)):
+        if peer is not None:
+            pair = place.process_set(sorted([peer, place.rank])) if links.pairs else None
+            setattr(place, side, links.link(place.rank, peer, pair))
 
 
 def chunks_per_rank(parallel_cfg) -> int:

@@ -16,8 +16,7 @@ import os
 
 from hvd_runtime.parallel.dims import ParallelDims
 from hvd_runtime.parallel.layout import start
-from hvd_runtime.parallel.tensor_groups import TensorGroup
-from hvd_runtime.pipeline.grid import PipelineConfigError, PipelineRank, check_chunks
+from hvd_runtime.pipeline.grid import Links, PipelineConfigError, PipelineRank, check_chunks, link_neighbours, placed
 from hvd_runtime.parallel.world import grid_of, launched_world_size
 from hvd_runtime.scaling import set_cycle_time
 from hvd_runtime.torch.context import Context, init_horovod, pin_device
@@ -32,12 +31,9 @@ def init(cfg, strategy: str) -> Context:
 
 
 def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float = 0.0,
-                  p2p: str = "socket", tp: int = 1, chunks: int = 1) -> tuple[Context, PipelineRank]:
+                  tp: int = 1, chunks: int = 1, links: Links | None = None) -> tuple[Context, PipelineRank]:
     """Initialise Horovod with the pipeline's process sets, pin the device, open the neighbour links.
 
-    p2p: "socket" (a TCP connection per neighbour pair, the default, as for TensorFlow: fastest,
-    see docs/pipeline.md), "torch" (torch.distributed gloo send/recv), "alltoall" or "broadcast"
-    (Horovod collectives in 2-rank process sets).
     seed, threads_per_rank: as init_horovod's (seed + rank; on the CPU, cores / ranks on this host
     threads by default).
     cycle_time_ms: Horovod's background-loop period (hvd_runtime.scaling.set_cycle_time).
@@ -45,19 +41,18 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
     replicas x stages x tp, and each slice talks to the same slice of the neighbouring stages.
     chunks: the model's chunks per rank, for the interleaved-1f1b schedule: the stages then form a
     ring, the last linked back to the first.
+    links: how neighbours exchange messages (hvd_runtime.pipeline.grid.Links); None, the default,
+    is a connection of each pair's own (hvd_runtime.pipeline.socket_link), see docs/pipeline.md.
     """
     import horovod.torch as hvd
     import torch
 
-    from hvd_runtime.pipeline.socket_link import connect_neighbours
-    from hvd_runtime.torch.p2p import LINKS, SocketTensorLink, TorchDistLink, init_torch_distributed
+    from hvd_runtime.torch.p2p import SocketTensorLink
 
-    if p2p not in LINKS:
-        raise PipelineConfigError(f"unknown p2p {p2p!r}: choose one of {', '.join(LINKS)} (e.g. 'socket')")
     check_chunks(stages, chunks, tp)
     world = launched_world_size() or (hvd.size() if hvd.is_initialized() else 1)
     dims = grid_of(hvd, world, tp=tp, pp=stages)
-    wanted = dims.process_set_ranks(pairs=p2p in ("alltoall", "broadcast"), ring=chunks > 1)
+    wanted = dims.process_set_ranks(pairs=links is not None and links.pairs, ring=chunks > 1)
     if hvd.is_initialized():
         if wanted and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
             raise PipelineConfigError("Horovod is already initialised: call init_pipeline() instead of hvd.init(), "
@@ -69,27 +64,7 @@ def init_pipeline(stages: int, seed: int = 0, threads_per_rank: int = 0, cycle_t
         hvd.init(process_sets=sets)
     if hvd.size() != dims.world:
         dims = ParallelDims(world=hvd.size(), tp=tp, pp=stages)
-    place = PipelineRank(dims=dims, rank=hvd.rank(), p2p=p2p, chunks=chunks,
-                      _sets={tuple(r): s for r, s in zip(wanted, sets)})
+    place = placed(dims, hvd.rank(), chunks, {tuple(r): s for r, s in zip(wanted, sets)})
     ctx = Context(pin_device(seed, threads_per_rank), pipeline=place)
-    if dims.dp > 1:
-        place.dp_set = place.process_set(dims.dp_ranks(place.rank))
-    if dims.tp > 1:
-        place.tensor_group = TensorGroup.of(dims, place.rank, place._sets)
-    if p2p == "torch" and dims.pp > 1:
-        init_torch_distributed()
-
-    def link(peer: int, pair: list[int]):
-        if p2p == "torch":
-            return TorchDistLink(place.rank, peer)
-        return LINKS[p2p](place.rank, peer, place.process_set(pair))
-
-    if p2p == "socket":
-        links = connect_neighbours(hvd, place.prev_rank, place.next_rank)
-        place.prev, place.next = (SocketTensorLink(link) if link else None for link in links)
-        return ctx, place
-    if place.prev_rank is not None:
-        place.prev = link(place.prev_rank, sorted([place.prev_rank, place.rank]))
-    if place.next_rank is not None:
-        place.next = link(place.next_rank, sorted([place.rank, place.next_rank]))
+    link_neighbours(place, hvd, links, SocketTensorLink)
     return ctx, place

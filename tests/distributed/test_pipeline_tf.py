@@ -16,7 +16,7 @@ import tensorflow as tf
 from hvd_runtime.pipeline.partition import PartitionError, partition
 from hvd_runtime.pipeline.timeline import load_timeline, step_bubble, step_replayed_bubble
 from hvd_runtime.tf.model_split import ModelSplit
-from hvd_runtime.tf.p2p import decode, encode
+from p2p_links_tf import decode, encode
 from hvd_runtime.tf.stage import build_stage, plan_stages
 from helpers.pipeline_checks import TOL, check_against_reference
 from helpers.pipeline_jobs import grid_jobs, model_split_job

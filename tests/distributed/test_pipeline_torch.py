@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from torch import nn
 
-from helpers import horovodrun_path, run_horovod, venv_env
+from helpers import bench_links, horovodrun_path, run_horovod, venv_env
 from helpers.pipeline_checks import TOL, check_against_reference
 from helpers.pipeline_jobs import grid_jobs, model_split_job
 from hvd_runtime.pipeline.partition import PartitionError, partition
 from hvd_runtime.pipeline.timeline import load_timeline, replayed_bubble, step_bubble, step_replayed_bubble
 from hvd_runtime.torch.grid import PipelineConfigError
 from hvd_runtime.torch.model_split import ModelSplit
-from hvd_runtime.torch.p2p import _header, _read_header
+from p2p_links import header, read_header
 from hvd_runtime.torch.pipeline import micro_batch_sizes
 from hvd_runtime.torch.stage import build_stage, plan_stages
 from hvdgen.cli import main as cli
@@ -65,13 +65,13 @@ def test_micro_batch_sizes_follow_tensor_split():
 @pytest.mark.parametrize("t", [torch.randn(3, 4, 5), torch.arange(7), torch.ones(2, 3, dtype=torch.bfloat16),
                                torch.zeros(0, 4), torch.tensor(2.5)])
 def test_p2p_header_describes_dtype_and_shape(t):
-    dtype, shape = _read_header(_header(t))
+    dtype, shape = read_header(header(t))
     assert dtype == t.dtype and shape == tuple(t.shape)
 
 
 def test_p2p_header_refuses_too_many_dims():
     with pytest.raises(ValueError, match="cannot send a tensor of 9 dims between stages: at most 8"):
-        _header(torch.zeros([1] * 9))
+        header(torch.zeros([1] * 9))
 
 
 def test_stages_keep_the_model_names_and_cover_it():
@@ -286,10 +286,10 @@ def test_pipeline_after_hvd_init_adds_process_sets_dynamically(tmp_path):
     out = tmp_path / "result.json"
     args = [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--schedule", "gpipe", "--micro-batches", "2",
             "--p2p", "alltoall", "--hvd-init-first", "--out", str(out)]
-    run_horovod(4, args, cwd=tmp_path, timeout=280, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    run_horovod(4, args, cwd=tmp_path, timeout=280, env=bench_links(HOROVOD_DYNAMIC_PROCESS_SETS="1"))
     check_against_reference(json.loads(out.read_text()), 4, 2, "gpipe", 2, ALL_BLOCKS)
     # without dynamic process sets, the job stops at start-up and says what to do
-    failed = run_horovod(4, args, cwd=tmp_path, timeout=280, check=False)
+    failed = run_horovod(4, args, cwd=tmp_path, timeout=280, check=False, env=bench_links())
     assert failed.returncode != 0
     assert "Horovod is already initialised: call init_pipeline() instead of hvd.init()" in failed.stdout + failed.stderr
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_horovod
+from helpers import bench_links, run_horovod
 from helpers.pipeline_checks import check_against_reference
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -21,7 +21,7 @@ def test_weight_free_first_stage_with_replicas_matches_single_process(tmp_path):
     out = tmp_path / "result.json"
     run_horovod(4, [sys.executable, str(SCRIPTS / "pipeline_step.py"), "--stages", "2", "--schedule", "1f1b",
                     "--micro-batches", "2", "--flatten-first", "--partition", "1", "--out", str(out)],
-                cwd=tmp_path, timeout=280)
+                cwd=tmp_path, env=bench_links(), timeout=280)
     results = json.loads(out.read_text())
     check_against_reference(results, 4, 2, "1f1b", 2, [str(i) for i in range(8)])
     first = [r for r in results if r["stage"] == 0]
@@ -35,7 +35,7 @@ def test_tf_weight_free_first_stage_with_replicas_matches_single_process(tmp_pat
     out = tmp_path / "result.json"
     run_horovod(4, [sys.executable, str(SCRIPTS / "tf_pipeline_step.py"), "--stages", "2", "--schedule", "1f1b",
                     "--micro-batches", "2", "--flatten-first", "--partition", "b0", "--out", str(out)],
-                cwd=tmp_path, timeout=280)
+                cwd=tmp_path, env=bench_links(), timeout=280)
     results = json.loads(out.read_text())
     check_against_reference(results, 4, 2, "1f1b", 2, ["flat", *(f"b{i}" for i in range(7))])
     first = [r for r in results if r["stage"] == 0]

@@ -57,6 +57,12 @@ def importing(project: Path | str) -> dict[str, str]:
     return {"PYTHONPATH": str(project)}
 
 
+def bench_links(**extra: str) -> dict[str, str]:
+    """The environment of a pipeline step script: bench/ on PYTHONPATH, for the links built from
+    Horovod's collectives (bench/p2p_links.py) it checks beside the socket link."""
+    return {"PYTHONPATH": str(REPO / "bench"), **extra}
+
+
 def python_command(args: list[str]) -> list[str]:
     """A command line with this interpreter named `python`, found on venv_env()'s PATH: the warm
     start's while it is on (tests/warm_start)."""

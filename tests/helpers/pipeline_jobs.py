@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from helpers import run_horovod
+from helpers import bench_links, run_horovod
 
 Grid = tuple[int, int, str, int, int]   # -np, stages, p2p link, tp, chunks
 
@@ -39,7 +39,7 @@ def grid_jobs(root: Path, script: Path, job_cases: dict[str, tuple[Grid, dict]],
         cases = _write_cases(folder, [job_cases[what][1] for what in ids], projects)
         run_horovod(np_, [sys.executable, str(script), "--stages", str(stages), "--p2p", p2p, "--tp", str(tp),
                           "--chunks", str(chunks), "--cases", str(folder / "cases.json")],
-                    cwd=folder, timeout=_job_timeout(cases))
+                    cwd=folder, env=bench_links(), timeout=_job_timeout(cases))
         return {what: (json.loads(Path(case["out"]).read_text()), case.get("run_dir") and Path(case["run_dir"]))
                 for what, case in zip(ids, cases)}
 

@@ -1,4 +1,5 @@
-"""No import circles in hvd_runtime/ or hvdgen/, read from the modules' own import statements.
+"""No import circles in hvd_runtime/ or hvdgen/, read from the modules' own import statements;
+and no runtime module that generated projects never reach.
 
 Every import counts, a function's too (hiding one in a function is how a circle survives), and
 importing `a.b.c` runs `a` and `a.b` first, so those count as well, but for a module's own
@@ -8,6 +9,7 @@ packages. A circle is two or more modules that each reach the other through thes
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,34 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path, monkeypatch
     assert sorted(circles("pkg")) == [["pkg.a", "pkg.b"]]
     (root / "sub" / "__init__.py").write_text("from pkg.sub.e import *\n")   # pkg.d runs pkg.sub, which imports pkg.d
     assert sorted(circles("pkg")) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.sub", "pkg.sub.e"]]
+
+
+# What a generated project runs of hvd_runtime: its files' imports and the `python -m` commands its
+# README, Makefile and docs show; what hvdgen itself imports.
+PROJECT_USE = re.compile(r"^\s*from\s+(hvd_runtime[\w.]*)\s+import\s+\(?([\w ,]*)|^\s*import\s+(hvd_runtime[\w.]*)"
+                         r"|-m\s+(hvd_runtime[\w.]*)", re.M)
+
+
+def reached_by_projects() -> set[str]:
+    """The hvd_runtime modules that templates/ and hvdgen/ use, and every module those import."""
+    known = modules("hvd_runtime")
+    edges = {name: imported(name, path, known) for name, path in known.items()}
+    todo = []
+    for path in [*(REPO / "templates").rglob("*"), *(REPO / "hvdgen").rglob("*.py")]:
+        if path.is_file():
+            for found in PROJECT_USE.finditer(path.read_text(errors="replace")):
+                base = found.group(1) or found.group(3) or found.group(4)
+                names = [base, *(f"{base}.{n.strip()}" for n in (found.group(2) or "").split(",") if n.strip())]
+                todo += [".".join(n.split(".")[:end]) for n in names for end in range(1, n.count(".") + 2)]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in known and name not in seen:
+            seen.add(name)
+            todo += edges[name]
+    return seen
+
+
+def test_every_runtime_module_serves_generated_projects():
+    """A module only the tests or bench/ import belongs with them, not in every project's runtime."""
+    assert sorted(set(modules("hvd_runtime")) - reached_by_projects()) == []

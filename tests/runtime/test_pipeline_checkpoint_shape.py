@@ -8,7 +8,7 @@ from hvd_runtime.pipeline.grid import PipelineRank
 
 
 def rank(stage: int, chunks: int = 1) -> PipelineRank:
-    return PipelineRank(dims=ParallelDims(world=2, pp=2), rank=stage, p2p="socket", chunks=chunks)
+    return PipelineRank(dims=ParallelDims(world=2, pp=2), rank=stage, chunks=chunks)
 
 
 def payload(chunks: int | None) -> dict:

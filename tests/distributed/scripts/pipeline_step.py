@@ -77,10 +77,13 @@ def reference_step(ref, opt, x, y, micro_batches: int | None, clip_norm: float) 
 
 
 def main():
+    from p2p_links import links   # bench/: the links other than the socket link (helpers.bench_links)
+
     args = parse_args(pipeline=True, cases=True)
     if args.hvd_init_first:
         hvd.init()          # a program that started Horovod itself: the process sets are added afterwards
-    _, place = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
+    _, place = init_pipeline(stages=args.stages, threads_per_rank=1, tp=args.tp, chunks=args.chunks,
+                             links=links(args.p2p))
     for case_args in each_case(args):
         write_results(hvd, run_case(case_args, place), case_args.out)
 

@@ -101,8 +101,11 @@ def reference(xs, ys, x_val, y_val, flatten_first: bool = False, work=None, piec
 
 
 def main():
+    from p2p_links_tf import links   # bench/: the links other than the socket link (helpers.bench_links)
+
     args = parse_args(pipeline=True, p2p="socket", cases=True)
-    _, place = init_pipeline(stages=args.stages, threads_per_rank=1, p2p=args.p2p, tp=args.tp, chunks=args.chunks)
+    _, place = init_pipeline(stages=args.stages, threads_per_rank=1, tp=args.tp, chunks=args.chunks,
+                             links=links(args.p2p))
     for case_args in each_case(args):
         write_results(hvd, run_case(case_args, place), case_args.out)
 
