@@ -1,5 +1,5 @@
 """ZeRO whatever the framework: which rows of a tensor each data-parallel rank owns, and the
-settings of a job it cannot run with.
+refusal of the settings of a job it cannot run with.
 
 Rows are dealt as Horovod's reduce-scatter deals a tensor's first dimension over N ranks (the first
 `rows % N` ranks one row more), so the averaged rows a reduce-scatter hands a rank are the ones it
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["is_cut", "job_misfits", "row_range"]
+from hvd_runtime.config import ConfigError
+
+__all__ = ["is_cut", "refuse_misfits", "row_range"]
 
 
 def row_range(rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -25,13 +27,17 @@ def is_cut(shape, size: int, dim: int = 0) -> bool:
     return size > 1 and len(shape) > dim and shape[dim] >= size
 
 
-def job_misfits(hvd_cfg) -> list[tuple[bool, str]]:
-    """(applies, what and its fix) for the settings no framework's ZeRO serves; each framework's
-    parallelize adds its own and refuses the first that applies."""
-    return [
+def refuse_misfits(hvd_cfg, own: list[tuple[bool, str]]) -> None:
+    """Refuse in one line (ConfigError) the first setting horovod.zero cannot serve: a framework's
+    `own` (applies, what and its fix), then those no framework's ZeRO serves."""
+    misfits = [
+        *own,
         (os.environ.get("HOROVOD_ELASTIC") == "1", "an elastic job (a lost rank would take its rows with it): "
                                                   "run without --min-np/--max-np, or set horovod.zero 0"),
         (hvd_cfg.adasum, "horovod.adasum (Adasum reduces whole gradients): set one of them off"),
         (hvd_cfg.fp16_compression, "horovod.fp16_compression (reduce-scatter sends the gradients as they are): "
                                    "set it false"),
     ]
+    for misfit, fix in misfits:
+        if misfit:
+            raise ConfigError(f"horovod.zero {hvd_cfg.zero} does not work with {fix}")

@@ -30,7 +30,7 @@ from hvdgen.paths import templates_dir
 from hvdgen.spec import SPEC_FILE, ProjectSpec
 
 TEMPLATE_SUFFIX = ".j2"
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where present: 10x faster
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where present: faster
 PARTIAL_PREFIX = "_"  # included by other templates, never written on its own
 
 # Files only some projects get: output path -> whether this spec gets it.

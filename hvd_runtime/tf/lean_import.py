@@ -5,10 +5,8 @@ matplotlib.pyplot (for the image galleries of `keras.visualization`) and pandas 
 DataFrame or Series as `model.fit`'s data) whenever they are installed, and in a generated
 project all three are: scikit-learn ships the default digits data, matplotlib draws the pipeline
 timeline, MLflow brings pandas. None is used while training, yet they cost every rank seconds of
-its start-up, which every job, every elastic restart and every test pays per rank. Measured on a
-2-core CPU: scikit-learn and matplotlib 2.4 s (`import tensorflow` 9.4 s with them, 7.0 s
-without); pandas (and the pyarrow it loads) another 0.3 s of CPU (`import hvd_runtime.tf`, three
-runs each: 3.16-3.41 s user with it, 2.84-2.92 s without).
+its start-up, which every job, every elastic restart and every test pays per rank
+(docs/architecture.md measures them).
 
 So hvd_runtime.tf imports TensorFlow with those hidden, then shows them again at once: an entry
 of None in sys.modules makes an import raise ImportError, which Keras catches as "not installed"

@@ -46,7 +46,7 @@ from hvd_runtime.tf.tensor_parallel import apply_tp
 from hvd_runtime.tf.tensor_state import SlicedVariables
 from hvd_runtime.tf.vocab_parallel import VocabObjective
 from hvd_runtime.tf.zero import ZeroSync
-from hvd_runtime.zero_rows import job_misfits
+from hvd_runtime.zero_rows import refuse_misfits
 
 __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
@@ -122,18 +122,14 @@ def apply_data_parallel(trained, ctx: Context, cfg, objective: VocabObjective, s
 def refuse_zero_misfits(cfg, ctx: Context) -> None:
     """horovod.zero with what a Keras project cannot serve with it: one line each (ConfigError)."""
     hvd = cfg.horovod
-    misfits = [
+    refuse_misfits(hvd, [
         (hvd.zero > 2, "a Keras project (its layers hold whole variables): use horovod.zero 1 or 2, or a torch "
                        "project"),
         (ctx.pipeline is not None or ctx.tensor is not None or ctx.stage_devices is not None,
          "a Keras pipeline, tensor-parallel or model-split project: use horovod.zero 0 there, or --strategy data"),
-        *job_misfits(hvd),
         (cfg.train.precision == "fp16", "train.precision fp16 in Keras (each rank's loss scale would judge only its "
                                         "rows): use bf16"),
-    ]
-    for misfit, fix in misfits:
-        if misfit:
-            raise ConfigError(f"horovod.zero {hvd.zero} does not work with {fix}")
+    ])
 
 
 def resumed_partition(model, pieces: int, ctx: Context, cfg):

@@ -186,7 +186,7 @@ class PipelineEngine(PipelineEngineBase):
                             for training in (True, False)} for c in range(self.chunks)]
         self._micro_batch_sums = None   # the last chunk's forward: its sums, for _stats
         # the rest of a step compiled too: run eagerly, each is a few small ops per variable (AdamW's
-        # update about 15), dispatched one by one from Python: 100 ms a step for a 2-block GPT stage
+        # update about 15), dispatched one by one from Python (docs/pipeline.md measures it)
         self._zeros = compiled(lambda: [tf.zeros(v.shape, v.dtype) for v in self.variables])
         self._add = compiled(_added, reduce_retracing=True)   # an embedding's IndexedSlices vary in length
         self._update = compiled(self._update_fn)

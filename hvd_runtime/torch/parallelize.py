@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hvd_runtime.config import ConfigError, partition_spec
+from hvd_runtime.config import partition_spec
 from hvd_runtime.nonfinite import nonfinite_guard
 from hvd_runtime.pipeline.checkpoint import partition_to_resume
 from hvd_runtime.pipeline.grid import PipelineRank
@@ -55,7 +55,7 @@ from hvd_runtime.torch.tensor_parallel import apply_tp
 from hvd_runtime.torch.tensor_state import SlicedParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch.zero import ZeroOptimizer, shard_parameters
-from hvd_runtime.zero_rows import job_misfits
+from hvd_runtime.zero_rows import refuse_misfits
 
 __all__ = ["Parallel", "apply_data_parallel", "apply_model_split", "apply_pipeline", "apply_tp",
            "parallelize"]
@@ -149,17 +149,13 @@ def apply_compile(model: nn.Module, ctx: Context, cfg, dataset, objective: Vocab
 def refuse_zero_misfits(cfg, ctx: Context) -> None:
     """horovod.zero with what it cannot serve: one line each (ConfigError), before anything is made."""
     hvd = cfg.horovod
-    misfits = [
+    refuse_misfits(hvd, [
         (ctx.pipeline is not None and hvd.zero > 1, "pipeline stages (every micro-batch's backward would "
                                                    "reduce-scatter again): use horovod.zero 1"),
         (ctx.pipeline is not None and ctx.pipeline.dims.tp > 1,
          "a pipeline's tensor parallelism (parallel.tp): use horovod.zero 0 there, or parallel.tp 1"),
         (ctx.stage_devices is not None, "model-split: use --strategy data"),
-        *job_misfits(hvd),
-    ]
-    for misfit, fix in misfits:
-        if misfit:
-            raise ConfigError(f"horovod.zero {hvd.zero} does not work with {fix}")
+    ])
 
 
 def resumed_partition(model, pieces: int, ctx: Context, cfg):

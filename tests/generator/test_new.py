@@ -202,7 +202,7 @@ def test_elastic_projects_run_under_hvd_elastic(tmp_path, framework):
     project = tmp_path / "proj"
     train = (project / "train.py").read_text()
     compile(train, "train.py", "exec")
-    assert "metrics = run_elastic(fit, state, ctx, [train_batches, val_batches]" in train and "state.commit()" in train
+    assert "metrics = run_elastic(trainer.fit, state, ctx, [train_batches, val_batches]" in train and "state.commit()" in train
     assert "--host-discovery-script ./discover_hosts.sh" in (project / "README.md").read_text()
     assert (project / "discover_hosts.sh").stat().st_mode & 0o111
 

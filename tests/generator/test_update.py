@@ -23,7 +23,7 @@ from hvdgen.overwrite import read_fingerprints
 from hvdgen.update import commit
 
 FIXTURE = Path(__file__).parent / "fixtures" / "shop-d67c978.tar.gz"
-TEMPLATE_CHANGE = "from hvd_runtime.torch.parallelize import parallelize\n"   # what the newer train.py imports
+TEMPLATE_CHANGE = "from hvd_runtime.torch.parallelize import Parallel, parallelize\n"   # what the newer train.py imports
 CONFLICTING = "    model.to(ctx.device)  # mine: on the GPU first\n"           # a line the template rewrote
 
 
