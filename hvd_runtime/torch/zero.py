@@ -13,7 +13,8 @@ holds is one run of the whole tensor's positions along one dimension, as checkpo
 
 - stage 1: the optimizer state is sharded. Backward leaves the whole gradient on every rank; the
   step reduce-scatters it (averaged), each rank's optimizer steps its rows of each parameter (a
-  view into the parameter, so the update lands in place) and the updated rows are all-gathered.
+  view into the parameter, so the update lands in place) and the updated rows are all-gathered,
+  both a bucket of parameters (16 MB) at a time.
 - stage 2: the gradients too. As backward produces them, each bucket of gradients (16 MB, in
   backward's order) is reduce-scattered while backward goes on, and the whole gradients are
   dropped: a rank keeps only its rows, summed over backward_passes_per_step.
@@ -48,9 +49,11 @@ from hvd_runtime.zero_rows import is_cut, row_range
 
 __all__ = ["ZeroOptimizer", "in_lockstep", "rows_by_parameter", "shard_parameters"]
 
-# Stage 2's buckets: backward holds about two of them whole (the one filling, the one in flight),
-# so they are smaller than a fusion buffer (docs/zero.md weighs 8, 16 and 64 MB).
-STAGE2_BUCKET_BYTES = 16 * 2**20
+# ZeRO's buckets of gradients to reduce-scatter and of rows to all-gather: smaller than a fusion
+# buffer, since each one's whole tensors, its send buffer and what it receives live at once on top of
+# the sharded state (stage 2's backward holds about two buckets whole: the one filling, the one in
+# flight). docs/zero.md weighs 8, 16 and 64 MB.
+BUCKET_BYTES = 16 * 2**20
 
 
 def _along(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -415,9 +418,9 @@ class ZeroOptimizer:
         return torch.zeros_like(shard.param) if g is None else g
 
     @staticmethod
-    def _by_bytes(shards: list[Shard], limit: int | None = None) -> list[list[Shard]]:
-        """`shards` in order, a fusion buffer's bytes of their parameters a group (or `limit` bytes)."""
-        return in_fusion_buffers(shards, lambda s: s.param.numel() * s.param.element_size(), limit)
+    def _by_bytes(shards: list[Shard]) -> list[list[Shard]]:
+        """`shards` in order, BUCKET_BYTES of their parameters a group."""
+        return in_fusion_buffers(shards, lambda s: s.param.numel() * s.param.element_size(), BUCKET_BYTES)
 
     def _gather_updated(self) -> None:
         """Stages 1 and 2: every rank's updated rows all-gathered into the whole parameters."""
@@ -432,7 +435,7 @@ class ZeroOptimizer:
     # stage 2: gradients reduce-scattered as backward produces them
     def _hook_buckets(self) -> None:
         cut = [s for s in reversed(self.shards) if s.rows is not None]   # backward's order, about
-        self._buckets = self._by_bytes(cut, STAGE2_BUCKET_BYTES)
+        self._buckets = self._by_bytes(cut)
         for b, bucket in enumerate(self._buckets):
             for s in bucket:
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._arrive, b))

@@ -46,7 +46,7 @@ from hvd_runtime.torch.tensor_parallel import apply_tp
 from hvd_runtime.torch.tensor_state import SlicedParameters
 from hvd_runtime.torch.vocab_parallel import VocabObjective
 from hvd_runtime.torch import zero as zero_module
-from hvd_runtime.torch.zero import STAGE2_BUCKET_BYTES, ZeroOptimizer, rows_by_parameter, shard_parameters
+from hvd_runtime.torch.zero import BUCKET_BYTES, ZeroOptimizer, rows_by_parameter, shard_parameters
 
 from project_module import project_module
 
@@ -161,7 +161,7 @@ def run_case(case, ctx):
     schedule = make_schedule(optim_cfg, hvd_cfg, steps_per_epoch=4)
     reference = Reference(build, case, ctx, schedule, VocabObjective.of(None, classes))
     model = zero_model(build, case, ctx)
-    zero_module.STAGE2_BUCKET_BYTES = case.get("bucket_bytes", STAGE2_BUCKET_BYTES)   # ZeRO 2's buckets
+    zero_module.BUCKET_BYTES = case.get("bucket_bytes", BUCKET_BYTES)   # ZeRO's buckets
     optimizer, _ = make_optimizer(model, optim_cfg, hvd_cfg, ctx, steps_per_epoch=4,
                                   slices=SlicedParameters(model) if ctx.tensor else None)
     norm = optimizer.grad_norm if isinstance(optimizer, ZeroOptimizer) else None
