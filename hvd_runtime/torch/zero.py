@@ -343,6 +343,7 @@ class ZeroOptimizer:
         self._buckets: list[list[Shard]] = []
         self._pending: dict[int, object] = {}
         self._arrived: dict[int, int] = {}
+        self._launched: set[int] = set()   # buckets reduce-scattered since the last synchronize
         if stage == 2:
             self._hook_buckets()
 
@@ -401,8 +402,10 @@ class ZeroOptimizer:
                     s.stepped.grad = g
                     s.param.grad = None
         elif self.stage == 2:
+            # what backward left unsent: a bucket whose gradients did not all arrive (an unused
+            # parameter), or part of one again after a pass of backward_passes_per_step sent it
             for b in range(len(self._buckets)):
-                if b not in self._pending:
+                if b not in self._launched or self._arrived.get(b):
                     self._launch(b)
             self._drain(keep=True)
         whole = [s for s in self.shards if s.rows is None]
@@ -455,6 +458,7 @@ class ZeroOptimizer:
         self._pending[b] = _reducescatter([self._grad(s) for s in bucket], [s.dim for s in bucket], self.dp_set,
                                           f"zero.grads.{b}", handle=True)
         self._arrived[b] = 0
+        self._launched.add(b)
         for s in bucket:
             s.param.grad = None
         for earlier in [c for c in self._pending if c != b]:
@@ -474,6 +478,7 @@ class ZeroOptimizer:
             else:
                 hvd.synchronize(self._pending.pop(b)[0][0])
         self._arrived.clear()
+        self._launched.clear()
 
     # what clipping, the non-finite check and fp16 read
     def grad_norm(self, parameters=None) -> torch.Tensor:

@@ -12,7 +12,8 @@ rank on its share of the global batch; the reference trains in one process on th
 batch with the framework's plain optimizer. After `steps` updates each rank reports the largest
 relative error of its parameters (its rows under ZeRO 3) against the reference's, what share of
 the optimizer state and of the parameters it holds, and (stage 2) whether any whole gradient
-outlived a backward pass ("bucket_bytes": its buckets' size, to make many). "save": DIR writes the ZeRO run's checkpoint there after the steps;
+outlived a backward pass and how many bucket reduce-scatters an update sent ("bucket_bytes": its
+buckets' size, to make many). "save": DIR writes the ZeRO run's checkpoint there after the steps;
 "resume": DIR restores one instead of training (any ZeRO stage, any np; zero 0 at np 1: unsplit;
 "saved_np": the saving job's ranks, whose batches and LR the reference repeats) and reports the errors of the restored parameters and optimizer state, and after one more step.
 Under `--tp N` the model is the GPT split by tensor parallelism (apply_tp) and ZeRO cuts each
@@ -49,6 +50,8 @@ from hvd_runtime.torch import zero as zero_module
 from hvd_runtime.torch.zero import BUCKET_BYTES, ZeroOptimizer, rows_by_parameter, shard_parameters
 
 from project_module import project_module
+
+REDUCESCATTER = zero_module._reducescatter   # each case counts the buckets it sends through it
 
 SEED, BATCH, VOCAB, CONTEXT = 5, 4, 19, 8
 
@@ -170,6 +173,14 @@ def run_case(case, ctx):
     g = torch.Generator().manual_seed(11)
     n, r, k = ctx.data_size, ctx.data_rank, case["bpps"]
     whole_grads_kept = False
+    sent = []   # the names of the gradient buckets reduce-scattered, in order
+
+    def counted(tensors, dims, dp_set, name, *args, **kwargs):
+        if name.startswith("zero.grads."):
+            sent.append(name)
+        return REDUCESCATTER(tensors, dims, dp_set, name, *args, **kwargs)
+
+    zero_module._reducescatter = counted
 
     def train(update: int):
         nonlocal whole_grads_kept
@@ -193,6 +204,7 @@ def run_case(case, ctx):
     else:
         for update in range(case["steps"]):
             train(update)
+        report["bucket_sends"] = len(sent) / case["steps"]
         if case.get("save"):
             parallel = Parallel(model, optimizer, step, SlicedParameters(model) if ctx.tensor else None)
             save_checkpoint(checkpoint_store(CheckpointConfig(dir=case["save"]), ctx), parallel,
