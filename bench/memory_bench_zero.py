@@ -14,8 +14,12 @@ Beside each setting: the training state the ZeRO paper gives for fp32 Adam (16, 
 4 + 12/N and 16/N bytes a parameter), the activations the memory plan estimates (its `memory:`
 line), and the worst rank's peak over baseline + state + activations. Speed: the run's
 mean step time of its second epoch (the first holds the warm-up), each stage against zero 0 at the
-same dp. Writes docs/benchmarks-zero.md and its plot at the
+same dp. `--rounds N` runs the settings N times over, one after another in turn, so that a drift
+of the machine's speed reaches every setting alike; each figure is then the rounds' median, and
+the step times of every round are listed. Writes docs/benchmarks-zero.md and its plot at the
 default size.
+
+    python bench/memory_bench_zero.py --dp 2 --rounds 3        # the speeds at dp 2, three rounds
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,9 +49,10 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
 
-def run_all(width: int, layers: int, steps: int) -> tuple[dict, int]:
+def run_all(width: int, layers: int, steps: int, rounds: int = 1) -> tuple[dict, int]:
+    """Each setting's runs, a list of `rounds` results, and the model's parameter count."""
     heads, context, batch = 16 if width % 16 == 0 else 4, 128, 2
-    results = {}
+    results: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         subprocess.run([str(BIN / "hvdgen"), "new", "proj", "--model", "gpt", "--output", str(tmp)], check=True,
@@ -59,8 +65,8 @@ def run_all(width: int, layers: int, steps: int) -> tuple[dict, int]:
                        cwd=project, check=True, capture_output=True)
         (tmp / "hook").mkdir()
         (tmp / "hook" / "sitecustomize.py").write_text(HOOK)
-        for np_, zero, recompute in SETTINGS:
-            folder = tmp / f"dp{np_}-zero{zero}-{recompute}"
+        for round_, (np_, zero, recompute) in [(r, setting) for r in range(rounds) for setting in SETTINGS]:
+            folder = tmp / f"dp{np_}-zero{zero}-{recompute}-{round_}"
             folder.mkdir()
             cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", sys.executable,
                    "train.py", "--train.epochs", "2", "--tracking.enabled", "false", "--data.path",
@@ -78,10 +84,10 @@ def run_all(width: int, layers: int, steps: int) -> tuple[dict, int]:
                 raise SystemExit(f"dp {np_} zero {zero} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             ranks = sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")), key=lambda r: r["rank"])
             points = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-            results[(np_, zero, recompute)] = {"ranks": ranks, "activations": activations(proc.stdout),
-                                               "step_s": step_seconds(points), "batch": batch}
-            print(f"dp {np_} zero {zero} recompute {recompute}: {time.perf_counter() - started:.0f} s, "
-                  f"{results[(np_, zero, recompute)]['step_s']}", flush=True)
+            run = {"ranks": ranks, "activations": activations(proc.stdout), "step_s": step_seconds(points)}
+            results.setdefault((np_, zero, recompute), []).append(run)
+            print(f"round {round_ + 1}, dp {np_} zero {zero} recompute {recompute}: "
+                  f"{time.perf_counter() - started:.0f} s, {run['step_s']:.2f} s a step", flush=True)
         parameters = parameter_count(project, width, layers, heads, context)
     return results, parameters
 
@@ -109,23 +115,33 @@ def parameter_count(project: Path, width: int, layers: int, heads: int, context:
     return sum(p.numel() for p in model.parameters())
 
 
+def worst_rank(run: dict) -> tuple[int, int]:
+    """(peak, baseline) of the run's rank with the highest peak."""
+    worst = max(run["ranks"], key=lambda rank: rank["saves"][0][0])
+    return worst["saves"][0][0], worst["baseline"]
+
+
 def report(results: dict, parameters: int, width: int, layers: int, out: Path | None) -> None:
+    rounds = max(len(runs) for runs in results.values())
     lines = [f"GPT of {parameters / 1e6:.1f} M parameters (width {width}, {layers} layers, context 128, batch 2 a "
-             "rank), AdamW, fp32. MiB per rank:", "",
+             f"rank), AdamW, fp32. MiB per rank{f', medians of {rounds} rounds' if rounds > 1 else ''}:", "",
              "| dp | zero | recompute | paper's state | planned activations | baseline (worst rank) "
-             "| peak (worst rank) | peak / (baseline + state + activations) | s a step | samples/s vs zero 0 |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| peak (worst rank) | peak / (baseline + state + activations) | s a step | samples/s vs zero 0 |"
+             + (" s a step, each round |" if rounds > 1 else ""),
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- |" if rounds > 1 else "")]
     speed = {}
-    for (np_, zero, recompute), r in results.items():
+    for (np_, zero, recompute), runs in results.items():
         state = PER_PARAMETER[zero](np_) * parameters
-        worst = max(r["ranks"], key=lambda rank: rank["saves"][0][0])
-        peak, base = worst["saves"][0][0], worst["baseline"]
-        step = r["step_s"]
+        peak = statistics.median(worst_rank(run)[0] for run in runs)
+        base = statistics.median(worst_rank(run)[1] for run in runs)
+        held = statistics.median(run["activations"] for run in runs)
+        step = statistics.median(run["step_s"] for run in runs)
         speed[(np_, zero, recompute)] = step
         plain = speed.get((np_, 0, recompute), step)
-        lines.append(f"| {np_} | {zero} | {'blocks' if recompute else 'none'} | {mib(state)} | {mib(r['activations'])} "
-                     f"| {mib(base)} | {mib(peak)} | {peak / (base + state + r['activations']):.2f} | {step:.2f} "
-                     f"| {plain / step:.2f} |")
+        each = " " + ", ".join(f"{run['step_s']:.2f}" for run in runs) + " |" if rounds > 1 else ""
+        lines.append(f"| {np_} | {zero} | {'blocks' if recompute else 'none'} | {mib(state)} | {mib(held)} "
+                     f"| {mib(base)} | {mib(peak)} | {peak / (base + state + held):.2f} | {step:.2f} "
+                     f"| {plain / step:.2f} |{each}")
     print("\n".join(lines), flush=True)
     if out is None:
         return
@@ -150,12 +166,13 @@ def plot(results: dict, parameters: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels, base, above, formula = [], [], [], []
-    for (np_, zero, recompute), r in results.items():
-        worst = max(r["ranks"], key=lambda rank: rank["saves"][0][0])
+    for (np_, zero, recompute), runs in results.items():
+        peak = statistics.median(worst_rank(run)[0] for run in runs)
+        baseline = statistics.median(worst_rank(run)[1] for run in runs)
         labels.append(f"dp {np_}\nzero {zero}{' rc' if recompute else ''}")
-        base.append(worst["baseline"] / 2**20)
-        above.append((worst["saves"][0][0] - worst["baseline"]) / 2**20)
-        formula.append((worst["baseline"] + PER_PARAMETER[zero](np_) * parameters) / 2**20)
+        base.append(baseline / 2**20)
+        above.append((peak - baseline) / 2**20)
+        formula.append((baseline + PER_PARAMETER[zero](np_) * parameters) / 2**20)
     x = range(len(labels))
     fig, ax = plt.subplots(figsize=(11, 4.5))
     ax.bar(x, base, color="lightgrey", label="baseline (interpreter, torch, Horovod, data)")
@@ -175,10 +192,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4, help="training steps at dp 4 (dp 2 takes twice as many)")
     ap.add_argument("--dp", type=int, choices=(2, 4), help="only the settings at this dp (the report is not written)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every setting, in turn (medians reported)")
     args = ap.parse_args()
     if args.dp:
         SETTINGS[:] = [s for s in SETTINGS if s[0] == args.dp]
-    results, parameters = run_all(args.width, args.layers, args.steps)
+    results, parameters = run_all(args.width, args.layers, args.steps, args.rounds)
     default = (args.width, args.layers) == (1024, 8) and not args.dp
     report(results, parameters, args.width, args.layers, DOCS / "benchmarks-zero.md" if default else None)
 
