@@ -156,11 +156,22 @@ class _Gather(torch.autograd.Function):
 
 def _allgather(rows, dims, dp_set, name: str) -> list[torch.Tensor]:
     """The whole tensors of `rows`, each cut along its dimension in `dims` (one grouped all-gather)."""
+    return _gathered(_start_allgather(rows, dims, dp_set, name))
+
+
+def _start_allgather(rows, dims, dp_set, name: str) -> tuple:
+    """`_allgather` started, to be finished by `_gathered`."""
     import horovod.torch as hvd
 
-    gathered = hvd.grouped_allgather([_along(t.detach(), d) for t, d in zip(rows, dims)], process_set=dp_set,
-                                     name=name)
-    return [_back(t, d) for t, d in zip(gathered, dims)]
+    return hvd.grouped_allgather_async([_along(t.detach(), d) for t, d in zip(rows, dims)], process_set=dp_set,
+                                       name=name), dims
+
+
+def _gathered(started) -> list[torch.Tensor]:
+    import horovod.torch as hvd
+
+    handle, dims = started
+    return [_back(t, d) for t, d in zip(hvd.synchronize(handle), dims)]
 
 
 def _reducescatter(tensors, dims, dp_set, name: str, handle: bool = False, alltoall: bool | None = None):
@@ -394,13 +405,19 @@ class ZeroOptimizer:
         import horovod.torch as hvd
 
         if self.stage == 1:
+            # each bucket started before the last one is finished: its sends overlap that one's sum
             cut = [s for s in self.shards if s.rows is not None]
+            previous = None
             for i, bucket in enumerate(self._by_bytes(cut)):
-                rows = _reducescatter([self._grad(s) for s in bucket], [s.dim for s in bucket], self.dp_set,
-                                      f"zero.grads.{i}")
-                for s, g in zip(bucket, rows):
-                    s.stepped.grad = g
+                started = _reducescatter([self._grad(s) for s in bucket], [s.dim for s in bucket], self.dp_set,
+                                         f"zero.grads.{i}", handle=True)
+                for s in bucket:   # the reduction holds what it sends
                     s.param.grad = None
+                if previous is not None:
+                    self._add_rows(*previous)
+                previous = bucket, started
+            if previous is not None:
+                self._add_rows(*previous)
         elif self.stage == 2:
             # what backward left unsent: a bucket whose gradients did not all arrive (an unused
             # parameter), or part of one again after a pass of backward_passes_per_step sent it
@@ -426,14 +443,19 @@ class ZeroOptimizer:
         return in_fusion_buffers(shards, lambda s: s.param.numel() * s.param.element_size(), BUCKET_BYTES)
 
     def _gather_updated(self) -> None:
-        """Stages 1 and 2: every rank's updated rows all-gathered into the whole parameters."""
+        """Stages 1 and 2: every rank's updated rows all-gathered into the whole parameters, each
+        bucket started before the last one is copied into place."""
         cut = [s for s in self.shards if s.rows is not None]
+        previous = None
         with torch.no_grad():
-            for i, bucket in enumerate(self._by_bytes(cut)):
-                whole = _allgather([s.stepped for s in bucket], [s.dim for s in bucket], self.dp_set,
-                                   f"zero.params.{i}")
-                for s, w in zip(bucket, whole):
-                    s.param.copy_(w)
+            for i, bucket in enumerate(self._by_bytes(cut) + [None]):
+                started = None if bucket is None else \
+                    _start_allgather([s.stepped for s in bucket], [s.dim for s in bucket], self.dp_set,
+                                     f"zero.params.{i}")
+                if previous is not None:
+                    for s, w in zip(previous[0], _gathered(previous[1])):
+                        s.param.copy_(w)
+                previous = None if bucket is None else (bucket, started)
 
     # stage 2: gradients reduce-scattered as backward produces them
     def _hook_buckets(self) -> None:
@@ -465,7 +487,12 @@ class ZeroOptimizer:
             self._collect(earlier)
 
     def _collect(self, b: int) -> None:
-        for s, g in zip(self._buckets[b], _rows_of(self._pending.pop(b))):
+        self._add_rows(self._buckets[b], self._pending.pop(b))
+
+    @staticmethod
+    def _add_rows(bucket: list[Shard], started) -> None:
+        """A started reduce-scatter's rows, into (or added to) the gradients of the tensors stepped."""
+        for s, g in zip(bucket, _rows_of(started)):
             s.stepped.grad = g if s.stepped.grad is None else s.stepped.grad.add_(g)
 
     def _drain(self, keep: bool) -> None:
