@@ -128,7 +128,8 @@ def report(results: dict, parameters: int, width: int, layers: int, out: Path | 
              "| dp | zero | recompute | paper's state | planned activations | baseline (worst rank) "
              "| peak (worst rank) | peak / (baseline + state + activations) | s a step | samples/s vs zero 0 |"
              + (" s a step, each round |" if rounds > 1 else ""),
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" --- |" if rounds > 1 else "")]
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+             + (" --- |" if rounds > 1 else "")]
     speed = {}
     for (np_, zero, recompute), runs in results.items():
         state = PER_PARAMETER[zero](np_) * parameters

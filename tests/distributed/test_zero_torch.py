@@ -100,8 +100,8 @@ def test_zero_steps_match_the_unsplit_model(reports, np_, tp, name):
     """Two updates (parameters and optimizer slots), then a third (parameters), equal the unsplit
     model's within 1e-5 on every rank; each rank holds about 1/np of the optimizer state and, under
     ZeRO 3, of the parameters (tp 2 x dp 2: a quarter, its rows of its slices); under ZeRO 2 no
-    whole gradient outlives a backward pass, and each bucket is reduce-scattered once a pass. The validation loss over batches dealt unevenly (rank
-    0's replica one more) equals the reference's."""
+    whole gradient outlives a backward pass, and each bucket is reduce-scattered once a pass. The
+    validation loss over batches dealt unevenly (rank 0's replica one more) equals the reference's."""
     ranks = reports[(np_, tp, name)]
     assert sorted(r["rank"] for r in ranks) == list(range(np_))
     for r in ranks:
