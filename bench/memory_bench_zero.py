@@ -150,7 +150,8 @@ def report(results: dict, parameters: int, width: int, layers: int, out: Path | 
     plot(results, parameters, picture)
     out.write_text("\n".join([
         "# ZeRO benchmark: each stage's memory and speed", "",
-        f"`python bench/memory_bench_zero.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, 2 cores, "
+        f"`python bench/memory_bench_zero.py{f' --rounds {rounds}' if rounds > 1 else ''}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, 2 cores, "
         "CPU (Gloo), ranks sharing the cores. A generated torch GPT project (data parallel) trains a few steps "
         "and writes a checkpoint at each setting; each rank's peak resident memory (ru_maxrss) is read where "
         "train.py calls parallelize (*baseline*: interpreter, torch, Horovod, the data) and where it first calls "
