@@ -225,6 +225,20 @@ def _rows_of(started) -> list[torch.Tensor]:
     return [_back(t, d) for t, d in zip(rows, dims)]
 
 
+def _one_ahead(buckets: list, start, finish) -> None:
+    """`start(i, bucket)` for each bucket in order, and `finish(bucket, started)` for each once the
+    next one has started: Horovod's thread sends one bucket while the rank's thread finishes the
+    last (sums its rows, or copies its whole tensors into place)."""
+    previous = None
+    for i, bucket in enumerate(buckets):
+        started = start(i, bucket)
+        if previous is not None:
+            finish(*previous)
+        previous = bucket, started
+    if previous is not None:
+        finish(*previous)
+
+
 class _Gathering:
     """Marks a module whose forward gathers its sharded parameters first."""
 
@@ -405,19 +419,15 @@ class ZeroOptimizer:
         import horovod.torch as hvd
 
         if self.stage == 1:
-            # each bucket started before the last one is finished: its sends overlap that one's sum
-            cut = [s for s in self.shards if s.rows is not None]
-            previous = None
-            for i, bucket in enumerate(self._by_bytes(cut)):
+            def start(i: int, bucket: list[Shard]):
                 started = _reducescatter([self._grad(s) for s in bucket], [s.dim for s in bucket], self.dp_set,
                                          f"zero.grads.{i}", handle=True)
                 for s in bucket:   # the reduction holds what it sends
                     s.param.grad = None
-                if previous is not None:
-                    self._add_rows(*previous)
-                previous = bucket, started
-            if previous is not None:
-                self._add_rows(*previous)
+                return started
+
+            cut = [s for s in self.shards if s.rows is not None]
+            _one_ahead(self._by_bytes(cut), start, self._add_rows)
         elif self.stage == 2:
             # what backward left unsent: a bucket whose gradients did not all arrive (an unused
             # parameter), or part of one again after a pass of backward_passes_per_step sent it
@@ -445,17 +455,17 @@ class ZeroOptimizer:
     def _gather_updated(self) -> None:
         """Stages 1 and 2: every rank's updated rows all-gathered into the whole parameters, each
         bucket started before the last one is copied into place."""
+        def start(i: int, bucket: list[Shard]):
+            return _start_allgather([s.stepped for s in bucket], [s.dim for s in bucket], self.dp_set,
+                                    f"zero.params.{i}")
+
+        def finish(bucket: list[Shard], started) -> None:
+            for s, w in zip(bucket, _gathered(started)):
+                s.param.copy_(w)
+
         cut = [s for s in self.shards if s.rows is not None]
-        previous = None
         with torch.no_grad():
-            for i, bucket in enumerate(self._by_bytes(cut) + [None]):
-                started = None if bucket is None else \
-                    _start_allgather([s.stepped for s in bucket], [s.dim for s in bucket], self.dp_set,
-                                     f"zero.params.{i}")
-                if previous is not None:
-                    for s, w in zip(previous[0], _gathered(previous[1])):
-                        s.param.copy_(w)
-                previous = None if bucket is None else (bucket, started)
+            _one_ahead(self._by_bytes(cut), start, finish)
 
     # stage 2: gradients reduce-scattered as backward produces them
     def _hook_buckets(self) -> None:
