@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, choices=(2, 4), help="only the settings at this dp (the report is not written)")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every setting, in turn (medians reported)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
     if args.dp:
         SETTINGS[:] = [s for s in SETTINGS if s[0] == args.dp]
     results, parameters = run_all(args.width, args.layers, args.steps, args.rounds)

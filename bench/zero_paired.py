@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="steps of each setting (the first left out)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)   # the project, in a rank
     args = ap.parse_args()
+    if args.steps < 2 or args.np < 2:
+        ap.error(f"--np {args.np} --steps {args.steps}: give 2 ranks or more and 2 steps or more "
+                 "(the first is left out)")
     if args.worker:
         worker(args.worker, args.width, args.layers, args.steps)
         return
