@@ -12,7 +12,8 @@ at the first save_checkpoint (the peak while training).
 
 Beside each setting: the training state the ZeRO paper gives for fp32 Adam (16, 8 + 8/N,
 4 + 12/N and 16/N bytes a parameter), the activations the memory plan estimates (its `memory:`
-line), and the worst rank's peak over baseline + state + activations. Speed: the run's
+line), and the worst rank's peak over baseline + state + activations, and over that plus the block
+ZeRO 3 gathers whole (the plan's `a block gathered`). Speed: the run's
 mean step time of its second epoch (the first holds the warm-up), each stage against zero 0 at the
 same dp. `--rounds N` runs the settings N times over, one after another in turn, so that a drift
 of the machine's speed reaches every setting alike; each figure is then the rounds' median, and
@@ -84,7 +85,8 @@ def run_all(width: int, layers: int, steps: int, rounds: int = 1) -> tuple[dict,
                 raise SystemExit(f"dp {np_} zero {zero} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             ranks = sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")), key=lambda r: r["rank"])
             points = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-            run = {"ranks": ranks, "activations": activations(proc.stdout), "step_s": step_seconds(points)}
+            run = {"ranks": ranks, "activations": planned(proc.stdout, "activations"),
+                   "gathered": planned(proc.stdout, "a block gathered"), "step_s": step_seconds(points)}
             results.setdefault((np_, zero, recompute), []).append(run)
             print(f"round {round_ + 1}, dp {np_} zero {zero} recompute {recompute}: "
                   f"{time.perf_counter() - started:.0f} s, {run['step_s']:.2f} s a step", flush=True)
@@ -92,9 +94,10 @@ def run_all(width: int, layers: int, steps: int, rounds: int = 1) -> tuple[dict,
     return results, parameters
 
 
-def activations(stdout: str) -> int:
-    """The memory plan's activation estimate, from rank 0's `memory:` line, in bytes."""
-    found = re.search(r"activations ([\d.]+) (MiB|GiB)", stdout)
+def planned(stdout: str, what: str) -> int:
+    """A part of the memory plan (`activations`, `a block gathered`), from rank 0's `memory:` line, in
+    bytes; 0 where the line has none."""
+    found = re.search(what + r" ([\d.]+) (MiB|GiB)", stdout)
     return 0 if found is None else int(float(found.group(1)) * (2**20 if found.group(2) == "MiB" else 2**30))
 
 
@@ -125,10 +128,11 @@ def report(results: dict, parameters: int, width: int, layers: int, out: Path | 
     rounds = max(len(runs) for runs in results.values())
     lines = [f"GPT of {parameters / 1e6:.1f} M parameters (width {width}, {layers} layers, context 128, batch 2 a "
              f"rank), AdamW, fp32. MiB per rank{f', medians of {rounds} rounds' if rounds > 1 else ''}:", "",
-             "| dp | zero | recompute | paper's state | planned activations | baseline (worst rank) "
-             "| peak (worst rank) | peak / (baseline + state + activations) | s a step | samples/s vs zero 0 |"
+             "| dp | zero | recompute | paper's state | planned activations | planned block gathered "
+             "| baseline (worst rank) | peak (worst rank) | peak / (baseline + state + activations) "
+             "| peak / (baseline + state + activations + block gathered) | s a step | samples/s vs zero 0 |"
              + (" s a step, each round |" if rounds > 1 else ""),
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
              + (" --- |" if rounds > 1 else "")]
     speed = {}
     for (np_, zero, recompute), runs in results.items():
@@ -136,13 +140,14 @@ def report(results: dict, parameters: int, width: int, layers: int, out: Path | 
         peak = statistics.median(worst_rank(run)[0] for run in runs)
         base = statistics.median(worst_rank(run)[1] for run in runs)
         held = statistics.median(run["activations"] for run in runs)
+        gathered = statistics.median(run.get("gathered", 0) for run in runs)
         step = statistics.median(run["step_s"] for run in runs)
         speed[(np_, zero, recompute)] = step
         plain = speed.get((np_, 0, recompute), step)
         each = " " + ", ".join(f"{run['step_s']:.2f}" for run in runs) + " |" if rounds > 1 else ""
         lines.append(f"| {np_} | {zero} | {'blocks' if recompute else 'none'} | {mib(state)} | {mib(held)} "
-                     f"| {mib(base)} | {mib(peak)} | {peak / (base + state + held):.2f} | {step:.2f} "
-                     f"| {plain / step:.2f} |{each}")
+                     f"| {mib(gathered)} | {mib(base)} | {mib(peak)} | {peak / (base + state + held):.2f} "
+                     f"| {peak / (base + state + held + gathered):.2f} | {step:.2f} | {plain / step:.2f} |{each}")
     print("\n".join(lines), flush=True)
     if out is None:
         return
@@ -157,7 +162,9 @@ def report(results: dict, parameters: int, width: int, layers: int, out: Path | 
         "train.py calls parallelize (*baseline*: interpreter, torch, Horovod, the data) and where it first calls "
         "save_checkpoint (*peak*: the training steps). *Paper's state*: fp32 Adam's 16 bytes a parameter under "
         "ZeRO over N ranks: 16, 8 + 8/N, 4 + 12/N, 16/N. *Planned activations*: what the memory plan estimates "
-        "a step keeps for backward. *s a step*: the second epoch's mean (the first holds the warm-up).", "",
+        "a step keeps for backward. *Planned block gathered*: what the plan adds for ZeRO 3, which the paper's "
+        "16/N leaves out: the largest block whole three times over (its gradients in backward, and the "
+        "reduce-scatter's send and receive buffers). *s a step*: the second epoch's mean (the first holds the warm-up).", "",
         *lines, "", f"![peak memory per rank]({picture.name})", ""]))
 
 

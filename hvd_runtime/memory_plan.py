@@ -6,7 +6,9 @@ under tensor parallelism, its stage in a pipeline) three times over in float32: 
 their gradients, and the optimizer's state per parameter (Adam and AdamW: two moments; SGD with
 momentum: one; plain SGD: none), ZeRO holding 1/replicas of the optimizer state (horovod.zero 1),
 of the gradients too (2), of the parameters too (3) (Keras: a copy of the rank's rows besides, and
-each backward pass's gradients whole); plus the activations a step keeps for its backward pass. The
+each backward pass's gradients whole); under ZeRO 3, the largest block whole three times over (in its
+backward: its gradients, and the reduce-scatter's send and receive buffers of them), which the
+paper's 16/N bytes a parameter leave out; plus the activations a step keeps for its backward pass. The
 framework's parallelize counts the share on the model before any value is drawn (torch: the meta
 device; Keras: the variables' shapes) and, where it can, the activations of one step (torch: a
 forward on meta tensors, counting what autograd saves). Rank 0 prints the plan in one line; when
@@ -71,6 +73,7 @@ class MemoryPlan:
     zero: int = 0          # horovod.zero: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too
     replicas: int = 1      # the data-parallel ranks ZeRO shards over
     rows_copy: bool = False   # Keras under ZeRO: the rows a rank steps are a copy; a pass's gradients whole
+    largest_block: int = 0    # ZeRO 3: elements of the largest block this rank gathers whole (its share under tp)
 
     def _held(self, stage: int) -> float:
         """The share a rank holds of a part that ZeRO shards from `stage` on."""
@@ -95,16 +98,23 @@ class MemoryPlan:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
     @property
+    def gathered_bytes(self) -> int:
+        """ZeRO 3's working set on top of the rows: the largest block's gradients whole while its
+        backward reduce-scatters them, with the send and receive buffers (float32, three times the block)."""
+        return 3 * FP32 * self.largest_block if self.zero >= 3 else 0
+
+    @property
     def rank_bytes(self) -> int:
-        return self.state_bytes + (self.activations or 0)
+        return self.state_bytes + self.gathered_bytes + (self.activations or 0)
 
     def line(self) -> str:
         acts = ("activations not estimated" if self.activations is None else
                 f"activations {_gib(self.activations)}{' (blocks recomputed)' if self.recompute else ''}")
         sharded = f" under ZeRO {self.zero} over {self.replicas} replicas" if self.zero else ""
+        gathered = f", a block gathered {_gib(self.gathered_bytes)}" if self.gathered_bytes else ""
         return (f"memory: each rank holds about {_gib(self.rank_bytes)} ({self.parameters:,} parameters{sharded}: "
                 f"{_gib(self.parameter_bytes)}, gradients {_gib(self.gradient_bytes)}, optimizer state "
-                f"{_gib(self.optimizer_bytes)}, {acts}); {self.ranks_on_host} on this host")
+                f"{_gib(self.optimizer_bytes)}{gathered}, {acts}); {self.ranks_on_host} on this host")
 
     def check(self, available: int | None, splits: str) -> None:
         """Refuse (ConfigError) when this host's ranks, each holding as much as this one, would need
@@ -118,9 +128,11 @@ class MemoryPlan:
         largest of them (`alike`: as large as every other)."""
         fixes = [] if self.recompute or self.activations is None else ["model.recompute blocks (activations)"]
         acts = "activations not counted" if self.activations is None else f"{_gib(self.activations)} of activations"
+        gathered = f", {_gib(self.gathered_bytes)} of a block gathered" if self.gathered_bytes else ""
         return (f"memory: the {ranks} rank(s) on this host would hold about {_gib(needed)} "
                 f"({_gib(self.rank_bytes)} {'each' if alike else 'on the fullest'}: {_gib(self.state_bytes)} of "
-                f"parameters, gradients and optimizer state, {acts}), more than the {_gib(available)} of this host: "
+                f"parameters, gradients and optimizer state{gathered}, {acts}), more than the {_gib(available)} of "
+                f"this host: "
                 f"use fewer ranks on this host, a smaller model, or {', '.join(fixes + [splits])}")
 
 
@@ -139,13 +151,14 @@ def verdict(plans: list[tuple[str, int | None, MemoryPlan]], splits: str) -> str
     return None
 
 
-def settle(parameters: int, activations: int | None, ctx, cfg, splits: str, rows_copy: bool = False) -> MemoryPlan:
+def settle(parameters: int, activations: int | None, ctx, cfg, splits: str, rows_copy: bool = False,
+           largest_block: int = 0) -> MemoryPlan:
     """This rank's plan: printed by rank 0; then every rank of the job stops (ConfigError) with
     one line where any host's ranks would need more than it has. The ranks judge together, from
     every rank's plan: a pipeline's stages differ, and a rank that stopped alone would have
-    horovodrun end the others before they could say why. `rows_copy`: MemoryPlan's (Keras)."""
+    horovodrun end the others before they could say why. `rows_copy`, `largest_block`: MemoryPlan's."""
     plan = MemoryPlan(parameters, optimizer_state_per_parameter(cfg.optim), activations, ctx.local_size,
-                      cfg.model.recompute == "blocks", cfg.horovod.zero, ctx.data_size, rows_copy)
+                      cfg.model.recompute == "blocks", cfg.horovod.zero, ctx.data_size, rows_copy, largest_block)
     if ctx.is_root:
         print(plan.line(), flush=True)
     if os.environ.get("HOROVOD_ELASTIC") == "1":

@@ -7,6 +7,7 @@ block on meta tensors: shapes and dtypes, no values, no memory. A recomputed blo
 input (what torch.utils.checkpoint saves), but its backward runs its forward again and holds what
 that saves while it runs: the plan adds the largest such block once (one micro-batch's). Tensors
 autograd saves that are parameters (a Linear's weight) are the parameters', counted once, there.
+Under ZeRO 3 the plan also counts the largest block a rank gathers whole (MemoryPlan.gathered_bytes).
 """
 
 from __future__ import annotations
@@ -23,12 +24,22 @@ from hvd_runtime.torch.meta_init import is_meta
 from hvd_runtime.torch.recompute import recomputation_off
 from hvd_runtime.torch.stage import named_blocks
 
-__all__ = ["BlockActivations", "activations_of", "block_activations", "held_parameters", "plan_and_check"]
+__all__ = ["BlockActivations", "activations_of", "block_activations", "held_parameters", "largest_block",
+           "plan_and_check"]
 
 
 def held_parameters(module: nn.Module) -> int:
     """Elements of `module`'s parameters, a tied one once."""
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def largest_block(module: nn.Module) -> int:
+    """Elements of the largest part of `module` that ZeRO 3 gathers whole at once (hvd_runtime.torch.zero):
+    one of its blocks, or its own parameters outside them."""
+    blocks = [block for _, block in named_blocks(module)]
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    own = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values() if id(p) not in inside)
+    return max([held_parameters(block) for block in blocks] + [own])
 
 
 def block_activations(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
@@ -104,7 +115,8 @@ def plan_and_check(module: nn.Module, per_block: BlockActivations | None, ctx, c
         return None   # made real already: nothing left to plan
     activations = None if per_block is None else \
         per_block.bytes(blocks, scale, scale if recompute_scale is None else recompute_scale)
-    return settle(held_parameters(module), activations, ctx, cfg, splits)
+    largest = largest_block(module) if cfg.horovod.zero >= 3 else 0
+    return settle(held_parameters(module), activations, ctx, cfg, splits, largest_block=largest)
 
 
 def pipeline_in_flight(cfg, place) -> float:

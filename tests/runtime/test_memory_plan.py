@@ -13,7 +13,7 @@ from torch import nn
 
 from hvd_runtime.config import ConfigError
 from hvd_runtime.memory_plan import GIB, MemoryPlan, available_bytes, verdict
-from hvd_runtime.torch.memory_plan import activations_of, block_activations, held_parameters
+from hvd_runtime.torch.memory_plan import activations_of, block_activations, held_parameters, largest_block
 from hvd_runtime.torch.meta_init import build_on_meta
 from hvd_runtime.torch.recompute import is_recomputed, recompute_blocks
 
@@ -103,6 +103,39 @@ def test_zero_holds_the_papers_bytes_a_parameter(zero, per_parameter):
     assert plan.state_bytes == per_parameter * 2**20
     if zero:
         assert f"(1,048,576 parameters under ZeRO {zero} over 4 replicas: " in plan.line()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_3_adds_its_largest_block_whole_three_times(zero):
+    """ZeRO 3 holds, on top of its rows, the largest block's gradients whole in backward and the
+    reduce-scatter's send and receive buffers of them: 3 x 4 bytes an element of that block. The
+    other stages gather no block."""
+    plan = MemoryPlan(parameters=2**20, optimizer_state=2, activations=0, ranks_on_host=4, recompute=False,
+                      zero=zero, replicas=4, largest_block=1000)
+    assert plan.gathered_bytes == (12_000 if zero == 3 else 0)
+    assert plan.rank_bytes == plan.state_bytes + plan.gathered_bytes
+    assert ("a block gathered 0.0 MiB" in plan.line()) == (zero == 3)
+    if zero == 3:
+        refused = verdict([("h", 1, plan)], "more ranks")
+        assert "of parameters, gradients and optimizer state, 0.0 MiB of a block gathered, " in refused
+
+
+class WithOwn(nn.Sequential):
+    """Blocks, and a parameter of the model's own outside them (ZeRO 3 gathers it as one more part)."""
+
+    def __init__(self, own: int):
+        super().__init__(*model())
+        self.scale = nn.Parameter(torch.ones(own))
+
+
+def test_the_largest_block_is_counted_whole_or_the_models_own_parameters():
+    # model(): Linear(8, 16) 144, three blocks of 16*64 + 64 + 64*16 + 16 + 2*16 = 2,160 each, Linear(16, 4) 68
+    assert largest_block(model()) == 2160
+    assert largest_block(WithOwn(own=100)) == 2160
+    assert largest_block(WithOwn(own=5000)) == 5000
+    tied = model()
+    tied[1][0].weight = tied[2][0].weight     # one tensor in two blocks: each gathers it
+    assert largest_block(tied) == 2160
 
 
 @pytest.mark.parametrize("zero, per_parameter", [(0, 16), (1, 8 + 12 / 4), (2, 8 + 12 / 4)])
