@@ -100,7 +100,8 @@ def test_zero_steps_match_the_unsplit_model(reports, np_, tp, name):
     """Two updates (parameters and optimizer slots), then a third (parameters), equal the unsplit
     model's within 1e-5 on every rank; each rank holds about 1/np of the optimizer state and, under
     ZeRO 3, of the parameters (tp 2 x dp 2: a quarter, its rows of its slices); under ZeRO 2 no
-    whole gradient outlives a backward pass, and each bucket is reduce-scattered once a pass. The
+    whole gradient outlives a backward pass, and each bucket is reduce-scattered once a pass; under
+    ZeRO 3 the largest block gathered whole is the one the memory plan counts. The
     validation loss over batches dealt unevenly (rank 0's replica one more) equals the reference's."""
     ranks = reports[(np_, tp, name)]
     assert sorted(r["rank"] for r in ranks) == list(range(np_))
@@ -115,6 +116,8 @@ def test_zero_steps_match_the_unsplit_model(reports, np_, tp, name):
         assert not r["whole_grads_kept"]
         if r["zero"] == 2:   # every parameter has a gradient each pass: no bucket is sent twice
             assert r["bucket_sends"] == r["buckets"] * FRESH.get(name, TP.get(name, {})).get("bpps", 1), r
+        if r["zero"] == 3 and "largest_block" in r:   # the memory plan's block: the largest one gathered
+            assert r["largest_block"]["gathered"] == r["largest_block"]["planned"] > 0, r["largest_block"]
         if "many-buckets" in name:   # launched one after another while backward goes on
             assert r["buckets"] > 3, r["buckets"]
         assert r["eval_error"] < TOL, f"rank {r['rank']}: validation loss off by {r['eval_error']:.2e}"

@@ -37,6 +37,7 @@ from hvd_runtime.config import CheckpointConfig, HorovodConfig, ModelConfig, Opt
 from hvd_runtime.torch.checkpoint import checkpoint_store, restore_checkpoint, save_checkpoint
 from hvd_runtime.torch.context import Context
 from hvd_runtime.parallel.tensor_groups import init_tensor_parallel
+from hvd_runtime.torch.memory_plan import largest_block
 from hvd_runtime.torch.meta_init import build_on_meta, materialize
 from hvd_runtime.torch.optim import make_optimizer, make_schedule, plain_optimizer
 from hvd_runtime.torch.parallelize import Parallel
@@ -174,10 +175,13 @@ def run_case(case, ctx):
     n, r, k = ctx.data_size, ctx.data_rank, case["bpps"]
     whole_grads_kept = False
     sent = []   # the names of the gradient buckets reduce-scattered, in order
+    blocks = []   # ZeRO 3: elements of each block's whole gradients reduce-scattered at once
 
     def counted(tensors, dims, dp_set, name, *args, **kwargs):
         if name.startswith("zero.grads."):
             sent.append(name)
+        if name.startswith("zero3.") and name.endswith(".grad"):
+            blocks.append(sum(t.numel() for t in tensors))
         return REDUCESCATTER(tensors, dims, dp_set, name, *args, **kwargs)
 
     zero_module._reducescatter = counted
@@ -205,6 +209,10 @@ def run_case(case, ctx):
         for update in range(case["steps"]):
             train(update)
         report["bucket_sends"] = len(sent) / case["steps"]
+        # what the memory plan counts ZeRO 3 holding whole: the largest block of the model as this rank cuts it
+        planned = build_on_meta(build)
+        report["largest_block"] = {"gathered": max(blocks, default=0), "planned": largest_block(
+            apply_tp(planned, ctx.tensor.group) if ctx.tensor is not None else planned)}
         if case.get("save"):
             parallel = Parallel(model, optimizer, step, SlicedParameters(model) if ctx.tensor else None)
             save_checkpoint(checkpoint_store(CheckpointConfig(dir=case["save"]), ctx), parallel,
