@@ -37,12 +37,12 @@ FRAMEWORKS = ["torch", "tensorflow"]
 
 
 def generate(tmp_path: Path, framework: str, *shape: str) -> tuple[Path, list[str]]:
-    """The project, and overrides pointing it at a small token file (about 10 steps an epoch at 2 replicas)."""
+    """The project, and overrides pointing it at a small token file (about 5 steps an epoch at 2 replicas)."""
     subprocess.run([sys.executable, "-m", "hvdgen", "new", "proj", *(shape or ("--strategy", "tensor")), "--model",
                     "gpt", "--framework", framework, "--output", str(tmp_path)], check=True, capture_output=True)
     project = tmp_path / "proj"
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text((project / "README.md").read_text()[:3200])
+    corpus.write_text((project / "README.md").read_text()[:1600])
     subprocess.run([sys.executable, "prepare_tokens.py", str(corpus), "--out", str(tmp_path / "tokens")],
                    cwd=project, check=True, capture_output=True)
     return project, ["--data.path", str(tmp_path / "tokens"), *TINY]

@@ -42,10 +42,10 @@ from pathlib import Path
 # What each profile imports, in order, and whether TensorFlow comes in hvd_runtime.tf's way
 # (Keras' unused extras hidden while it loads: hvd_runtime/tf/lean_import.py).
 PROFILES = {
-    "torch": ("numpy", "torch", "horovod.torch", "torch._dynamo"),
+    "torch": ("numpy", "torch", "horovod.torch", "torch._dynamo", "matplotlib.pyplot"),
     # (multiprocessing.spawn, which torch imports: so that rank 0's tracking process starts warm too)
-    "tf-lean": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn"),
-    "tf": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn"),
+    "tf-lean": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn", "matplotlib.pyplot"),
+    "tf": ("numpy", "tensorflow", "keras", "horovod.tensorflow", "multiprocessing.spawn", "matplotlib.pyplot"),
     # Rank 0's tracking process (hvd_runtime.tracking.remote): MLflow, and for a torch run the
     # flavor and torch.export it imports once the run is open (hvd_runtime.tracking.sink.prepare_flavor).
     "tracking": ("numpy", "mlflow"),
@@ -54,10 +54,12 @@ PROFILES = {
     "runner": ("horovod.runner.launch", "multiprocessing.spawn", "multiprocessing.resource_tracker"),
 }
 # Modules a rank imports later on its own, imported ahead (last): torch._dynamo, which a torch
-# rank's first optimizer step or a model built on the meta device imports, about 0.9 CPU-s. A cold
-# rank makes their changes to the environment (TORCHINDUCTOR_CACHE_DIR) and to the warnings
-# filters (sympy's) only then, so a child starts without them.
-LATER = ("torch._dynamo",)
+# rank's first optimizer step or a model built on the meta device imports, about 0.9 CPU-s; and
+# matplotlib's pyplot, which a pipeline's rank 0 imports at the end of its run to draw its
+# timeline, about 0.7 CPU-s (after Keras in the tf profiles, as in a rank, so Keras' import never
+# sees it). A cold rank makes their changes to the environment (TORCHINDUCTOR_CACHE_DIR) and to
+# the warnings filters (sympy's) only then, so a child starts without them.
+LATER = ("torch._dynamo", "matplotlib.pyplot")
 KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
 HEADER = struct.Struct("!I")
 VARIABLE = "HVDGEN_WARM_START"   # warm_start.VARIABLE (this file imports nothing of the suite's)
@@ -108,6 +110,9 @@ def preload(profile: str) -> tuple[bytes, int, dict[str, tuple[str | None, str]]
         for module in PROFILES[profile]:
             if module in LATER and changed is None:
                 changed, filters = environment_changes(before), list(warnings.filters)
+                for name in hidden:   # the framework is in: a rank imports them as it likes from here on
+                    if sys.modules.get(name, False) is None:
+                        del sys.modules[name]
             __import__(module)
             if module == "numpy":
                 allowed = threads()
