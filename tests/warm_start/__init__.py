@@ -14,7 +14,8 @@ sys.executable is the warm `python` it was started as (so a process it starts wi
 generated project's test starting its ranks say, starts warm too), not the interpreter that one
 runs; its string hashes share one seed with the other ranks of its kind (PYTHONHASHSEED, drawn
 once per server); the imports it shares were made before its script began (a torch rank's
-torch._dynamo too, which a cold rank imports at its first optimizer step: server.LATER). Tests marked
+torch._dynamo too, which a cold rank imports at its first optimizer step, and matplotlib's pyplot,
+which a pipeline's rank 0 imports to draw its timeline: server.LATER). Tests marked
 `plain_start` run without it, so the start-up users get is still exercised for every framework
 and strategy.
 """
