@@ -174,7 +174,7 @@ def plot(results: dict, parameters: int, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, base, above, formula = [], [], [], []
+    labels, base, above, formula, gathered = [], [], [], [], []
     for (np_, zero, recompute), runs in results.items():
         peak = statistics.median(worst_rank(run)[0] for run in runs)
         baseline = statistics.median(worst_rank(run)[1] for run in runs)
@@ -182,11 +182,14 @@ def plot(results: dict, parameters: int, path: Path) -> None:
         base.append(baseline / 2**20)
         above.append((peak - baseline) / 2**20)
         formula.append((baseline + PER_PARAMETER[zero](np_) * parameters) / 2**20)
+        gathered.append(formula[-1] + statistics.median(run.get("gathered", 0) for run in runs) / 2**20)
     x = range(len(labels))
     fig, ax = plt.subplots(figsize=(11, 4.5))
     ax.bar(x, base, color="lightgrey", label="baseline (interpreter, torch, Horovod, data)")
     ax.bar(x, above, bottom=base, color="tab:blue", label="peak while training, above the baseline")
     ax.scatter(x, formula, marker="_", s=600, color="black", zorder=3, label="baseline + the paper's state")
+    ax.scatter([i for i in x if gathered[i] > formula[i]], [g for g, f in zip(gathered, formula) if g > f],
+               marker="_", s=600, color="tab:red", zorder=3, label="... + the block ZeRO 3 gathers (the plan's)")
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("MiB, worst rank")
     ax.set_title(f"ZeRO: peak resident memory per rank, GPT of {parameters / 1e6:.0f} M parameters")
