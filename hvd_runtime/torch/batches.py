@@ -12,6 +12,11 @@ pinned memory when the rank trains on a GPU.
 
 from __future__ import annotations
 
+import functools
+import os
+import select
+import threading
+import time
 from typing import Iterator
 
 import numpy as np
@@ -68,6 +73,40 @@ def worker_context():
     return context
 
 
+def end_with_rank(rank_pid: int, worker_id: int) -> None:
+    """DataLoader's worker_init_fn: this worker ends as soon as its rank has ended, however it ended.
+
+    Why: a worker forked from the fork server watches its parent, the fork server, not the rank;
+    the fork server waits for every process holding its liveness pipe, the workers among them. So
+    a rank killed outright (SIGKILL: the kernel's OOM killer, a fault) would leave its fork server
+    and workers running, holding the rank's stdout and stderr: horovodrun waited on those pipes
+    forever instead of ending the job, and no retry came. A thread waits on the rank (a pidfd; a
+    poll each second where there is none) and ends the worker; the fork server then ends too."""
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(rank_pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(rank_pid):
+                time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="hvdgen-rank-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ShardedBatches(EpochShards):
     def __init__(self, split: Split, batch_size: int, rank: int, size: int, *, seed: int = 0,
                  train: bool = True, device: torch.device | str = "cpu", workers: int = 0):
@@ -108,7 +147,8 @@ class ShardedBatches(EpochShards):
             self._loader = DataLoader(
                 _Batches(self.split), sampler=_Requests(), batch_size=None, num_workers=workers,
                 pin_memory=self.device.type == "cuda", persistent_workers=workers > 0,
-                multiprocessing_context=worker_context() if workers > 0 else None)
+                multiprocessing_context=worker_context() if workers > 0 else None,
+                worker_init_fn=functools.partial(end_with_rank, os.getpid()) if workers > 0 else None)
         return self._loader
 
     def __iter__(self):

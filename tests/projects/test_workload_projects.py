@@ -6,7 +6,8 @@ generated with `--model gpt` on token files made by the project's own prepare_to
 text file. Each trains two short epochs under `horovodrun -np 2`: the loss falls, every rank ends
 with the same weights, and a second run resumed from a checkpoint of the first (mid-epoch for
 data and model-split, after epoch 1 for the pipeline, which checkpoints per epoch) ends on the
-same metrics and weights. bf16 trains too.
+same metrics and weights (a torch ZeRO run: the same run killed mid-epoch, rank 1 SIGKILLed, and
+started again in its folders). bf16 trains too.
 Models are narrow and data small: the checks are about the machinery, not about accuracy.
 The image folder's 58 training images leave each epoch of the pipeline a last batch of 2 images,
 fewer than its 4 micro-batches: that batch runs as 2 micro-batches on every stage.
@@ -101,8 +102,11 @@ def test_generated_workload_trains_in_bf16_on_the_cpu(tmp_path, model, strategy)
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_a_zero_gpt_resumes_exactly_mid_epoch(tmp_path, zero):
-    """horovod.zero: each rank writes and reads its own rows, and the resumed run ends on the same
-    metrics and weights (each rank's digest: under ZeRO 3 of its own rows)."""
+    """horovod.zero: a run killed mid-epoch (rank 1 SIGKILLed) and started again resumes from its
+    newest checkpoint, each rank reading its own rows, and ends on the uninterrupted run's metrics
+    and weights (each rank's digest: under ZeRO 3 of its own rows). The killed rank's DataLoader
+    workers end with it, so horovodrun ends the job (hvd_runtime.torch.batches.end_with_rank: before
+    it, the job hung with them holding the rank's output).
     learns_from_disk_and_resumes_exactly(tmp_path, "torch", "gpt", "data", "--horovod.zero", str(zero))
 
 
@@ -116,10 +120,22 @@ def learns_from_disk_and_resumes_exactly(tmp_path: Path, framework: str, model: 
     every = () if pipeline else ("--checkpoint.every_steps", "2", "--checkpoint.keep", "100")
 
     straight, first = train(project, tmp_path / "straight", 2, *args, *every, digest=not pipeline)
-    step = straight[0]["step"] if pipeline else 2
-    assert pipeline or straight[0]["step"] > 2, "the checkpoint at step 2 must be mid-epoch"
-    [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{step:09d}*")
-    copy_checkpoint(saved, tmp_path / "resumed" / "rank0" / "checkpoints")
+    if framework == "torch" and "--horovod.zero" in extra:
+        # A ZeRO run killed mid-epoch (rank 1 SIGKILLed as it starts batch 5, after the checkpoint of
+        # step 4) and started again in its folders: its newest checkpoint is step 4's.
+        step = 4
+        killed = run_horovod(2, [sys.executable, str(SCRIPTS / "train_in_rank_dir.py"), str(project),
+                                 str(tmp_path / "resumed"), "--train.epochs", "2", "--tracking.enabled", "false",
+                                 *args, *every], cwd=project, env={"KILL_AT_STEP": "5"} | importing(project),
+                             timeout=400, check=False)
+        assert killed.returncode != 0, killed.stdout[-2000:]
+        saved = max((tmp_path / "resumed" / "rank0" / "checkpoints").glob("ckpt-*"))
+        assert saved.name == f"ckpt-{step:09d}" and straight[0]["step"] > step, (saved, straight[0])
+    else:
+        step = straight[0]["step"] if pipeline else 2
+        assert pipeline or straight[0]["step"] > 2, "the checkpoint at step 2 must be mid-epoch"
+        [saved] = (tmp_path / "straight" / "rank0" / "checkpoints").glob(f"ckpt-{step:09d}*")
+        copy_checkpoint(saved, tmp_path / "resumed" / "rank0" / "checkpoints")
     resumed, out = train(project, tmp_path / "resumed", 2, *args, *every, digest=not pipeline)
     assert f"resuming from checkpoints/{saved.name}: epoch {1 if pipeline else 0}, step {step}" in out
     if strategy != "data":   # `time` cuts a resumed run where its checkpoint was cut, never timing afresh

@@ -4,6 +4,7 @@ Relative paths (checkpoints/, runs/, mlflow.db) then land in rankN/, so a test c
 what each rank wrote. At the end, rank 0 records a digest of every rank's parameters (DIGEST=parameters: torch
 parameters, or Keras trainable variables, only: leaving out BatchNorm's running statistics,
 which are each worker's own between checkpoints by design).
+KILL_AT_STEP=N (torch): rank 1 kills itself (SIGKILL) as it starts batch N, a run killed mid-epoch.
 usage: PYTHONPATH=PROJECT horovodrun ... python train_in_rank_dir.py PROJECT RANKS_DIR [config overrides...]
 (the project's modules import from PYTHONPATH: helpers.importing)
 
@@ -14,6 +15,7 @@ import this script again.
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,8 +31,25 @@ def enter_rank_dir() -> tuple[Path, Path, list[str]]:
     return project, ranks_dir, overrides
 
 
+def kill_at_step(step: int) -> None:
+    """Rank 1 SIGKILLs itself as it starts batch `step` (torch's TrainStep). Its collectives of
+    the batch before have met every rank's, so a checkpoint written before that batch is complete."""
+    from hvd_runtime.torch.step import TrainStep
+
+    train_batch = TrainStep.train_batch
+
+    def killing(self, x, y, apply, at):
+        if at == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return train_batch(self, x, y, apply, at)
+
+    TrainStep.train_batch = killing
+
+
 def main() -> None:
     project, ranks_dir, overrides = enter_rank_dir()
+    if "KILL_AT_STEP" in os.environ and os.environ["HOROVOD_RANK"] == "1":
+        kill_at_step(int(os.environ["KILL_AT_STEP"]))
 
     import numpy as np
 
