@@ -106,7 +106,7 @@ def test_a_zero_gpt_resumes_exactly_mid_epoch(tmp_path, zero):
     newest checkpoint, each rank reading its own rows, and ends on the uninterrupted run's metrics
     and weights (each rank's digest: under ZeRO 3 of its own rows). The killed rank's DataLoader
     workers end with it, so horovodrun ends the job (hvd_runtime.torch.batches.end_with_rank: before
-    it, the job hung with them holding the rank's output).
+    it, the job hung with them holding the rank's output)."""
     learns_from_disk_and_resumes_exactly(tmp_path, "torch", "gpt", "data", "--horovod.zero", str(zero))
 
 
