@@ -164,7 +164,8 @@ def report(results: dict, parameters: int, width: int, layers: int, out: Path | 
         "ZeRO over N ranks: 16, 8 + 8/N, 4 + 12/N, 16/N. *Planned activations*: what the memory plan estimates "
         "a step keeps for backward. *Planned block gathered*: what the plan adds for ZeRO 3, which the paper's "
         "16/N leaves out: the largest block whole three times over (its gradients in backward, and the "
-        "reduce-scatter's send and receive buffers). *s a step*: the second epoch's mean (the first holds the warm-up).", "",
+        "reduce-scatter's send and receive buffers). *s a step*: the second epoch's mean (the first holds the "
+        "warm-up).", "",
         *lines, "", f"![peak memory per rank]({picture.name})", ""]))
 
 
