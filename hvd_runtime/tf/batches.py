@@ -32,6 +32,11 @@ PREFETCH = 2   # batches ready ahead of the step
 READERS = tf.data.AUTOTUNE
 
 
+# tf.data traces a map function through AutoGraph, which rewrites it from its source first; these
+# trace as written (hvd_runtime.tf.compiled says why nothing of the runtime needs AutoGraph).
+_as_written = tf.autograph.experimental.do_not_convert
+
+
 def _without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()
     options.autotune.enabled = False
@@ -52,6 +57,7 @@ def split_reader(split: Split, epoch: int = 0, failures: list | None = None):
             failures.append(exc)
             raise
 
+    @_as_written
     def read(i):
         x, y = tf.numpy_function(take, [i], [x_dtype, tf.int64], stateful=False)
         return tf.ensure_shape(x, (None, *shape)), tf.ensure_shape(y, (None, *split.target_shape))
@@ -80,7 +86,7 @@ class ShardedBatches(EpochShards):
             return indices.map(split_reader(self.split, epoch, failures), deterministic=True,
                                num_parallel_calls=READERS).prefetch(PREFETCH)
         x, y = self.x, self.y
-        return indices.map(lambda i: (tf.gather(x, i), tf.gather(y, i))).prefetch(PREFETCH)
+        return indices.map(_as_written(lambda i: (tf.gather(x, i), tf.gather(y, i)))).prefetch(PREFETCH)
 
     @staticmethod
     def _stop_on_data_errors(dataset: tf.data.Dataset, failures: list) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:

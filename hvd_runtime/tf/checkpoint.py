@@ -39,6 +39,7 @@ from hvd_runtime.checkpoint import (CheckpointStore, ElasticStart, TrainState, h
                                     set_host_rng_state, state_fields)
 from hvd_runtime.config import ConfigError
 from hvd_runtime.shards import MODEL, OPTIMIZER, DamagedCheckpoint, Placement, ShardReader, index_misfit, shard_name
+from hvd_runtime.tf.broadcast import broadcast_variables
 from hvd_runtime.tf.buffers import average_statistics
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.legacy_checkpoint import read_legacy, restore_legacy, whole_legacy
@@ -223,7 +224,7 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     found = _newest_on_root(store, ctx, resume)
     if zero is not None:   # every rank holds the whole model, its own rows of the optimizer state
         # Horovod: every rank starts from rank 0's weights, then reads its rows of a checkpoint, if any
-        hvd.broadcast_variables([v.value for v in module.variables if is_state(v)], root_rank=0)
+        broadcast_variables([v.value for v in module.variables if is_state(v)], root_rank=0)
     if ctx.coords is not None or zero is not None:
         state = sharded.read_held(hvd, found, ctx, "np", lambda: wanted_shapes(module, parallel.slices),
                                   lambda reader: _load_held(reader, module, optimizer, parallel.slices, zero),
@@ -237,7 +238,7 @@ def restore_checkpoint(store: CheckpointStore, parallel, ctx: Context, resume: b
     if "misfit" in meta:  # every rank stops with rank 0's reason, none waits for the others
         raise ConfigError(meta["misfit"])
     # Horovod: every rank starts from rank 0's weights, optimizer state and position.
-    hvd.broadcast_variables([v.value for v in shared_variables(module, optimizer, local_variables)], root_rank=0)
+    broadcast_variables([v.value for v in shared_variables(module, optimizer, local_variables)], root_rank=0)
     rngs = meta["rng"]
     if rngs and len(rngs) == ctx.size:
         set_rng_state(rngs[ctx.rank], module)

@@ -22,6 +22,7 @@ from horovod.common.elastic import ObjectState
 from hvd_runtime.checkpoint import CheckpointStore, state_fields
 from hvd_runtime.elastic_reset import allowing_resets, follow_resets, sync_now
 from hvd_runtime.tf.batches import ShardedBatches
+from hvd_runtime.tf.broadcast import broadcast_variables
 from hvd_runtime.tf.context import Context
 from hvd_runtime.tf.checkpoint import restore_on_root, shared_variables
 from hvd_runtime.tf.step import TrainStep
@@ -60,10 +61,8 @@ class KerasState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        import horovod.tensorflow as hvd
-
         # Horovod: every rank goes on from rank 0's variables.
-        hvd.broadcast_variables(self._shared, root_rank=0)
+        broadcast_variables(self._shared, root_rank=0)
         self._values = self._copy()
         super().sync()
 

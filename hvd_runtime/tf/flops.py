@@ -26,9 +26,11 @@ def forward_flops(model, sample_shape: tuple[int, ...], dtype) -> float:
     import tensorflow as tf
     from tensorflow.python.framework import ops
     from tensorflow.python.util import deprecation
+
+    from hvd_runtime.tf.compiled import compiled
     importlib.import_module("tensorflow.python.profiler.internal.flops_registry")   # registers the counts
 
-    traced = tf.function(lambda x: model(x, training=False)).get_concrete_function(
+    traced = compiled(lambda x: model(x, training=False)).get_concrete_function(
         tf.TensorSpec((1, *sample_shape), dtype))
     reached, todo = set(), [traced.inputs[0].op]
     while todo:
