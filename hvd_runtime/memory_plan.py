@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hvd_runtime.config import ConfigError
+from hvd_runtime.scaling import ranks_on_this_machine
 
 __all__ = ["MemoryPlan", "available_bytes", "optimizer_state_per_parameter", "settle", "verdict"]
 
@@ -157,7 +158,8 @@ def settle(parameters: int, activations: int | None, ctx, cfg, splits: str, rows
     one line where any host's ranks would need more than it has. The ranks judge together, from
     every rank's plan: a pipeline's stages differ, and a rank that stopped alone would have
     horovodrun end the others before they could say why. `rows_copy`, `largest_block`: MemoryPlan's."""
-    plan = MemoryPlan(parameters, optimizer_state_per_parameter(cfg.optim), activations, ctx.local_size,
+    plan = MemoryPlan(parameters, optimizer_state_per_parameter(cfg.optim), activations,
+                      ranks_on_this_machine(ctx.local_size, ctx.size),
                       cfg.model.recompute == "blocks", cfg.horovod.zero, ctx.data_size, rows_copy, largest_block)
     if ctx.is_root:
         print(plan.line(), flush=True)

@@ -5,7 +5,31 @@ Framework-free: the torch and TF runtimes both call these, so both scale the sam
 
 from __future__ import annotations
 
+import ipaddress
 import os
+
+
+def ranks_on_this_machine(local_size: int, size: int) -> int:
+    """The job's ranks that share this machine's cores: Horovod's local size, unless this rank's
+    host is a loopback name (localhost, 127.0.0.1, ::1), where it is every rank of the job.
+
+    Horovod counts local ranks by host name. A job that names this machine twice, as an elastic
+    project's discover_hosts.sh does by default (localhost:1 and 127.0.0.1:1, so that a failed worker
+    blacklists one name, not the machine), has a local size of 1 under each name: each rank took
+    every core, twice the threads there are cores. Loopback names are only ever this machine, and
+    hvdgen's launch lines name either only this machine or only hosts by their own names; a job
+    that mixes both runs its loopback ranks on fewer threads, never more."""
+    host = os.environ.get("HOROVOD_HOSTNAME", "")
+    return max(local_size, size) if _is_loopback(host) else local_size
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cpu_threads(local_size: int, requested: int = 0) -> int:

@@ -13,7 +13,7 @@ from hvd_runtime.devices import stage_gpus
 from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.rank_context import RankContext
-from hvd_runtime.scaling import cpu_threads, set_cycle_time
+from hvd_runtime.scaling import cpu_threads, ranks_on_this_machine, set_cycle_time
 from hvd_runtime.tf.native_logs import quiet_native_notices
 
 
@@ -57,13 +57,15 @@ def physical_gpus() -> list:
         return tf.config.list_physical_devices("GPU")
 
 
-def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, devices_per_rank: int = 1) -> str:
+def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, devices_per_rank: int = 1,
+                on_machine: int | None = None) -> str:
     """Show this rank only its own GPU(s) (rank_gpus), growing memory on demand; on CPU, cap its thread pools.
 
     Without memory growth the first rank's TF grabs nearly all of every GPU it sees; without the
     thread cap, N ranks on one host each start one thread per core and fight over them.
     devices_per_rank > 1 (model-split) on a host without GPUs: the CPU is split into that many
-    logical devices, one per stage.
+    logical devices, one per stage. on_machine: the ranks sharing this machine's cores
+    (hvd_runtime.scaling.ranks_on_this_machine), local_size where not given.
     """
     import tensorflow as tf
 
@@ -78,7 +80,7 @@ def pin_devices(local_rank: int, local_size: int, threads_per_rank: int = 0, dev
     if devices_per_rank > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices_per_rank)
-    threads = cpu_threads(local_size, threads_per_rank)
+    threads = cpu_threads(on_machine or local_size, threads_per_rank)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     return "CPU:0"
@@ -103,6 +105,7 @@ def init_horovod(seed: int = 0, threads_per_rank: int = 0, cycle_time_ms: float 
         hvd.init(process_sets=process_sets)  # process sets are fixed here (a pipeline's grid)
     else:
         tensor = init_tensor_parallel(hvd, tp)
-    device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank, devices_per_rank or 1)
+    device = pin_devices(hvd.local_rank(), hvd.local_size(), threads_per_rank, devices_per_rank or 1,
+                         ranks_on_this_machine(hvd.local_size(), hvd.size()))
     seed_everything(seed + hvd.rank())
     return Context(device, tensor, stage_devices=devices_per_rank)

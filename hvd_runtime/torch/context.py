@@ -14,7 +14,7 @@ from hvd_runtime.host_memory import keep_freed_memory
 from hvd_runtime.parallel.tensor_groups import TensorRanks, init_tensor_parallel
 from hvd_runtime.pipeline.grid import PipelineRank
 from hvd_runtime.rank_context import RankContext
-from hvd_runtime.scaling import cpu_threads, set_cycle_time
+from hvd_runtime.scaling import cpu_threads, ranks_on_this_machine, set_cycle_time
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def pin_device(seed: int = 0, threads_per_rank: int = 0, devices_per_rank: int =
         device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(cpu_threads(hvd.local_size(), threads_per_rank))
+        torch.set_num_threads(cpu_threads(ranks_on_this_machine(hvd.local_size(), hvd.size()), threads_per_rank))
         keep_freed_memory()   # a step's tensors reuse the last step's pages: no page faults (host_memory)
     seed_everything(seed + hvd.rank())
     return device

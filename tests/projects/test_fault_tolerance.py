@@ -197,6 +197,8 @@ def test_elastic_job_survives_a_killed_worker(tmp_path, framework, killed, strat
     reset_at, reset = job.wait_for(r"elastic reset: 1 rank\(s\) now")
     assert job.finish() == 0, job.output[-4000:]
 
+    # the default discovery names this machine twice, one rank each: both share its cores
+    assert "; 2 on this host" in job.output.split("training on")[0], job.output[-3000:]
     epoch, step, consumed = map(int, re.search(r"epoch (\d+), step (\d+), (\d+) samples", reset).groups())
     assert (epoch, step) == (1, rollback), "not rolled back to the last commit before the kill"
     assert consumed == (step - epoch * steps_per_epoch) * batch * 2

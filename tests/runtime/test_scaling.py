@@ -1,4 +1,5 @@
-"""Horovod's cycle time as the runtime sets it before hvd.init: by device, the user's word first."""
+"""Horovod's cycle time as the runtime sets it before hvd.init: by device, the user's word first; and
+the ranks that share this machine's cores."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from hvd_runtime import scaling
 from hvd_runtime.scaling import (CPU_CYCLE_TIME_MS, STAGGERED_CPU_CYCLE_TIME_MS, WAKING_CPU_CYCLE_TIME_MS,
-                                 set_cycle_time)
+                                 cpu_threads, ranks_on_this_machine, set_cycle_time)
 
 SETTINGS = ("HOROVOD_CYCLE_TIME", "HOROVOD_WAKE_ON_ENQUEUE")
 
@@ -75,3 +76,21 @@ def test_horovod_cycle_time_in_the_environment_wins_over_config_and_default(env)
     set_cycle_time(0.0, gpu=False)
     set_cycle_time(3.0, gpu=True)
     assert env["HOROVOD_CYCLE_TIME"] == "0.5"
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "127.0.1.1", "::1"])
+def test_ranks_on_loopback_names_all_share_this_machine(monkeypatch, host):
+    """An elastic project's default discovery names this machine twice (localhost:1, 127.0.0.1:1):
+    Horovod gives each rank a local size of 1, and each took every core."""
+    monkeypatch.setenv("HOROVOD_HOSTNAME", host)
+    assert ranks_on_this_machine(local_size=1, size=2) == 2
+    assert cpu_threads(ranks_on_this_machine(local_size=1, size=2)) == cpu_threads(2)
+
+
+@pytest.mark.parametrize("host", ["node1", "10.0.0.7", "", None])
+def test_ranks_on_named_hosts_are_horovods_local_ranks(monkeypatch, host):
+    if host is None:
+        monkeypatch.delenv("HOROVOD_HOSTNAME", raising=False)
+    else:
+        monkeypatch.setenv("HOROVOD_HOSTNAME", host)
+    assert ranks_on_this_machine(local_size=4, size=8) == 4
