@@ -19,8 +19,21 @@ def pytest_configure(config):
         if signal.getsignal(signum) == signal.SIG_IGN:
             signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    idle_threads_sleep()
     if not hasattr(config, "workerinput"):
         compile_sources(Path(config.rootpath))
+
+
+def idle_threads_sleep() -> None:
+    """OpenMP threads that wait for work sleep at once (OMP_WAIT_POLICY=PASSIVE) in every process
+    the suite starts, unless the caller chose a policy.
+
+    The suite runs one worker more than there are cores, each starting jobs of 2 to 4 ranks: the
+    cores are always shared. torch's OpenMP threads spin between parallel regions by default, taking
+    the core the rank they wait for (or a Horovod loop's allreduce) needs, and spin longer the longer
+    the others take. A rank, a reference model in the pytest worker, computes the same numbers
+    either way (docs/testing.md has what it saved)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def compile_sources(root: Path) -> None:
