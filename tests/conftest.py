@@ -25,15 +25,18 @@ def pytest_configure(config):
 
 
 def idle_threads_sleep() -> None:
-    """OpenMP threads that wait for work sleep at once (OMP_WAIT_POLICY=PASSIVE) in every process
-    the suite starts, unless the caller chose a policy.
+    """Idle worker threads sleep at once in every process the suite starts, unless the caller
+    chose otherwise: OpenMP's (OMP_WAIT_POLICY=PASSIVE) and numpy's OpenBLAS pool's
+    (OPENBLAS_THREAD_TIMEOUT=4: 2^4 cycles of polling, not OpenBLAS' 2^28, about 0.1 s).
 
     The suite runs one worker more than there are cores, each starting jobs of 2 to 4 ranks: the
-    cores are always shared. torch's OpenMP threads spin between parallel regions by default, taking
-    the core the rank they wait for (or a Horovod loop's allreduce) needs, and spin longer the longer
-    the others take. A rank, a reference model in the pytest worker, computes the same numbers
-    either way (docs/testing.md has what it saved)."""
+    cores are always shared. torch's OpenMP threads spin between parallel regions by default, and
+    OpenBLAS' threads spin (sched_yield) for about 0.1 s after every numpy matrix product, taking
+    the core the rank they wait for (or a Horovod loop's allreduce) needs. Both compute the same
+    numbers either way; only how the idle threads wait changes (docs/testing.md has what each
+    saved)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def compile_sources(root: Path) -> None:
