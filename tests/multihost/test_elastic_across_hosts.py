@@ -58,6 +58,20 @@ if os.environ.get("HOROVOD_HOSTNAME"):
 '''
 
 
+def delivered(db: Path, key: str, value: float, launcher: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Wait until the MLflow store holds a run with metric `key` at `value` (the server writes it)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        if any(m.value == value for run in runs for m in client.get_metric_history(run.info.run_id, key)):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the server never got {key} {value} from rank 0:\n{log.read_text()[-4000:]}")
+
+
 def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 300) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -132,6 +146,10 @@ def test_elastic_job_loses_rank0s_host_and_grows_back(cluster, tmp_path, framewo
     while not (marker.exists() and marker.read_text()) and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.exists(), f"rank 0 never reached step {stop_after}:\n{log.read_text()[-4000:]}"
+    # What rank 0 logged is sent by its tracking process, which the stop leaves running: the host is
+    # lost once the first epoch's records have reached the server (records still in flight die with
+    # it, and under load they can lag by more than the steps to the kill).
+    delivered(store / "server.db", "epoch", 1, launcher, log)
     lost = next(pod for pod in workers if pod.name.split(".")[0] == marker.read_text())
     cluster.kill_pod(lost)                               # the host is gone ...
     write_discovery(discovery, [p for p in workers if p is not lost])   # ... and the operator lists it no more
